@@ -1,0 +1,283 @@
+"""The job spec: the one description of a training job that every gradtap stage shares.
+
+A job spec is a YAML file (see ``configs/``). :func:`load_job` reads and validates it; every
+error names the field, the bad value and what is allowed. The validated :class:`JobSpec` is
+passed explicitly to each stage; nothing here is global.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gradtap.errors import ConfigError
+
+MIRROR_NAME = re.compile(r"^[a-zA-Z0-9][-a-zA-Z0-9_]{0,31}$")
+MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
+SUPPORTED_ERAS = ("2.19",)
+TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64")
+WIRE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One model parameter as the trainer registers it (``named_parameters`` order)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParamEntry(_Strict):
+    name: str
+    shape: tuple[Annotated[int, Field(ge=1)], ...]
+    dtype: Literal[TORCH_DTYPES] = "float32"  # type: ignore[valid-type]
+
+
+class ModelSpec(_Strict):
+    """Either an import path of a ``torch.nn.Module`` factory, or the parameter list itself."""
+
+    factory: str | None = Field(None, description="'module:callable' returning a torch.nn.Module")
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    params: tuple[ParamEntry, ...] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSpec":
+        if (self.factory is None) == (self.params is None):
+            raise ValueError("give exactly one of 'factory' (an import path 'module:callable') or 'params' (a list)")
+        if self.factory is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.factory):
+            raise ValueError(f"factory {self.factory!r} is not an import path of the form 'package.module:callable'")
+        return self
+
+
+class InitialState(_Strict):
+    seed: int | None = 0
+    checkpoint: Path | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "InitialState":
+        if self.checkpoint is not None and self.seed not in (None, 0):
+            raise ValueError("give either 'seed' or 'checkpoint', not both")
+        return self
+
+
+class DDPSpec(_Strict):
+    bucket_cap_mb: float = Field(25.0, gt=0)
+    first_bucket_cap_mb: float = Field(1.0, gt=0, description="torch.distributed._DEFAULT_FIRST_BUCKET_BYTES")
+    layout: Literal["initial", "rebuilt", "explicit"] = "rebuilt"
+    buckets: tuple[tuple[str, ...], ...] | None = Field(None, description="parameter names per bucket, in launch order")
+    grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    predivide: bool = Field(True, description="gradients are divided by the world size before the allreduce")
+
+    @model_validator(mode="after")
+    def _explicit_needs_buckets(self) -> "DDPSpec":
+        if (self.layout == "explicit") != (self.buckets is not None):
+            raise ValueError("layout 'explicit' requires 'buckets' (a list of parameter-name lists), and only it accepts them")
+        return self
+
+
+class Schedule(_Strict):
+    kind: Literal["constant", "warmup_cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int = Field(1, ge=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class OptimizerSpec(_Strict):
+    kind: Literal["adam", "adamw"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    implementation: Literal["single_tensor", "foreach", "fused"] = "single_tensor"
+    schedule: Schedule = Schedule()
+    clip_grad_norm: float | None = Field(None, gt=0)
+
+
+class NcclSpec(_Strict):
+    """The NCCL settings that shape the wire. Defaults are NCCL 2.19's (see docs/wire-format.md)."""
+
+    era: str = "2.19"
+    protocol: Literal["Simple", "LL", "LL128"] = "Simple"
+    channels: int = Field(2, ge=1, le=32)
+    qps_per_connection: int = Field(1, ge=1, le=128)
+    split_data_on_qps: bool | None = Field(None, description="NCCL_IB_SPLIT_DATA_ON_QPS; default from the era")
+    adaptive_routing: bool = Field(False, description="NCCL_IB_ADAPTIVE_ROUTING")
+    ar_threshold: int = Field(8192, ge=0, description="NCCL_IB_AR_THRESHOLD, bytes")
+    buffsize: dict[Literal["Simple", "LL", "LL128"], Annotated[int, Field(gt=0)]] = Field(default_factory=dict)
+    nthreads: int | None = Field(None, ge=64, le=640, description="NCCL_NTHREADS / NCCL_LL128_NTHREADS")
+    mtu: Literal[1024, 2048, 4096] = 1024
+
+    @field_validator("era")
+    @classmethod
+    def _known_era(cls, v: str) -> str:
+        if v not in SUPPORTED_ERAS:
+            raise ValueError(f"NCCL era {v!r} is not supported; supported eras: {', '.join(SUPPORTED_ERAS)} "
+                             "(2.19 covers NCCL 2.18.x-2.19.x)")
+        return v
+
+
+class RankSpec(_Strict):
+    ip: str
+    mac: str
+    qpn_base: int | None = Field(None, ge=2, lt=1 << 24,
+                                 description="first QPN of this rank's ring connections; default 0x100*(position+1)")
+    udp_sport_base: int | None = Field(None, ge=1, le=65535,
+                                       description="UDP source port of this rank's first send connection; default 49152+64*position")
+
+    @field_validator("ip")
+    @classmethod
+    def _ip(cls, v: str) -> str:
+        try:
+            return str(ipaddress.ip_address(v))
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IPv4 or IPv6 address") from None
+
+    @field_validator("mac")
+    @classmethod
+    def _mac(cls, v: str) -> str:
+        if not MAC.fullmatch(v):
+            raise ValueError(f"{v!r} is not a MAC address like 02:00:00:00:00:01")
+        return v.lower()
+
+
+class RingSpec(_Strict):
+    ranks: tuple[RankSpec, ...] = Field(..., min_length=2, max_length=64, description="ranks in ring order")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RingSpec":
+        versions = {ipaddress.ip_address(r.ip).version for r in self.ranks}
+        if len(versions) != 1:
+            raise ValueError("all ranks must use the same IP version (RoCEv2 over IPv4 or over IPv6)")
+        for what in ("ip", "mac"):
+            seen: dict[str, int] = {}
+            for i, r in enumerate(self.ranks):
+                v = getattr(r, what)
+                if v in seen:
+                    raise ValueError(f"ranks[{i}].{what} {v!r} repeats ranks[{seen[v]}].{what}; each rank needs its own")
+                seen[v] = i
+        return self
+
+
+class MirrorSpec(_Strict):
+    name: str
+    rank: int = Field(..., ge=0, description="ring position whose NIC port is mirrored")
+    direction: Literal["ingress", "egress", "both"]
+    encapsulation: Literal["none", "erspan2", "erspan3"] = "none"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not MIRROR_NAME.fullmatch(v):
+            raise ValueError(f"{v!r} must match {MIRROR_NAME.pattern}")
+        return v
+
+
+class TrainingSpec(_Strict):
+    """What the simulator trains on (the appliance ignores it)."""
+
+    batch_size: int = Field(8, ge=1)
+    data_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class ApplianceSpec(_Strict):
+    verify_icrc: bool = True
+
+
+class JobSpec(_Strict):
+    name: str = Field(..., pattern=r"^[\w.-]+$")
+    model: ModelSpec
+    initial_state: InitialState = InitialState()
+    ddp: DDPSpec = DDPSpec()
+    optimizer: OptimizerSpec = OptimizerSpec()
+    nccl: NcclSpec = NcclSpec()
+    ring: RingSpec
+    mirrors: tuple[MirrorSpec, ...] = Field(..., min_length=1)
+    training: TrainingSpec = TrainingSpec()
+    appliance: ApplianceSpec = ApplianceSpec()
+
+    @model_validator(mode="after")
+    def _mirrors_fit_ring(self) -> "JobSpec":
+        n = len(self.ring.ranks)
+        names: set[str] = set()
+        for i, m in enumerate(self.mirrors):
+            if m.rank >= n:
+                raise ValueError(f"mirrors[{i}].rank {m.rank} is outside the ring (ranks 0..{n - 1})")
+            if m.name in names:
+                raise ValueError(f"mirrors[{i}].name {m.name!r} is used twice; mirror names must be unique")
+            names.add(m.name)
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ring.ranks)
+
+    @property
+    def ipv6(self) -> bool:
+        return ipaddress.ip_address(self.ring.ranks[0].ip).version == 6
+
+    def mirror(self, name: str) -> MirrorSpec:
+        for m in self.mirrors:
+            if m.name == name:
+                return m
+        raise ConfigError(f"mirror stream {name!r} is not in the job; its streams are: "
+                          + ", ".join(m.name for m in self.mirrors))
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in e["loc"]).replace(".[", "[")
+        msg = e["msg"].removeprefix("Value error, ")
+        bad = e.get("input")
+        shown = "" if isinstance(bad, dict) or e["type"] == "missing" else f" (got {bad!r})"
+        lines.append(f"  {loc or '(top level)'}: {msg}{shown}")
+    return f"{source}: invalid job spec\n" + "\n".join(lines)
+
+
+def parse_job(data: Any, source: str = "<job>") -> JobSpec:
+    """Validate an already-parsed YAML/JSON document as a job spec."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a job spec is a YAML mapping, got {type(data).__name__}")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(source, err)) from None
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read and validate a job spec YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the job spec ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_job(data, str(path))
+
+
+def dump_job(job: JobSpec) -> str:
+    """The job as YAML, loadable by :func:`load_job`."""
+    return yaml.safe_dump(job.model_dump(mode="json", exclude_none=True), sort_keys=False)

@@ -1,0 +1,223 @@
+"""The wire plan: every RDMA message of one training iteration, per queue pair.
+
+The plan is derived from the job spec and the DDP bucket sizes. It lists, for every flow
+(a sending rank, a receiving rank and the destination QP), the RDMA WRITE work requests of
+one iteration in posting order: the data writes of the ring allreduce of every bucket and the
+clear-to-send (CTS) writes that the receiver sends back on the same RC connection.
+
+The simulator generates frames from the plan and the parser locates frames with it, so both
+read the same NumPy structured arrays (:data:`MESSAGE_DTYPE`, :data:`FLOW_DTYPE`), which Numba
+kernels can index directly. Positions are relative to the iteration: ``psn_offset`` to the
+flow's first PSN of the iteration, ``step`` to the connection's first FIFO step of the
+iteration. Every NCCL fact used here is in ``docs/wire-format.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from workload import nccl as N
+from workload.ring_schedule import CallSchedule, step_phase
+from workload.spec import WIRE_DTYPE_BYTES, JobSpec
+
+DATA, CTS = 0, 1                 # message kinds
+PHASE_RS, PHASE_AG, PHASE_OTHER = 0, 1, 2
+NO_VA = -1                       # remote_offset of the zero-length immediate write of adaptive routing
+PSN_MOD = 1 << 24
+
+MESSAGE_DTYPE = np.dtype([
+    ("flow", "i4"),          # index into the flow table
+    ("kind", "i1"),          # DATA or CTS
+    ("imm", "i1"),           # 1: RDMA WRITE with immediate (ImmDt = msg_bytes); 0: plain WRITE
+    ("phase", "i1"),         # PHASE_RS, PHASE_AG, PHASE_OTHER (CTS)
+    ("slice", "i1"),         # Simple: slice of the chunk (0/1)
+    ("bucket", "i4"),        # DDP bucket (= allreduce call) index, in launch order
+    ("channel", "i2"),
+    ("qp", "i2"),            # QP index within the connection
+    ("part", "i2"),          # part of a message split over QPs (IB_SPLIT_DATA_ON_QPS)
+    ("ring_step", "i2"),     # 0 .. 2(n-1)-1 within a loop
+    ("loop", "i4"),
+    ("chunk", "i4"),         # ring chunk index 0..n-1
+    ("step", "i8"),          # connection FIFO step of this send, relative to the iteration
+    ("fifo_seq", "i8"),      # receive posted on the connection (CTS idx - 1), relative
+    ("elem_offset", "i8"),   # first element of the send within the bucket buffer
+    ("nelem", "i8"),         # elements of the whole send
+    ("msg_bytes", "i8"),     # bytes of the whole send on the wire (the ImmDt value)
+    ("part_offset", "i8"),   # first byte of this write within the send's wire bytes
+    ("wire_bytes", "i8"),    # payload bytes of this write (RETH DMA length)
+    ("remote_offset", "i8"), # RETH VA minus the receive buffer base (or fifo base for CTS)
+    ("npkts", "i4"),
+    ("psn_offset", "i8"),    # first PSN of this write, relative to the flow's iteration base
+])
+
+FLOW_DTYPE = np.dtype([
+    ("src", "i2"), ("dst", "i2"),       # ring positions
+    ("channel", "i2"), ("qp", "i2"), ("kind", "i1"),
+    ("src_qpn", "i4"), ("dst_qpn", "i4"), ("udp_sport", "i4"),
+    ("msg_start", "i8"), ("msg_count", "i8"), ("npkts", "i8"),
+])
+
+
+def packets(nbytes: int, mtu: int) -> int:
+    """Packets of one RDMA WRITE of ``nbytes`` payload (a zero-length write is one packet)."""
+    return max(1, -(-nbytes // mtu))
+
+
+def qpn(job: JobSpec, position: int, channel: int, qp: int, receiver: bool) -> int:
+    """QPN of one end of a ring connection: even for the sending side, odd for the receiving.
+
+    Real QPNs are assigned by the NIC at connection time; the job's ``qpn_base`` fixes them
+    for the simulator and for captures whose QPNs are known.
+    """
+    index = channel * job.nccl.qps_per_connection + qp
+    base = job.ring.ranks[position].qpn_base
+    return (0x100 * (position + 1) if base is None else base) + 2 * index + int(receiver)
+
+
+def udp_sport(job: JobSpec, sender: int, channel: int, qp: int) -> int:
+    """UDP source port of one RC connection's QP. Both directions of the connection use the
+    same port, as the real captures show (the NIC derives it from the QP pair)."""
+    base = job.ring.ranks[sender].udp_sport_base
+    base = 49152 + 64 * sender if base is None else base
+    return (base + channel * job.nccl.qps_per_connection + qp - 1) % 0xFFFF + 1
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """The plan of one iteration. ``messages`` is sorted by flow, then posting order."""
+
+    job_name: str
+    protocol: str
+    world_size: int
+    elem_size: int
+    mtu: int
+    geometry: N.ProtocolGeometry
+    bucket_numels: tuple[int, ...]
+    bucket_offsets: tuple[int, ...]        # element offset of each bucket in the flat gradient
+    flows: np.ndarray                      # FLOW_DTYPE
+    messages: np.ndarray                   # MESSAGE_DTYPE
+    steps_per_iteration: np.ndarray        # [channel, position] FIFO steps per iteration
+    fifo_per_iteration: np.ndarray         # [channel, position] receives (CTS) per iteration
+
+    @property
+    def total_elems(self) -> int:
+        return sum(self.bucket_numels)
+
+    def flow_messages(self, flow: int) -> np.ndarray:
+        f = self.flows[flow]
+        return self.messages[f["msg_start"]:f["msg_start"] + f["msg_count"]]
+
+    def flows_of(self, position: int, direction: str) -> np.ndarray:
+        """Flow indices a mirror of the rank at ``position`` sees (egress, ingress or both)."""
+        src, dst = self.flows["src"] == position, self.flows["dst"] == position
+        mask = {"egress": src, "ingress": dst, "both": src | dst}[direction]
+        return np.flatnonzero(mask)
+
+
+class _FlowBuilder:
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+        self.psn = 0
+
+    def add(self, mtu: int, **fields) -> None:
+        npkts = packets(fields["wire_bytes"], mtu)
+        fields.update(npkts=npkts, psn_offset=self.psn)
+        self.psn += npkts
+        self.rows.append(tuple(fields.get(name, 0) for name in MESSAGE_DTYPE.names))
+
+
+def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
+    """Derive the wire plan of one iteration from the job and its DDP bucket sizes (elements)."""
+    n, nq, mtu = job.world_size, job.nccl.qps_per_connection, job.nccl.mtu
+    elem = WIRE_DTYPE_BYTES[job.ddp.grad_dtype]
+    geo = N.geometry(job.nccl, n)
+    split = N.split_data_on_qps(job.nccl)
+    nch = job.nccl.channels
+
+    # One builder per flow: data flows (channel, sender, qp) and CTS flows (channel, receiver).
+    data = {(c, p, q): _FlowBuilder() for c in range(nch) for p in range(n) for q in range(nq)}
+    cts = {(c, p): _FlowBuilder() for c in range(nch) for p in range(n)}
+    steps = np.zeros((nch, n), dtype=np.int64)     # per connection (channel, sender position)
+    fifo = np.zeros((nch, n), dtype=np.int64)
+    qp_index = np.zeros((nch, n), dtype=np.int64)  # round robin of unsplit messages
+
+    for bucket, count in enumerate(bucket_numels):
+        used_channels, nthreads = N.call_channels_threads(count * elem, nch, geo)
+        sched = CallSchedule(count, elem, n, used_channels, nthreads, geo)
+        for c in range(used_channels):
+            for p in range(n):
+                # Simple rounds the step counter up to a whole chunk at the start of a call.
+                steps[c, p] = -(-steps[c, p] // geo.chunk_steps) * geo.chunk_steps
+                for send in sched.sends(p, c):
+                    msg_bytes = geo.wire_bytes(send.nelem, elem)
+                    slot = int(steps[c, p]) % N.NCCL_STEPS
+                    common = dict(kind=DATA, phase=step_phase(send.ring_step, n), slice=send.slice,
+                                  bucket=bucket, channel=c, ring_step=send.ring_step, loop=send.loop,
+                                  chunk=send.chunk, step=steps[c, p], fifo_seq=fifo[c, p],
+                                  elem_offset=send.elem_offset, nelem=send.nelem, msg_bytes=msg_bytes)
+                    cts[c, (p + 1) % n].add(mtu, **dict(common, kind=CTS, phase=PHASE_OTHER, imm=0,
+                                                        wire_bytes=N.CTS_BYTES, part_offset=0,
+                                                        remote_offset=(fifo[c, p] % N.CTS_SLOTS) * N.CTS_SLOT_STRIDE))
+                    _add_writes(data, c, p, send_parts(msg_bytes, nq if split else 1), qp_index, split, nq,
+                                slot * geo.step_bytes, job, common)
+                    steps[c, p] += send.steps
+                    fifo[c, p] += 1
+
+    return _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo)
+
+
+def send_parts(msg_bytes: int, nparts: int) -> list[tuple[int, int]]:
+    """(offset, length) of each QP's part of a message (ncclIbMultiSend, 128-byte aligned)."""
+    part = -(-(-(-msg_bytes // nparts)) // N.QP_SPLIT_ALIGN) * N.QP_SPLIT_ALIGN
+    return [(q * part, max(0, min(part, msg_bytes - q * part))) for q in range(nparts)]
+
+
+def _add_writes(data, c, p, parts, qp_index, split, nq, slot_va, job, common) -> None:
+    ar = job.nccl.adaptive_routing and common["msg_bytes"] > job.nccl.ar_threshold
+    for part, (off, length) in enumerate(parts):
+        q = part if split else int(qp_index[c, p] % nq)
+        flow = data[c, p, q]
+        fields = dict(common, qp=q, part=part, part_offset=off, wire_bytes=length, remote_offset=slot_va + off)
+        if ar:
+            # Adaptive routing: the bulk goes as a plain WRITE, then a zero-length WRITE with
+            # immediate, whose VA is 0, signals completion (ncclIbMultiSend).
+            flow.add(job.nccl.mtu, **dict(fields, imm=0))
+            flow.add(job.nccl.mtu, **dict(fields, imm=1, wire_bytes=0, remote_offset=NO_VA))
+        else:
+            flow.add(job.nccl.mtu, **dict(fields, imm=1))
+    if not split:
+        qp_index[c, p] += 1
+
+
+def _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo) -> WirePlan:
+    n = job.world_size
+    flows, chunks = [], []
+    start = 0
+    for (c, p, q), b in sorted(data.items()):
+        if not b.rows:
+            continue
+        r = (p + 1) % n
+        flows.append((p, r, c, q, DATA, qpn(job, p, c, q, False), qpn(job, r, c, q, True),
+                      udp_sport(job, p, c, q), start, len(b.rows), b.psn))
+        chunks.append(b.rows)
+        start += len(b.rows)
+    for (c, r), b in sorted(cts.items()):
+        if not b.rows:
+            continue
+        p = (r - 1) % n
+        flows.append((r, p, c, 0, CTS, qpn(job, r, c, 0, True), qpn(job, p, c, 0, False),
+                      udp_sport(job, p, c, 0), start, len(b.rows), b.psn))
+        chunks.append(b.rows)
+        start += len(b.rows)
+    flow_arr = np.array(flows, dtype=FLOW_DTYPE)
+    messages = np.array([row for rows in chunks for row in rows], dtype=MESSAGE_DTYPE)
+    for i in range(len(flow_arr)):
+        messages["flow"][flow_arr["msg_start"][i]:flow_arr["msg_start"][i] + flow_arr["msg_count"][i]] = i
+    offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(bucket_numels)[:-1]]))
+    return WirePlan(job_name=job.name, protocol=job.nccl.protocol, world_size=n, elem_size=elem,
+                    mtu=job.nccl.mtu, geometry=geo, bucket_numels=tuple(int(x) for x in bucket_numels),
+                    bucket_offsets=offsets, flows=flow_arr, messages=messages,
+                    steps_per_iteration=steps, fifo_per_iteration=fifo)

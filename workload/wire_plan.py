@@ -21,6 +21,7 @@ import numpy as np
 
 from workload import nccl as N
 from workload.ring_schedule import CallSchedule, step_phase
+from gradtap.errors import PlanError
 from workload.spec import WIRE_DTYPE_BYTES, JobSpec
 
 DATA, CTS = 0, 1                 # message kinds
@@ -166,6 +167,12 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
                     steps[c, p] += send.steps
                     fifo[c, p] += 1
 
+    if not split and nq > 1 and (fifo % nq).any():
+        # Unsplit messages rotate over the QPs across iterations; a plan of one iteration
+        # then depends on the iteration, which the parser cannot anchor.
+        raise PlanError(f"with nccl.split_data_on_qps false, each connection must post a multiple of "
+                        f"qps_per_connection ({nq}) messages per iteration; this job posts "
+                        f"{sorted(set(int(x) for x in fifo.ravel()))}. Enable split_data_on_qps or use 1 QP.")
     return _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo)
 
 

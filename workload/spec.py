@@ -81,8 +81,9 @@ class InitialState(_Strict):
 
 
 class DDPSpec(_Strict):
-    bucket_cap_mb: float = Field(25.0, gt=0)
-    first_bucket_cap_mb: float = Field(1.0, gt=0, description="torch.distributed._DEFAULT_FIRST_BUCKET_BYTES")
+    bucket_cap_mb: float | None = Field(
+        None, gt=0, description="DDP's bucket_cap_mb. Unset: DDP's default, 25 MiB buckets after a 1 MiB first "
+                                "bucket; any value (even 25) makes the first bucket as large as the others")
     layout: Literal["initial", "rebuilt", "explicit"] = "rebuilt"
     buckets: tuple[tuple[str, ...], ...] | None = Field(None, description="parameter names per bucket, in launch order")
     grad_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"

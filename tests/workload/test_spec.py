@@ -48,7 +48,7 @@ def test_configs_cover_the_three_required_jobs():
 
 def test_defaults_are_ncclss_and_ddps():
     job = parse_job(minimal())
-    assert job.ddp.bucket_cap_mb == 25 and job.ddp.first_bucket_cap_mb == 1
+    assert job.ddp.bucket_cap_mb is None
     assert job.nccl.era == "2.19" and job.nccl.qps_per_connection == 1
     assert job.optimizer.implementation == "single_tensor"
 

@@ -1,0 +1,34 @@
+"""ACK Extended Transport Header, IBTA Vol 1 Release 1.4 §9.3.5 (4 bytes).
+
+Carried by Acknowledge, ATOMIC Acknowledge and RDMA READ Response First/Last/Only. The
+8-bit syndrome is itself a small declared layout (§9.3.5.1): a reserved bit, a 2-bit type
+(ACK, RNR NAK, NAK) and a 5-bit value (credit count, RNR timer or NAK code).
+"""
+
+from parser.headers.layout import Bits, Layout
+
+AETH = Layout("AETH", "IBTA Vol 1 Rel 1.4 §9.3.5", (
+    (Bits(("syndrome", 8), ("msn", 24)), "I", 0),
+))
+
+SYNDROME = Layout("AETH_SYNDROME", "IBTA Vol 1 Rel 1.4 §9.3.5.1", (
+    (Bits(("resv", 1), ("type", 2), ("value", 5)), "B", 0),
+))
+
+globals().update(AETH.constants())
+globals().update(SYNDROME.constants())
+
+# Syndrome types (§9.3.5.1).
+SYNDROME_ACK = 0
+SYNDROME_RNR_NAK = 1
+SYNDROME_NAK = 3
+
+# NAK codes, the syndrome value when the type is SYNDROME_NAK.
+NAK_PSN_SEQUENCE_ERROR = 0
+NAK_INVALID_REQUEST = 1
+NAK_REMOTE_ACCESS_ERROR = 2
+NAK_REMOTE_OPERATIONAL_ERROR = 3
+NAK_INVALID_RD_REQUEST = 4
+
+pack = AETH.pack
+unpack = AETH.unpack

@@ -1,0 +1,16 @@
+"""RoCEv2 Congestion Notification Packet body, IBTA Annex A17 (RoCEv2) §A17.9.3.
+
+A CNP is a BTH with opcode 0x81 and the congested QP as DestQP, followed by 16 reserved
+bytes (then the ICRC).
+"""
+
+from parser.headers.layout import Layout
+
+CNP_BODY = Layout("CNP", "IBTA Annex A17 §A17.9.3", (
+    ("reserved", "16s", b"\x00" * 16),
+))
+
+globals().update(CNP_BODY.constants())
+
+pack = CNP_BODY.pack
+unpack = CNP_BODY.unpack

@@ -1,0 +1,35 @@
+"""Ethernet II header and the IEEE 802.1Q VLAN tag.
+
+Ethernet II (DIX) framing as carried by IEEE 802.3 §3.2 with a type field; the 802.1Q tag
+(IEEE 802.1Q-2018 §9.6) sits between the source address and the type: its TPID takes the
+place of the outer type field, followed by the TCI (PCP, DEI, VID) and the inner type, which
+is what ``VLAN`` declares. Captures carry no FCS.
+"""
+
+from parser.headers.layout import Bits, Layout
+
+ETHERTYPE_IPV4 = 0x0800
+ETHERTYPE_IPV6 = 0x86DD
+ETHERTYPE_ARP = 0x0806
+ETHERTYPE_VLAN = 0x8100  # 802.1Q C-tag
+ETHERTYPE_QINQ = 0x88A8  # 802.1ad S-tag, same tag layout
+
+ETH = Layout("ETH", "IEEE 802.3 §3.2 (Ethernet II type field)", (
+    ("dst", "6s", b"\x00" * 6),
+    ("src", "6s", b"\x00" * 6),
+    ("type", "H", ETHERTYPE_IPV6),
+))
+
+# The four bytes after an outer type of ETHERTYPE_VLAN/QINQ.
+VLAN = Layout("VLAN", "IEEE 802.1Q-2018 §9.6 (VLAN tag: TCI + encapsulated type)", (
+    (Bits(("pcp", 3), ("dei", 1), ("vid", 12)), "H", 0),
+    ("type", "H", ETHERTYPE_IPV6),
+))
+
+globals().update(ETH.constants())
+globals().update(VLAN.constants())
+
+pack = ETH.pack
+unpack = ETH.unpack
+pack_vlan = VLAN.pack
+unpack_vlan = VLAN.unpack

@@ -1,0 +1,17 @@
+"""Immediate Data Extended Transport Header, IBTA Vol 1 Release 1.4 §9.3.7 (4 bytes).
+
+The spec treats the 32 bits as opaque data handed to the receiver's completion. ``imm`` is
+the big-endian reading of the four wire bytes; a sender may have meant another byte order
+(NCCL before 2.29 writes its size little-endian, see docs/wire-format.md).
+"""
+
+from parser.headers.layout import Layout
+
+IMMDT = Layout("IMMDT", "IBTA Vol 1 Rel 1.4 §9.3.7", (
+    ("imm", "I", 0),
+))
+
+globals().update(IMMDT.constants())
+
+pack = IMMDT.pack
+unpack = IMMDT.unpack

@@ -23,6 +23,11 @@ app = typer.Typer(
 err_console = Console(stderr=True)
 
 
+@app.callback()
+def _root() -> None:
+    """Rebuild an always-current training checkpoint from mirrored RoCEv2 allreduce traffic."""
+
+
 def _register() -> None:
     # Imported for their side effect of adding commands to ``app``.
     from gradtap.commands import COMMAND_MODULES  # noqa: F401

@@ -18,12 +18,13 @@ from numba import njit
 from gradtap.jit import JIT
 from parser.headers import eth, ipv4, ipv6, udp
 from parser.headers.aeth import AETH_OFF_SYNDROME
+from parser.headers.deth import DETH_OFF_QKEY, DETH_OFF_SRCQP
 from parser.headers.bth import BTH_LEN, BTH_OFF_DESTQP, BTH_OFF_OPCODE, BTH_OFF_PKEY, BTH_OFF_PSN, BTH_OFF_SE, \
     BTH_PADCNT_SHIFT, BTH_TVER_SHIFT
 from parser.headers.immdt import IMMDT_OFF_IMM
 from parser.headers.ipv4 import IPV4_LEN, IPV4_OFF_CHECKSUM, IPV4_OFF_TOTAL_LENGTH
 from parser.headers.ipv6 import IPV6_LEN, IPV6_OFF_PAYLOAD_LENGTH
-from parser.headers.opcodes import OPCODE_AETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, OPCODE_RETH_OFF
+from parser.headers.opcodes import OPCODE_AETH_OFF, OPCODE_DETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, OPCODE_RETH_OFF
 from parser.headers.reth import RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA
 from parser.headers.udp import UDP_LEN, UDP_OFF_LENGTH
 from parser.icrc import ICRC_LEN, icrc_frame
@@ -48,6 +49,7 @@ PACKET_DTYPE = np.dtype([
 ROCE_DSCP = 0    # as in the real captures (traffic class 0x02); the ICRC masks it anyway
 ROCE_ECN = 2     # ECT(0)
 PREFIX_MAX = eth.ETH_LEN + IPV6_LEN + UDP_LEN
+GSI_QKEY = 0x80010000  # the well-known Q_Key of QP1, which connection-manager MADs use (IBTA §13.5.1)
 
 
 class Routes:
@@ -135,6 +137,9 @@ def _encode(packets, routes, ipv6_family, arena, out, offsets, lengths):
             _put(out, r + RETH_OFF_DMA_LENGTH, p.reth_len, 4)
         if OPCODE_IMMDT_OFF[p.opcode] >= 0:
             _put(out, e + OPCODE_IMMDT_OFF[p.opcode] + IMMDT_OFF_IMM, p.imm, 4)
+        if OPCODE_DETH_OFF[p.opcode] >= 0:
+            _put(out, e + OPCODE_DETH_OFF[p.opcode] + DETH_OFF_QKEY, GSI_QKEY, 4)
+            _put(out, e + OPCODE_DETH_OFF[p.opcode] + DETH_OFF_SRCQP, 1, 4)
         if OPCODE_AETH_OFF[p.opcode] >= 0:
             _put(out, e + OPCODE_AETH_OFF[p.opcode] + AETH_OFF_SYNDROME, p.aeth, 4)
         d = e + OPCODE_EXT_LEN[p.opcode]

@@ -1,0 +1,214 @@
+"""``gradtap simulate``: train, reduce in NCCL's ring order, and write what the mirrors see.
+
+For every captured iteration the simulator trains the job's model as N data-parallel ranks
+(:mod:`simulator.training`), reduces each DDP bucket with the ring's own order of additions
+(:mod:`simulator.allreduce`), turns the wire plan into packets (:mod:`simulator.traffic`),
+adds the non-allreduce traffic of each port (:mod:`simulator.background`), applies each
+mirror path's faults (:mod:`simulator.faults`) and appends the frames to one capture file
+per mirror stream. The ground truth goes to ``truth/`` (:mod:`simulator.truth`).
+
+Captures begin at the first iteration that uses the job's bucket layout: DDP rebuilds its
+buckets after iteration 0, so a job in the ``rebuilt`` layout is captured from iteration 1,
+as an appliance started on a running job would see it; ``truth/start.pt`` holds the state
+it starts from.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from capture.frames import FrameBatch
+from capture.pcap import PcapngWriter, PcapWriter
+from gradtap.errors import ConfigError
+from simulator import models
+from simulator.allreduce import chunk_index, ring_partials
+from simulator.background import Background
+from simulator.faults import FaultSpec, apply_mirror_faults
+from simulator.frames import Routes, encode_frames
+from simulator.traffic import ConnectionState, Timing, TrafficBuilder
+from simulator.training import Trainer
+from simulator.truth import TruthWriter
+from workload.layout import job_buckets, job_params
+from workload.spec import JobSpec, dump_job
+from workload.wire_plan import build_plan
+
+EPOCH_NS = 1_767_225_600 * 10**9   # 2026-01-01T00:00:00Z: where simulated time starts
+LINKTYPE_ETHERNET = 1
+
+
+@dataclass
+class StreamSummary:
+    name: str
+    path: Path
+    frames: int = 0
+    bytes: int = 0
+    roce_frames: int = 0
+    faults: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Summary:
+    out: Path
+    iterations: list[int]
+    streams: list[StreamSummary]
+    link_faults: dict[str, int]
+    seconds_training: float = 0.0
+    seconds_encoding: float = 0.0
+
+
+class _Stream:
+    def __init__(self, job: JobSpec, index: int, out: Path, fmt: str):
+        m = job.mirrors[index]
+        self.mirror = m
+        path = out / "streams" / f"{m.name}.{fmt}"
+        self.writer = PcapWriter(path, nanosecond=True) if fmt == "pcap" else PcapngWriter(path)
+        self.summary = StreamSummary(m.name, path)
+
+    def select(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        p = self.mirror.rank
+        mask = {"egress": src == p, "ingress": dst == p, "both": (src == p) | (dst == p)}[self.mirror.direction]
+        return np.flatnonzero(mask)
+
+
+class Simulation:
+    """Simulate ``iterations`` captured iterations of ``job`` into ``out``.
+
+    ``fmt`` is ``"pcap"`` (classic, nanosecond timestamps) or ``"pcapng"``.
+    """
+
+    def __init__(self, job: JobSpec, out: Path, *, iterations: int, seed: int, faults: FaultSpec,
+                 timing: Timing = Timing(), fmt: str = "pcap"):
+        if iterations < 1:
+            raise ConfigError(f"--iterations: {iterations} must be at least 1")
+        if fmt not in ("pcap", "pcapng"):
+            raise ConfigError(f"--format: {fmt!r} is not 'pcap' or 'pcapng'")
+        self.job, self.out, self.iterations, self.seed = job, Path(out), iterations, seed
+        self.faults, self.timing, self.fmt = faults, timing, fmt
+
+    def run(self, progress: Callable[[str, int, int], None] = lambda *_: None) -> Summary:
+        job = self.job
+        if job.model.factory is None:
+            raise ConfigError("model.factory: the simulator trains a real model, so the job must name a "
+                              "torch.nn.Module factory rather than a parameter list")
+        streams_dir = self.out / "streams"
+        if streams_dir.exists():
+            shutil.rmtree(streams_dir)
+        streams_dir.mkdir(parents=True)
+        (self.out / "job.yaml").write_text(dump_job(job))
+        rng = np.random.default_rng(self.seed)
+        params = job_params(job)
+        buckets = job_buckets(job)
+        first = 1 if job.ddp.layout == "rebuilt" else 0
+        plan = build_plan(job, [b.numel for b in buckets])
+        chunk_of = [chunk_index(plan, b) for b in range(len(buckets))]
+        n = job.world_size
+
+        partials: dict[int, np.ndarray] = {}
+
+        captured_buckets = {b: i for i, b in enumerate(buckets)}
+
+        def allreduce(per_rank, bucket):
+            i = captured_buckets.get(bucket)
+            # A bucket of the initial layout (iteration 0 of a rebuilt job, before capture
+            # begins) is its own NCCL call with its own chunking.
+            chunks = chunk_of[i] if i is not None else chunk_index(build_plan(job, [bucket.numel]), 0)
+            rows = ring_partials(np.stack(per_rank), chunks)
+            if i is not None:
+                partials[i] = rows
+            return rows[n - 1].copy()
+
+        init = job.initial_state
+        model = models.build(job.model.factory, job.model.kwargs, seed=init.seed or 0)
+        data = model.synthetic_data(batch_size=job.training.batch_size, seed=self.seed, **job.training.data_kwargs)
+        start_buckets = job_buckets(job, "initial") if first else buckets
+        trainer = Trainer(model, params, start_buckets, world_size=n, optimizer=job.optimizer,
+                          wire_dtype=job.ddp.grad_dtype, predivide=job.ddp.predivide, data=data,
+                          allreduce=allreduce)
+        if init.checkpoint is not None:
+            state = torch.load(init.checkpoint, weights_only=False)
+            model.load_state_dict(state["model"])
+            trainer.optimizer.load_state_dict(state["optimizer"])
+            trainer.iteration = int(state.get("iteration", 0))
+        truth = TruthWriter(self.out / "truth", job, self.seed)
+        for _ in range(first):
+            progress("training iteration 0 (initial bucket layout, before capture)", 0, self.iterations)
+            trainer.step()
+        truth.layout(params, buckets, job.ddp.grad_dtype, trainer.iteration)
+        truth.start(trainer.state_dict())
+
+        routes = Routes(job.ipv6)
+        streams = [_Stream(job, i, self.out, self.fmt) for i in range(len(job.mirrors))]
+        positions = {s.mirror.rank for s in streams}
+        positions |= {(p - 1) % n for p in positions} | {(p + 1) % n for p in positions}
+        builder = TrafficBuilder(job, plan, routes, self.timing, self.faults.link(), rng, positions)
+        background = Background(job, routes, {s.mirror.rank for s in streams}, rng)
+        state = ConnectionState.initial(plan, rng)
+        link_faults: dict[str, int] = {}
+        t0 = EPOCH_NS
+        captured = []
+        train_s = enc_s = 0.0
+        try:
+            for k in range(self.iterations):
+                it = trainer.iteration
+                progress(f"iteration {it}: training {n} ranks", k, self.iterations)
+                t = time.perf_counter()
+                result = trainer.step(buckets)
+                train_s += time.perf_counter() - t
+                t = time.perf_counter()
+                progress(f"iteration {it}: encoding", k, self.iterations)
+                traffic = builder.build([partials[b] for b in range(len(buckets))], state, t0)
+                for key, v in traffic.injected.items():
+                    link_faults[key] = link_faults.get(key, 0) + v
+                self._write_streams(streams, traffic, background, t0, routes, rng)
+                enc_s += time.perf_counter() - t
+                truth.iteration(it, result.reduced_buckets, model, trainer.optimizer)
+                captured.append(it)
+                state.advance(plan)
+                t0 = traffic.end_ns + self.timing.step_latency_ns
+                partials.clear()
+            progress("done", self.iterations, self.iterations)
+        finally:
+            for s in streams:
+                s.writer.close()
+            truth.close()
+        return Summary(self.out, captured, [s.summary for s in streams], link_faults, train_s, enc_s)
+
+    def _write_streams(self, streams, traffic, background: Background, t0, routes, rng) -> None:
+        base = len(traffic.arena)
+        bg_packets, bg_src, bg_dst = background.packets(t0, self.job.nccl.mtu, base)
+        packets = np.concatenate([traffic.packets, bg_packets])
+        src = np.concatenate([traffic.src, bg_src])
+        dst = np.concatenate([traffic.dst, bg_dst])
+        arena = np.concatenate([traffic.arena, background.arena])
+        raw = background.raw_frames(t0)
+        for s in streams:
+            sel = s.select(src, dst)
+            data, offsets, lengths = encode_frames(packets[sel], routes, arena)
+            ts = packets["ts_ns"][sel]
+            extra = [f for f in raw if (f[1] == s.mirror.rank and s.mirror.direction != "ingress")
+                     or (f[2] == s.mirror.rank and s.mirror.direction != "egress")]
+            if extra:
+                blob = np.frombuffer(b"".join(f[3] for f in extra), np.uint8)
+                offsets = np.concatenate([offsets, len(data) + np.cumsum([0] + [len(f[3]) for f in extra[:-1]])])
+                lengths = np.concatenate([lengths, [len(f[3]) for f in extra]]).astype(np.int32)
+                ts = np.concatenate([ts, [f[0] for f in extra]])
+                data = np.concatenate([data, blob])
+            order = np.argsort(ts, kind="stable")
+            outcome = apply_mirror_faults(lengths[order], self.faults.for_stream(s.mirror.name), rng)
+            pick = order[outcome.index]
+            batch = FrameBatch(data=data, offsets=offsets[pick], caplens=outcome.caplen,
+                               wirelens=lengths[pick], ts_ns=np.maximum.accumulate(ts[pick]),
+                               linktype=LINKTYPE_ETHERNET)
+            s.writer.write_batch(batch)
+            s.summary.frames += len(pick)
+            s.summary.bytes += int(outcome.caplen.sum())
+            s.summary.roce_frames += int(np.isin(pick, np.arange(len(sel))).sum())
+            for key, v in outcome.counts.items():
+                s.summary.faults[key] = s.summary.faults.get(key, 0) + v

@@ -1,0 +1,306 @@
+"""One iteration of ring-allreduce traffic as packet descriptors.
+
+The wire plan says which RDMA writes each flow posts; this module gives them absolute
+positions (PSN, FIFO step, slot address, LL flag, CTS index), payloads (the ring's true
+partial sums, encoded per protocol), packets (FIRST/MIDDLE/LAST/ONLY per MTU), timestamps at
+the configured line rate, the RC ACKs of the receivers, and the training-link faults that
+make a sender retransmit (go-back-N). Mirror-link faults are not applied here: every mirror
+of a link sees the same traffic, and each mirror then loses its own frames (see faults.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from parser.headers import opcodes as op
+from simulator.frames import PACKET_DTYPE, Routes
+from simulator.payload import encode
+from workload import nccl as N
+from workload.spec import JobSpec
+from workload.wire_plan import CTS, DATA, NO_VA, PSN_MOD, WirePlan
+
+ACK_SYNDROME = 0x1F            # ACK, credit field "invalid" (end-to-end credits unused by RoCE NICs)
+NAK_SEQ_ERR_SYNDROME = 0x60    # NAK, PSN sequence error (IBTA §9.3.5.1)
+HEADER_OVERHEAD = 14 + 40 + 8 + 12 + 16 + 4 + 4 + 24  # upper bound per packet, plus preamble/IFG
+
+
+@dataclass(frozen=True)
+class Timing:
+    line_rate_gbps: float = 100.0
+    step_latency_ns: int = 4_000     # between ring steps (GPU kernel + proxy)
+    compute_gap_ns: int = 2_000_000  # forward/backward before the first bucket's allreduce
+    ack_delay_ns: int = 800
+    rtt_ns: int = 6_000
+
+    def ns(self, nbytes) -> np.ndarray:
+        return (np.asarray(nbytes, dtype=np.float64) * 8 / self.line_rate_gbps).astype(np.int64)
+
+
+@dataclass
+class LinkFaults:
+    """Training-link faults: each packet is lost (after the mirrors) or corrupted (before
+    them) with these probabilities; either makes the receiver NAK and the sender resend."""
+
+    loss: float = 0.0
+    corrupt: float = 0.0
+
+
+@dataclass
+class ConnectionState:
+    """What carries over between iterations on the wire (NCCL's counters and the QPs')."""
+
+    step_base: np.ndarray           # [channel, position] FIFO step at the iteration's start
+    fifo_base: np.ndarray           # [channel, position] CTS index base
+    psn_base: np.ndarray            # [flow] PSN of the flow's first packet this iteration
+    msn: np.ndarray                 # [flow] responder message sequence number
+    buffer_va: np.ndarray           # [channel, position] receive buffer of each connection
+    fifo_va: np.ndarray             # [channel, position] sender's CTS fifo
+    rkeys: np.ndarray               # [channel, position, 2] data and fifo rkeys
+
+    @classmethod
+    def initial(cls, plan: WirePlan, rng: np.random.Generator) -> "ConnectionState":
+        nch, n = plan.steps_per_iteration.shape
+        page = rng.integers(0x7F0000000, 0x7FF000000, size=(nch, n), dtype=np.int64) << 12
+        return cls(
+            step_base=np.zeros((nch, n), np.int64),
+            fifo_base=np.zeros((nch, n), np.int64),
+            # Some flows start close to 2^24 so PSN wrap-around occurs in short runs.
+            psn_base=rng.integers(PSN_MOD - 4096, PSN_MOD + 4096, size=len(plan.flows)) % PSN_MOD,
+            msn=np.zeros(len(plan.flows), np.int64),
+            buffer_va=page,
+            fifo_va=page + (1 << 28),
+            rkeys=rng.integers(1, 1 << 32, size=(nch, n, 2), dtype=np.int64),
+        )
+
+    def advance(self, plan: WirePlan) -> None:
+        self.step_base += plan.steps_per_iteration
+        self.fifo_base += plan.fifo_per_iteration
+        self.psn_base = (self.psn_base + plan.flows["npkts"]) % PSN_MOD
+        self.msn = (self.msn + plan.flows["msg_count"]) % PSN_MOD
+
+
+@dataclass
+class IterationTraffic:
+    """Packets of one iteration, ordered by time, with the ring positions of each end."""
+
+    packets: np.ndarray                      # PACKET_DTYPE
+    src: np.ndarray                          # int16 ring position of the sender (-1: outside the ring)
+    dst: np.ndarray
+    arena: np.ndarray                        # uint8 payload bytes
+    end_ns: int
+    injected: dict[str, int] = field(default_factory=dict)
+
+
+class TrafficBuilder:
+    """Turns the plan plus one iteration's ring values into packets."""
+
+    def __init__(self, job: JobSpec, plan: WirePlan, routes: Routes, timing: Timing, faults: LinkFaults,
+                 rng: np.random.Generator, positions: set[int]):
+        self.job, self.plan, self.routes, self.timing, self.faults, self.rng = job, plan, routes, timing, faults, rng
+        ranks = job.ring.ranks
+        f = plan.flows
+        self.flow_route = np.array([routes.add(ranks[s].mac, ranks[d].mac, ranks[s].ip, ranks[d].ip, int(sp))
+                                    for s, d, sp in zip(f["src"], f["dst"], f["udp_sport"])], np.int32)
+        self.ack_route = np.array([routes.add(ranks[d].mac, ranks[s].mac, ranks[d].ip, ranks[s].ip, int(sp))
+                                   for s, d, sp in zip(f["src"], f["dst"], f["udp_sport"])], np.int32)
+        # Only flows a mirror sees are built (either end at a mirrored position).
+        self.wanted = np.isin(f["src"], list(positions)) | np.isin(f["dst"], list(positions))
+
+    # -- payloads ---------------------------------------------------------------------
+    def _payloads(self, msgs: np.ndarray, partials: list[np.ndarray], state: ConnectionState,
+                  arena: list[np.ndarray], sizes: list[int]) -> np.ndarray:
+        """Encode every send once; returns each write's arena offset of its send's bytes."""
+        n = self.plan.world_size
+        start = np.full(len(msgs), -1, np.int64)
+        cache: dict[tuple, int] = {}
+        total = sum(sizes)
+        for i, m in enumerate(msgs):
+            if m["kind"] != DATA or m["msg_bytes"] == 0:
+                continue
+            # Parts of one send (split over QPs, or adaptive routing's two writes) share it.
+            src = self.plan.flows["src"][m["flow"]]
+            key = (int(m["bucket"]), int(m["channel"]), int(src), int(m["step"]))
+            if key in cache:
+                start[i] = cache[key]
+                continue
+            row = partials[m["bucket"]][min(int(m["ring_step"]), n - 1)]
+            data = row[m["elem_offset"]:m["elem_offset"] + m["nelem"]].view(np.uint8)
+            flag = int(state.step_base[m["channel"], src] + m["step"] + 1)
+            wire = encode(self.plan.protocol, data, flag)
+            arena.append(wire)
+            cache[key] = start[i] = total
+            total += len(wire)
+            sizes.append(len(wire))
+        return start
+
+    def _cts_payloads(self, msgs: np.ndarray, state: ConnectionState, arena: list, sizes: list) -> np.ndarray:
+        """The 32-byte ncclIbSendFifo of each CTS write (docs/wire-format.md)."""
+        cts = np.zeros(len(msgs), dtype=[("addr", "<u8"), ("size", "<i4"), ("rkey", "<u4"),
+                                         ("nreqs", "<u4"), ("tag", "<u4"), ("idx", "<u8")])
+        sender = self.plan.flows["dst"][msgs["flow"]]
+        c = msgs["channel"]
+        slot = (state.step_base[c, sender] + msgs["step"]) % N.NCCL_STEPS
+        cts["addr"] = state.buffer_va[c, sender] + slot * self.plan.geometry.step_bytes
+        cts["size"] = self.plan.geometry.slot_bytes
+        cts["rkey"] = state.rkeys[c, sender, 0]
+        cts["nreqs"] = 1
+        cts["tag"] = sender
+        cts["idx"] = state.fifo_base[c, sender] + msgs["fifo_seq"] + 1
+        raw = cts.view(np.uint8).reshape(-1)
+        offset = sum(sizes)
+        arena.append(raw)
+        sizes.append(len(raw))
+        return offset + np.arange(len(msgs), dtype=np.int64) * N.CTS_BYTES
+
+    # -- timing -------------------------------------------------------------------------
+    def _write_times(self, msgs: np.ndarray, t0: int) -> tuple[np.ndarray, int]:
+        """Start time of every write: ring steps run in lockstep; each sender's link carries
+        the writes of one step back to back at line rate."""
+        t = self.timing
+        data = msgs["kind"] == DATA
+        group = np.stack([msgs["bucket"], msgs["loop"], msgs["ring_step"]], axis=1)
+        keys, gid = np.unique(group, axis=0, return_inverse=True)
+        sender = self.plan.flows["src"][msgs["flow"]]
+        nbytes = (msgs["wire_bytes"] + msgs["npkts"] * HEADER_OVERHEAD) * data
+        # Per (group, sender) serialisation in plan order: bytes sent before each write.
+        order = np.lexsort((np.arange(len(msgs)), sender, gid))
+        key = gid[order] * (self.plan.world_size + 1) + sender[order]
+        nb = nbytes[order]
+        inclusive = np.cumsum(nb)
+        first = np.r_[True, key[1:] != key[:-1]]
+        head = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0))
+        inclusive -= inclusive[head] - nb[head]
+        before = np.zeros(len(msgs), np.int64)
+        before[order] = inclusive - nb
+        per_group = np.zeros(len(keys), np.int64)
+        np.maximum.at(per_group, gid[order], inclusive)
+        durations = t.ns(per_group) + t.step_latency_ns
+        starts = t0 + np.concatenate([[0], np.cumsum(durations)[:-1]])
+        ts = starts[gid] + t.ns(before)
+        cts = ~data
+        ts[cts] = starts[gid[cts]] - t.rtt_ns // 2   # receivers post CTS ahead of the data
+        return ts, int(starts[-1] + durations[-1]) if len(keys) else t0
+
+    # -- packets ------------------------------------------------------------------------
+    def build(self, partials: list[np.ndarray], state: ConnectionState, t0: int) -> IterationTraffic:
+        plan, mtu = self.plan, self.plan.mtu
+        msgs = plan.messages[self.wanted[plan.messages["flow"]]]
+        arena: list[np.ndarray] = []
+        sizes: list[int] = []
+        payload = self._payloads(msgs, partials, state, arena, sizes)
+        is_cts = msgs["kind"] == CTS
+        payload[is_cts] = self._cts_payloads(msgs[is_cts], state, arena, sizes)
+        ts, end = self._write_times(msgs, t0 + self.timing.compute_gap_ns)
+
+        # Writes -> packets.
+        npk = msgs["npkts"].astype(np.int64)
+        w = np.repeat(np.arange(len(msgs)), npk)
+        k = np.arange(len(w)) - np.repeat(np.cumsum(npk) - npk, npk)
+        m = msgs[w]
+        last = k == npk[w] - 1
+        pk = np.zeros(len(w), PACKET_DTYPE)
+        pk["route"] = self.flow_route[m["flow"]]
+        pk["opcode"] = _write_opcodes(k, npk[w], m["imm"] == 1)
+        pk["ackreq"] = last
+        pk["dest_qpn"] = plan.flows["dst_qpn"][m["flow"]]
+        pk["psn"] = (state.psn_base[m["flow"]] + m["psn_offset"] + k) % PSN_MOD
+        src = plan.flows["src"][m["flow"]]
+        dst = plan.flows["dst"][m["flow"]]
+        c = m["channel"]
+        data_va = state.buffer_va[c, src] + ((state.step_base[c, src] + m["step"]) % N.NCCL_STEPS) \
+            * plan.geometry.step_bytes + m["part_offset"]
+        cts_va = state.fifo_va[c, dst] + ((state.fifo_base[c, dst] + m["fifo_seq"]) % N.CTS_SLOTS) * N.CTS_SLOT_STRIDE
+        pk["reth_va"] = np.where(m["kind"] == CTS, cts_va, np.where(m["remote_offset"] == NO_VA, 0, data_va))
+        pk["reth_rkey"] = np.where(m["kind"] == CTS, state.rkeys[c, dst, 1], state.rkeys[c, src, 0])
+        pk["reth_len"] = m["wire_bytes"]
+        imm = np.where(self._imm_big_endian(), m["msg_bytes"], _bswap32(m["msg_bytes"]))
+        pk["imm"] = np.where(m["kind"] == CTS, 0, imm)
+        pk["payload_off"] = payload[w] + m["part_offset"] + k * mtu
+        pk["payload_len"] = np.minimum(mtu, m["wire_bytes"] - k * mtu).clip(0)
+        pk["ts_ns"] = ts[w] + self.timing.ns(k * (mtu + HEADER_OVERHEAD))
+        psrc, pdst = src.astype(np.int16), dst.astype(np.int16)
+
+        # Receiver ACKs, one per write (coalescing is the responder's choice).
+        lp = np.flatnonzero(last)
+        acks = np.zeros(len(lp), PACKET_DTYPE)
+        acks["route"] = self.ack_route[m["flow"][lp]]
+        acks["opcode"] = op.RC_ACKNOWLEDGE
+        acks["dest_qpn"] = plan.flows["src_qpn"][m["flow"][lp]]
+        acks["psn"] = pk["psn"][lp]
+        msn = (state.msn[m["flow"][lp]] + _rank_within(m["flow"][lp]) + 1) % PSN_MOD
+        acks["aeth"] = (ACK_SYNDROME << 24) | msn
+        acks["ts_ns"] = pk["ts_ns"][lp] + self.timing.ack_delay_ns
+        injected = {}
+        extra, esrc, edst, injected = self._retransmissions(pk, psrc, pdst, w, k, npk, m)
+        packets = np.concatenate([pk, acks, extra])
+        src_all = np.concatenate([psrc, pdst[lp], esrc])
+        dst_all = np.concatenate([pdst, psrc[lp], edst])
+        order = np.argsort(packets["ts_ns"], kind="stable")
+        arena_arr = np.concatenate(arena) if arena else np.zeros(0, np.uint8)
+        return IterationTraffic(packets[order], src_all[order], dst_all[order], arena_arr,
+                                max(end, int(packets["ts_ns"].max(initial=t0))), injected)
+
+    def _imm_big_endian(self) -> bool:
+        return N.era_facts(self.job.nccl).imm_big_endian
+
+    def _retransmissions(self, pk, psrc, pdst, w, k, npk, m):
+        """Training-link faults: the chosen packets are lost after the mirrors or corrupted
+        before them; the receiver NAKs and the sender goes back to that PSN and resends the
+        rest of the write. Only data and CTS writes are affected, not ACKs."""
+        f = self.faults
+        p = f.loss + f.corrupt
+        empty = np.zeros(0, PACKET_DTYPE), np.zeros(0, np.int16), np.zeros(0, np.int16)
+        if p <= 0 or not len(pk):
+            return (*empty, {"link_loss": 0, "link_corrupt": 0, "retransmitted": 0})
+        hit = np.flatnonzero(self.rng.random(len(pk)) < p)
+        corrupt = self.rng.random(len(hit)) < f.corrupt / p
+        pk["corrupt"][hit[corrupt]] = 1
+        out, srcs, dsts = [], [], []
+        rtt = self.timing.rtt_ns
+        for i, bad in zip(hit, corrupt):
+            rest = np.arange(i, i + npk[w[i]] - k[i])        # from the lost packet to the write's end
+            again = pk[rest].copy()
+            again["corrupt"] = 0
+            again["ts_ns"] = pk["ts_ns"][rest[-1]] + rtt + self.timing.ns((rest - i + 1) * 1100)
+            nak = np.zeros(1, PACKET_DTYPE)
+            nak["route"] = self.ack_route[m["flow"][i]]
+            nak["opcode"] = op.RC_ACKNOWLEDGE
+            nak["dest_qpn"] = self.plan.flows["src_qpn"][m["flow"][i]]
+            nak["psn"] = pk["psn"][i]
+            nak["aeth"] = NAK_SEQ_ERR_SYNDROME << 24
+            nak["ts_ns"] = pk["ts_ns"][rest[-1]] + rtt // 2
+            out += [nak, again]
+            srcs += [pdst[i:i + 1], psrc[rest]]
+            dsts += [psrc[i:i + 1], pdst[rest]]
+        stats = {"link_loss": int((~corrupt).sum()), "link_corrupt": int(corrupt.sum()),
+                 "retransmitted": int(sum(len(x) for x in out[1::2]))}
+        return np.concatenate(out), np.concatenate(srcs), np.concatenate(dsts), stats
+
+
+def _write_opcodes(k: np.ndarray, npkts: np.ndarray, imm: np.ndarray) -> np.ndarray:
+    only = npkts == 1
+    first = (k == 0) & ~only
+    last = (k == npkts - 1) & ~only
+    out = np.full(len(k), op.RC_RDMA_WRITE_MIDDLE, np.uint8)
+    out[first] = op.RC_RDMA_WRITE_FIRST
+    out[last] = np.where(imm[last], op.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE, op.RC_RDMA_WRITE_LAST)
+    out[only] = np.where(imm[only], op.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE, op.RC_RDMA_WRITE_ONLY)
+    return out
+
+
+def _bswap32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.uint32).byteswap()
+
+
+def _rank_within(groups: np.ndarray) -> np.ndarray:
+    """0, 1, 2, ... within each run of equal values of an array sorted by group."""
+    order = np.argsort(groups, kind="stable")
+    g = groups[order]
+    first = np.r_[True, g[1:] != g[:-1]]
+    idx = np.arange(len(g))
+    rank = idx - np.maximum.accumulate(np.where(first, idx, 0))
+    out = np.empty_like(rank)
+    out[order] = rank
+    return out

@@ -1,0 +1,296 @@
+"""Choose the mirror sources of every DP group and assign them to CPU-node ports.
+
+Per DP group (one gradtap appliance, so one CPU node), the planner greedily adds
+``mirror.sources_per_group`` sources -- a ring position and a direction -- each time
+taking the candidate that best improves chunk coverage (:mod:`netconfig.ring`): the
+sorted coverage vector is compared lexicographically, so the minimum coverage is raised
+first, then the number of chunks at that minimum lowered. Ties prefer a switch-local
+destination, less mirror bandwidth, ring neighbours of the sources already chosen
+(FlowCheck's consecutive ranks) and low positions. For egress-only sources every choice
+of distinct ranks covers each chunk at least M-1 times; the ranking matters when
+ingress or both are allowed, where mirroring both ends of one link would waste a source.
+
+A source is placed on an unused port of the group's CPU node: on the source's own leaf
+(SPAN) when possible, else through ERSPAN when the policy, the vendor and the addresses
+allow. A port takes several sources only if they belong to different groups (a group's
+streams must be lost independently) and their total bandwidth fits; a port is either a
+SPAN destination or an ERSPAN receiver, never both. Switch session limits are counted
+with each vendor's own session grouping. A group that cannot be served makes the whole
+topology infeasible: the error lists what is missing, and no partial plan is returned.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from gradtap.errors import ConfigError
+from netconfig import vendors
+from netconfig.layout import DpGroup, Seat, dp_groups
+from netconfig.plan import CpuNodeUse, GroupPlan, Plan, PlannedSource, SwitchInfo
+from netconfig.reliability import p_fail_eq2, p_fail_exact
+from netconfig.ring import chunk_coverage, stream_hops
+from netconfig.topology import Direction, LeafSwitch, Topology
+from netconfig.vendors.base import session_keys
+
+_DIRECTION_ORDER = {"egress": 0, "ingress": 1, "both": 2}
+_MAX_REASONS = 6
+
+
+@dataclass
+class _CpuPort:
+    node: str
+    nic: str
+    switch: str
+    port: str
+    speed_gbps: float
+    ip: str | None
+    free_gbps: float
+    mode: str | None = None  # "span" or "erspan" once used
+
+
+@dataclass
+class _State:
+    """What earlier groups have committed: port capacity, node slots, sources per switch."""
+
+    ports: dict[str, list[_CpuPort]]
+    slots: dict[str, int]
+    switches: dict[str, LeafSwitch]
+    groups_of: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    on_switch: dict[str, list[tuple[str, Direction]]] = field(default_factory=lambda: defaultdict(list))
+
+
+@dataclass(frozen=True)
+class _Pick:
+    position: int
+    direction: Direction
+    hops: tuple[int, ...]
+    seat: Seat
+    load_gbps: float
+    port: _CpuPort
+    encapsulation: str
+
+
+@dataclass
+class _Selection:
+    node: str
+    picks: list[_Pick]
+    reasons: set[str]
+
+    @property
+    def erspan(self) -> int:
+        return sum(p.encapsulation != "none" for p in self.picks)
+
+
+class _Infeasible(Exception):
+    pass
+
+
+def plan_topology(topo: Topology) -> Plan:
+    """Plan every DP group of ``topo``; raise :class:`ConfigError` explaining any group that cannot be served."""
+    speed = {(sw.name, p.name): p.speed_gbps for sw in topo.leaf_switches for p in sw.ports}
+    state = _State(
+        ports={n.name: [_CpuPort(n.name, p.nic, p.switch, p.port, speed[p.switch, p.port],
+                                 str(p.ip) if p.ip else None, speed[p.switch, p.port]) for p in n.ports]
+               for n in topo.cpu_nodes},
+        slots={n.name: n.max_dp_groups for n in topo.cpu_nodes},
+        switches={sw.name: sw for sw in topo.leaf_switches},
+    )
+    groups, problems = [], []
+    for group in dp_groups(topo):
+        try:
+            groups.append(_plan_group(topo, group, state))
+        except _Infeasible as exc:
+            problems.append(str(exc))
+    if problems:
+        shown = problems[:8] + ([f"... and {len(problems) - 8} more DP groups"] if len(problems) > 8 else [])
+        raise ConfigError(f"topology {topo.name!r} is infeasible ({len(problems)} of "
+                          f"{len(problems) + len(groups)} DP groups cannot be mirrored); no plan was made:\n"
+                          + "\n".join(f"  - {p}" for p in shown))
+    return Plan(topology=topo.name, mirror=topo.mirror, switches=_switch_infos(topo, groups),
+                groups=groups, cpu_nodes=_cpu_uses(state, groups))
+
+
+def _candidates(topo: Topology, group: DpGroup) -> list[tuple[int, Direction, tuple[int, ...]]]:
+    out = []
+    for position in range(group.size):
+        for direction in topo.mirror.directions:
+            hops = stream_hops(position, direction, group.size)
+            if all(group.hop_on_network(h) for h in hops):
+                out.append((position, direction, hops))
+    return out
+
+
+def _plan_group(topo: Topology, group: DpGroup, state: _State) -> GroupPlan:
+    wanted = topo.mirror.sources_per_group
+    candidates = _candidates(topo, group)
+    positions = {c[0] for c in candidates}
+    switches = sorted({s.switch for s in group.seats})
+    where = f"DP group {group.id} ({group.size} ranks on {', '.join(switches)})"
+    if len(positions) < wanted:
+        raise _Infeasible(f"{where}: only {len(positions)} ring positions send or receive in the allowed "
+                          f"directions ({', '.join(topo.mirror.directions)}) over the network -- the other hops "
+                          f"stay inside a node -- but {wanted} mirror sources are needed")
+    open_nodes = [n.name for n in topo.cpu_nodes if len(state.groups_of[n.name]) < state.slots[n.name]]
+    if not open_nodes:
+        raise _Infeasible(f"{where}: every CPU node already hosts its max_dp_groups; add a CPU node cabled to "
+                          f"{', '.join(switches)} or raise max_dp_groups")
+    local = [n for n in open_nodes if any(p.switch in switches for p in state.ports[n])]
+    # Nodes already in use first (fewer CPU nodes), then those with more ports on the group's leaves.
+    local.sort(key=lambda n: (not state.groups_of[n], -sum(p.switch in switches for p in state.ports[n])))
+    remote = [n for n in open_nodes if n not in local] if topo.mirror.erspan.allow else []
+    best: _Selection | None = None
+    for node in local + remote:
+        selection = _select(topo, group, candidates, node, state)
+        complete = len(selection.picks) == wanted
+        if complete and selection.erspan == 0:
+            best = selection
+            break
+        if best is None or (len(selection.picks), -selection.erspan) > (len(best.picks), -best.erspan):
+            best = selection
+    if best is None or len(best.picks) < wanted:
+        if not local and not remote:
+            raise _Infeasible(f"{where}: no CPU node with a free DP-group slot is cabled to {', '.join(switches)}"
+                              + ("" if topo.mirror.erspan.allow else ", and mirror.erspan.allow is false"))
+        assert best is not None
+        reasons = sorted(best.reasons)[:_MAX_REASONS]
+        raise _Infeasible(f"{where}: needs {wanted} mirror sources on distinct ports of one CPU node, but the "
+                          f"best node, {best.node}, takes only {len(best.picks)}: " + "; ".join(reasons))
+    return _commit(topo, group, best, state)
+
+
+def _select(topo: Topology, group: DpGroup, candidates: list[tuple[int, Direction, tuple[int, ...]]],
+            node: str, state: _State) -> _Selection:
+    ports = {id(p): _CpuPort(**vars(p)) for p in state.ports[node]}  # tentative copies
+    on_switch = {k: list(v) for k, v in state.on_switch.items()}
+    picks: list[_Pick] = []
+    reasons: set[str] = set()
+    for _ in range(topo.mirror.sources_per_group):
+        reasons = set()
+        best, best_score = None, None
+        taken = {p.position for p in picks}
+        for position, direction, hops in candidates:
+            if position in taken:
+                continue
+            seat = group.seats[position]
+            load = seat.speed_gbps * len(hops)
+            placed = _place(topo, state.switches[seat.switch], seat, direction, load, ports.values(), picks,
+                            on_switch, reasons)
+            if placed is None:
+                continue
+            port, encapsulation = placed
+            score = _score(group, picks, position, direction, hops, load, encapsulation)
+            if best_score is None or score > best_score:
+                best, best_score = _Pick(position, direction, hops, seat, load, port, encapsulation), score
+        if best is None:
+            break
+        picks.append(best)
+        best.port.free_gbps -= best.load_gbps
+        best.port.mode = "span" if best.encapsulation == "none" else "erspan"
+        on_switch.setdefault(best.seat.switch, []).append((_dest_key(best.port, best.encapsulation), best.direction))
+    return _Selection(node, picks, reasons)
+
+
+def _score(group: DpGroup, picks: list[_Pick], position: int, direction: Direction, hops: tuple[int, ...],
+           load: float, encapsulation: str) -> tuple:
+    coverage = chunk_coverage(group.size, [h for p in picks for h in p.hops] + list(hops))
+    distance = min((min((position - p.position) % group.size, (p.position - position) % group.size)
+                    for p in picks), default=0)
+    return (sorted(coverage), encapsulation == "none", -load, -distance, -position, -_DIRECTION_ORDER[direction])
+
+
+def _dest_key(port: _CpuPort, encapsulation: str) -> str:
+    return port.port if encapsulation == "none" else f"erspan:{port.ip}"
+
+
+def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction, load: float, ports,
+           picks: list[_Pick], on_switch: dict[str, list[tuple[str, Direction]]],
+           reasons: set[str]) -> tuple[_CpuPort, str] | None:
+    """The best port of the node for this source (local first, tightest fit), or None with reasons noted."""
+    spec = vendors.spec(switch.vendor)
+    limit = switch.max_mirror_sessions or spec.max_sessions
+    erspan = f"erspan{topo.mirror.erspan.version}"
+    used = {id(p.port) for p in picks}
+    options = []
+    for port in ports:
+        if id(port) in used or port.free_gbps < load:
+            continue
+        if port.switch == seat.switch:
+            if port.mode == "erspan":
+                continue
+            encapsulation = "none"
+        else:
+            if port.mode == "span" or port.ip is None:
+                continue
+            if not topo.mirror.erspan.allow:
+                reasons.add(f"ERSPAN from {seat.switch} is off (mirror.erspan.allow is false)")
+                continue
+            if erspan not in spec.encapsulations:
+                reasons.add(f"{seat.switch} runs {spec.title}, which gradtap cannot configure for {erspan}")
+                continue
+            if switch.erspan_source_ip is None:
+                reasons.add(f"{seat.switch} has no erspan_source_ip for ERSPAN")
+                continue
+            encapsulation = erspan
+        keys = session_keys(spec, [*on_switch.get(seat.switch, []), (_dest_key(port, encapsulation), direction)])
+        if limit is not None and len(keys) > limit:
+            reasons.add(f"{seat.switch} ({spec.title}) would exceed its limit of {limit} mirror sessions")
+            continue
+        options.append(((encapsulation != "none", port.free_gbps), port, encapsulation))
+    if not options:
+        reasons.add(f"no unused port on {seat.switch} (or reachable by ERSPAN) has {load:g} Gbps free "
+                    f"for a {direction} mirror")
+        return None
+    _, port, encapsulation = min(options, key=lambda o: o[0])
+    return port, encapsulation
+
+
+def _commit(topo: Topology, group: DpGroup, selection: _Selection, state: _State) -> GroupPlan:
+    real = {(p.node, p.nic): p for p in state.ports[selection.node]}
+    sources = []
+    for index, pick in enumerate(sorted(selection.picks, key=lambda p: p.position)):
+        port = real[pick.port.node, pick.port.nic]
+        port.free_gbps -= pick.load_gbps
+        port.mode = "span" if pick.encapsulation == "none" else "erspan"
+        state.on_switch[pick.seat.switch].append((_dest_key(port, pick.encapsulation), pick.direction))
+        sources.append(PlannedSource(
+            name=f"m{index}", group=group.id, position=pick.position, dp_rank=group.dp_ranks[pick.position],
+            global_rank=pick.seat.global_rank, node=pick.seat.node, nic=pick.seat.nic, direction=pick.direction,
+            switch=pick.seat.switch, port=pick.seat.port, speed_gbps=pick.seat.speed_gbps, load_gbps=pick.load_gbps,
+            cpu_node=port.node, cpu_nic=port.nic, dest_switch=port.switch, dest_port=port.port,
+            encapsulation=pick.encapsulation, erspan_dst_ip=None if pick.encapsulation == "none" else port.ip))
+    state.groups_of[selection.node].append(group.id)
+    hops = [h for p in selection.picks for h in p.hops]
+    mirror = topo.mirror
+    coverage = chunk_coverage(group.size, hops)
+    distinct_streams = len(set(hops)) == len(hops) == len(selection.picks)
+    return GroupPlan(
+        id=group.id, size=group.size, cpu_node=selection.node, sources=sources, coverage=coverage,
+        p_fail_exact=p_fail_exact(coverage, mirror.packets_per_iteration, mirror.loss_rate),
+        p_fail_eq2=p_fail_eq2(group.size, len(hops), mirror.packets_per_iteration, mirror.loss_rate)
+        if distinct_streams else None)
+
+
+def _switch_infos(topo: Topology, groups: list[GroupPlan]) -> list[SwitchInfo]:
+    cabled = {(g.switch, g.port) for n in topo.gpu_nodes for g in n.gpus}
+    cabled |= {(p.switch, p.port) for n in topo.cpu_nodes for p in n.ports}
+    used = {(s.switch, s.port) for g in groups for s in g.sources}
+    used |= {(s.dest_switch, s.dest_port) for g in groups for s in g.sources}
+    return [SwitchInfo(name=sw.name, vendor=sw.vendor, max_mirror_sessions=sw.max_mirror_sessions,
+                       session_id_base=sw.session_id_base,
+                       erspan_source_ip=str(sw.erspan_source_ip) if sw.erspan_source_ip else None,
+                       ports_total=len(sw.ports),
+                       ports_free=sum((sw.name, p.name) not in cabled and not p.uplink for p in sw.ports),
+                       linux_ifnames={p.name: p.linux_ifname for p in sw.ports
+                                      if p.linux_ifname and (sw.name, p.name) in used})
+            for sw in topo.leaf_switches]
+
+
+def _cpu_uses(state: _State, groups: list[GroupPlan]) -> list[CpuNodeUse]:
+    load: dict[str, float] = defaultdict(float)
+    for g in groups:
+        for s in g.sources:
+            load[s.cpu_node] += s.load_gbps
+    return [CpuNodeUse(name=node, groups=list(gids), load_gbps=load[node],
+                       capacity_gbps=sum(p.speed_gbps for p in state.ports[node]))
+            for node, gids in state.groups_of.items() if gids]

@@ -1,0 +1,104 @@
+"""The plan report: sessions per switch, CPU nodes and their load, failure probability, cost.
+
+One dictionary (:func:`report_dict`, the JSON form) feeds both outputs; :func:`print_report`
+lays it out as Rich tables. "Failure" is an iteration whose gradients cannot be recovered
+from the mirrored streams; the job-level figures are the probability that any DP group
+fails in an iteration, with groups independent.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.table import Table
+
+from netconfig import vendors
+from netconfig.plan import Plan
+from netconfig.reliability import iterations_between_failures, p_any_fails
+from netconfig.vendors.base import build_sessions, session_limit
+
+
+def _iterations(p_fail: float | None) -> float | None:
+    """Expected iterations between failures; None when it is unbounded (p = 0) or unknown."""
+    if p_fail is None:
+        return None
+    value = iterations_between_failures(p_fail)
+    return None if math.isinf(value) else value
+
+
+def report_dict(plan: Plan) -> dict:
+    mirror = plan.mirror
+    groups = [{
+        "id": g.id, "ranks": g.size, "cpu_node": g.cpu_node,
+        "sources": [f"{s.name}: position {s.position} {s.direction} {s.switch} {s.port} -> {s.cpu_node} "
+                    f"{s.cpu_nic} ({'local' if s.encapsulation == 'none' else s.encapsulation})" for s in g.sources],
+        "min_chunk_coverage": min(g.coverage), "p_fail_exact": g.p_fail_exact, "p_fail_eq2": g.p_fail_eq2,
+        "iterations_between_failures": _iterations(g.p_fail_exact),
+    } for g in plan.groups]
+    switches = []
+    for sw in plan.switches:
+        sources = plan.sources_on(sw.name)
+        if not sources:
+            continue
+        spec = vendors.spec(sw.vendor)
+        switches.append({"switch": sw.name, "vendor": sw.vendor, "sources": len(sources),
+                         "sessions": len(build_sessions(spec, sw, sources, mirror.erspan)),
+                         "session_limit": session_limit(spec, sw), "free_ports": sw.ports_free})
+    eq2 = [g.p_fail_eq2 for g in plan.groups]
+    p_job = p_any_fails(g.p_fail_exact for g in plan.groups)
+    p_job_eq2 = None if None in eq2 else p_any_fails(eq2)
+    price = mirror.cpu_node_price_per_hour
+    return {
+        "topology": plan.topology, "loss_rate": mirror.loss_rate,
+        "packets_per_iteration": mirror.packets_per_iteration,
+        "sources_per_group": mirror.sources_per_group, "groups": groups, "switches": switches,
+        "cpu_nodes": [{"name": n.name, "groups": n.groups, "load_gbps": n.load_gbps,
+                       "capacity_gbps": n.capacity_gbps} for n in plan.cpu_nodes],
+        "job": {"dp_groups": len(plan.groups), "p_fail_exact": p_job, "p_fail_eq2": p_job_eq2,
+                "iterations_between_failures": _iterations(p_job)},
+        "cost": {"cpu_nodes": len(plan.cpu_nodes), "price_per_hour": price, "currency": mirror.currency,
+                 "total_per_hour": len(plan.cpu_nodes) * price},
+    }
+
+
+def _sci(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def print_report(plan: Plan, console: Console) -> None:
+    report = report_dict(plan)
+    table = Table(title=f"Mirror sources per DP group ({report['topology']}, p = {report['loss_rate']:g}, "
+                        f"K = {report['packets_per_iteration']:g} packets/iteration)")
+    for column in ("group", "ranks", "CPU node", "sources", "min c_k", "P(fail) exact", "P(fail) Eq. 2",
+                   "iterations between failures"):
+        table.add_column(column, justify="right" if column in ("ranks", "min c_k") else "left")
+    for g in report["groups"]:
+        iterations = g["iterations_between_failures"]
+        table.add_row(g["id"], str(g["ranks"]), g["cpu_node"], "\n".join(g["sources"]),
+                      str(g["min_chunk_coverage"]), _sci(g["p_fail_exact"]), _sci(g["p_fail_eq2"]),
+                      "unbounded" if iterations is None else f"{iterations:.3g}")
+    console.print(table)
+
+    switches = Table(title="Mirror sessions per switch")
+    for column in ("switch", "vendor", "sources", "sessions", "limit", "free ports"):
+        switches.add_column(column)
+    for s in report["switches"]:
+        switches.add_row(s["switch"], s["vendor"], str(s["sources"]), str(s["sessions"]),
+                         "none" if s["session_limit"] is None else str(s["session_limit"]), str(s["free_ports"]))
+    console.print(switches)
+
+    nodes = Table(title="CPU mirror nodes")
+    for column in ("CPU node", "DP groups", "load Gbps", "capacity Gbps"):
+        nodes.add_column(column)
+    for n in report["cpu_nodes"]:
+        nodes.add_row(n["name"], ", ".join(n["groups"]), f"{n['load_gbps']:g}", f"{n['capacity_gbps']:g}")
+    console.print(nodes)
+
+    job, cost = report["job"], report["cost"]
+    iterations = job["iterations_between_failures"]
+    console.print(f"job: {job['dp_groups']} DP groups, P(any group fails per iteration) = "
+                  f"{_sci(job['p_fail_exact'])} exact, {_sci(job['p_fail_eq2'])} Eq. 2; expected iterations "
+                  f"between failures: {'unbounded' if iterations is None else f'{iterations:.3g}'}")
+    console.print(f"cost: {cost['cpu_nodes']} CPU nodes x {cost['price_per_hour']:.2f} {cost['currency']}/h = "
+                  f"{cost['total_per_hour']:.2f} {cost['currency']}/h")

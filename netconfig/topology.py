@@ -1,0 +1,264 @@
+"""The cluster topology a mirror plan is computed from, loaded from YAML and validated.
+
+A topology holds the hardware (GPU nodes and the leaf-switch port of each GPU's NIC, leaf
+switches with their ports and speeds, CPU mirror nodes and where each of their NIC ports
+is cabled), the job's parallel layout (DP/TP/PP sizes, rank order, ring order) and the
+mirror policy (loss rate, packets per iteration, sources per DP group, price).
+
+Hardware is listed explicitly, or generated from a compact ``rail_fabric`` section for
+rail-optimised clusters (see :mod:`netconfig.rail_fabric`). Every problem is reported as
+``<file>: <field path>: <bad value> is not allowed (<what is>)``, all problems at once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from ipaddress import IPv4Address
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gradtap.errors import ConfigError
+from netconfig.validation import format_validation_error, issue, show_value
+
+Vendor = Literal["sonic", "eos", "nxos", "comware", "junos", "nvue", "linux"]
+#: A mirror direction, seen from the GPU NIC: ``egress`` = frames the NIC transmits.
+Direction = Literal["egress", "ingress", "both"]
+Axis = Literal["tp", "dp", "pp"]
+
+NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$"
+PORT_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_./:]{0,63}$"
+# The kernel's dev_valid_name(): 1..15 bytes, no '/', ':' or whitespace.
+LINUX_IFNAME = r"^[^/:\s]{1,15}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SwitchPort(_Model):
+    name: str = Field(pattern=PORT_NAME)
+    speed_gbps: float = Field(gt=0)
+    #: Cabled to the spine layer: never free for a CPU node.
+    uplink: bool = False
+    #: The Linux interface that is this port, for the ``linux`` vendor (tc / pyroute2).
+    linux_ifname: str | None = Field(None, pattern=LINUX_IFNAME)
+
+
+class LeafSwitch(_Model):
+    name: str = Field(pattern=NAME)
+    vendor: Vendor
+    ports: list[SwitchPort] = Field(min_length=1)
+    #: Overrides the vendor's default limit on mirror sessions (the ASIC's real limit).
+    max_mirror_sessions: int | None = Field(None, ge=1)
+    #: First session number for vendors whose sessions are numbered (NX-OS, Comware, NVUE).
+    session_id_base: int | None = Field(None, ge=0)
+    #: Source address of ERSPAN packets this switch originates.
+    erspan_source_ip: IPv4Address | None = None
+
+
+class GpuNic(_Model):
+    nic: str = Field(pattern=NAME)
+    switch: str
+    port: str
+
+
+class GpuNode(_Model):
+    name: str = Field(pattern=NAME)
+    #: One entry per GPU, in local GPU order; each GPU's NIC and the leaf port it is cabled to.
+    gpus: list[GpuNic] = Field(min_length=1)
+
+
+class CpuPort(_Model):
+    nic: str = Field(pattern=NAME)
+    switch: str
+    port: str
+    #: Address that ERSPAN packets are sent to, if this port may receive ERSPAN.
+    ip: IPv4Address | None = None
+
+
+class CpuNode(_Model):
+    name: str = Field(pattern=NAME)
+    ports: list[CpuPort] = Field(min_length=1)
+    #: How many DP groups (gradtap appliances) this node may host.
+    max_dp_groups: int = Field(1, ge=1)
+
+
+class Layout(_Model):
+    dp: int = Field(ge=2)
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    #: Parallel axes from fastest- to slowest-varying global rank (Megatron's default).
+    order: list[Axis] = ["tp", "dp", "pp"]
+    #: Ring position -> DP rank, for every DP group. Default: NCCL orders the ring by rank.
+    ring_order: list[int] | None = None
+    #: Per-group override of ``ring_order``, keyed by group id (``tp0-pp3``).
+    ring_order_by_group: dict[str, list[int]] = {}
+
+    @field_validator("order")
+    @classmethod
+    def _permutation(cls, value: list[str]) -> list[str]:
+        if sorted(value) != ["dp", "pp", "tp"]:
+            raise ValueError(f"{show_value(value)} is not allowed (must name tp, dp and pp once each)")
+        return value
+
+
+class ErspanPolicy(_Model):
+    #: May sources reach a CPU node on another switch through ERSPAN?
+    allow: bool = True
+    version: Literal[2, 3] = 2
+    dscp: int = Field(0, ge=0, le=63)
+    ttl: int = Field(64, ge=1, le=255)
+
+
+class MirrorPolicy(_Model):
+    #: Per-packet loss probability p of a mirror link.
+    loss_rate: float = Field(ge=0, lt=1)
+    #: K: allgather packets of one iteration, summed over all chunks of one DP group's ring.
+    packets_per_iteration: float = Field(gt=0)
+    sources_per_group: int = Field(3, ge=3)
+    #: Directions the planner may choose from; ``both`` needs twice the mirror capacity.
+    directions: list[Direction] = Field(["egress"], min_length=1)
+    erspan: ErspanPolicy = ErspanPolicy()
+    cpu_node_price_per_hour: float = Field(0.0, ge=0)
+    currency: str = Field("USD", min_length=1, max_length=8)
+
+
+class RailFabric(_Model):
+    """A rail-optimised cluster: GPU k of every node is cabled to the rail-k leaf of its pod.
+
+    Node ``n`` sits in pod ``n // nodes_per_leaf``; each pod has one leaf per rail. Leaf
+    ports are used in this order: GPU downlinks, CPU-node ports, uplinks.
+    """
+
+    gpu_nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    nodes_per_leaf: int = Field(ge=1)
+    gpu_port_speed_gbps: float = Field(gt=0)
+    leaf_vendor: Vendor
+    leaf_ports: int = Field(ge=1)
+    uplink_ports: int = Field(0, ge=0)
+    #: Port names: ``{i}`` is the 0-based port index times ``port_index_step``, ``{n}`` is 1-based.
+    port_name_format: str = "Ethernet{i}"
+    port_index_step: int = Field(1, ge=1)
+    max_mirror_sessions: int | None = Field(None, ge=1)
+    cpu_nodes_per_leaf: int = Field(ge=1)
+    cpu_node_ports: int = Field(ge=1)
+    cpu_port_speed_gbps: float = Field(gt=0)
+    cpu_node_max_dp_groups: int = Field(1, ge=1)
+
+
+class Topology(_Model):
+    name: str = Field(pattern=NAME)
+    description: str = ""
+    layout: Layout
+    mirror: MirrorPolicy
+    gpu_nodes: list[GpuNode] = []
+    leaf_switches: list[LeafSwitch] = []
+    cpu_nodes: list[CpuNode] = []
+    #: Compact description of a rail-optimised cluster; expands into the three lists above.
+    rail_fabric: RailFabric | None = None
+
+
+def load_topology(path: str | Path) -> Topology:
+    """Read, expand and validate a topology file; raise :class:`ConfigError` listing every problem."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path.name}: cannot read topology: {exc}") from exc
+    return parse_topology(data, source=path.name)
+
+
+def parse_topology(data: object, source: str = "topology.yaml") -> Topology:
+    """Validate an already-parsed YAML document (see :func:`load_topology`)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the topology must be a mapping, got {type(data).__name__}")
+    try:
+        topo = Topology.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc, Topology)) from None
+    if topo.rail_fabric is not None:
+        # Imported here: rail_fabric builds the models of this module.
+        from netconfig.rail_fabric import expand_rail_fabric
+
+        topo = expand_rail_fabric(topo, source)
+    problems = check_references(topo, source)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return topo
+
+
+def check_references(topo: Topology, source: str) -> list[str]:
+    """Cross-field checks pydantic cannot do: names resolve, nothing is cabled twice, sizes agree."""
+    problems: list[str] = []
+    ports: dict[str, dict[str, SwitchPort]] = {}
+    for i, sw in enumerate(topo.leaf_switches):
+        if sw.name in ports:
+            problems.append(issue(source, ("leaf_switches", i, "name"), f"{sw.name!r} is used twice"))
+        ports[sw.name] = {}
+        for j, port in enumerate(sw.ports):
+            if port.name in ports[sw.name]:
+                problems.append(issue(source, ("leaf_switches", i, "ports", j, "name"),
+                                      f"{port.name!r} is used twice on switch {sw.name!r}"))
+            ports[sw.name][port.name] = port
+        ifnames = Counter(p.linux_ifname for p in sw.ports if p.linux_ifname)
+        for j, port in enumerate(sw.ports):
+            if port.linux_ifname and ifnames[port.linux_ifname] > 1:
+                problems.append(issue(source, ("leaf_switches", i, "ports", j, "linux_ifname"),
+                                      f"{port.linux_ifname!r} names two ports of switch {sw.name!r}"))
+
+    cabled: dict[tuple[str, str], str] = {}
+
+    def cable(loc: tuple, switch: str, port: str, owner: str) -> None:
+        if switch not in ports:
+            known = ", ".join(sorted(ports)) or "none"
+            problems.append(issue(source, (*loc, "switch"),
+                                  f"{switch!r} is not a leaf switch of this topology (known: {known})"))
+        elif port not in ports[switch]:
+            problems.append(issue(source, (*loc, "port"), f"{port!r} is not a port of leaf switch {switch!r}"))
+        elif ports[switch][port].uplink:
+            problems.append(issue(source, (*loc, "port"),
+                                  f"{switch} {port} is an uplink and cannot be cabled to {owner}"))
+        elif (switch, port) in cabled:
+            problems.append(issue(source, (*loc, "port"),
+                                  f"{switch} {port} is already cabled to {cabled[switch, port]}"))
+        else:
+            cabled[switch, port] = owner
+
+    node_names: Counter[str] = Counter(n.name for n in [*topo.gpu_nodes, *topo.cpu_nodes])
+    for i, node in enumerate(topo.gpu_nodes):
+        if node_names[node.name] > 1:
+            problems.append(issue(source, ("gpu_nodes", i, "name"), f"{node.name!r} is used twice"))
+        for j, gpu in enumerate(node.gpus):
+            cable(("gpu_nodes", i, "gpus", j), gpu.switch, gpu.port, f"{node.name} {gpu.nic}")
+    for i, node in enumerate(topo.cpu_nodes):
+        if node_names[node.name] > 1:
+            problems.append(issue(source, ("cpu_nodes", i, "name"), f"{node.name!r} is used twice"))
+        for j, port in enumerate(node.ports):
+            cable(("cpu_nodes", i, "ports", j), port.switch, port.port, f"{node.name} {port.nic}")
+
+    layout = topo.layout
+    world = layout.dp * layout.tp * layout.pp
+    gpus = sum(len(n.gpus) for n in topo.gpu_nodes)
+    if gpus != world:
+        problems.append(issue(source, ("layout",), f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp} = "
+                              f"{world} ranks, but gpu_nodes list {gpus} GPUs"))
+    if layout.ring_order is not None and sorted(layout.ring_order) != list(range(layout.dp)):
+        problems.append(issue(source, ("layout", "ring_order"), f"{show_value(layout.ring_order)} is not "
+                              f"allowed (must list each DP rank 0..{layout.dp - 1} once)"))
+    groups = {f"tp{t}-pp{p}" for t in range(layout.tp) for p in range(layout.pp)}
+    for key, order in layout.ring_order_by_group.items():
+        if key not in groups:
+            problems.append(issue(source, ("layout", "ring_order_by_group", key),
+                                  f"{key!r} is not a DP group of this layout (ids look like 'tp0-pp0')"))
+        elif sorted(order) != list(range(layout.dp)):
+            problems.append(issue(source, ("layout", "ring_order_by_group", key), f"{show_value(order)} is "
+                                  f"not allowed (must list each DP rank 0..{layout.dp - 1} once)"))
+    if not topo.cpu_nodes:
+        problems.append(issue(source, ("cpu_nodes",), "no CPU mirror node is listed"))
+    return problems
+
+

@@ -1,0 +1,146 @@
+"""NCCL's ring allreduce arithmetic: the exact values each ring step puts on the wire.
+
+``runRing`` (``src/device/all_reduce.h``, NCCL v2.19.3-1) has the rank at ring position
+``p`` send, at ring step ``s``, chunk ``c = (p - 1 - s) mod n``. For an element of chunk
+``c`` the value sent at reduce-scatter step ``s`` (``s < n-1``) is a running sum that
+starts with the own value of position ``c+1`` (``prims.send``) and adds the own values of
+positions ``c+2, ..., c+1+s`` one hop at a time (``recvReduceSend``:
+``applyReduce(redOp, peerData, data)``, i.e. received + own). At step ``n-1`` position ``c``
+adds its own value last and sends the fully reduced sum (``directRecvReduceCopySend``); the
+allgather steps forward that value unchanged (``directRecvCopySend``), so every send of
+steps ``n-1 .. 2n-3`` carries row ``n-1`` of :func:`ring_partials`, and row ``n-1`` is the
+reduced gradient every rank ends up with.
+
+Each hop is one addition in the wire dtype (``FuncSum`` in ``src/device/reduce_kernel.h``):
+
+* fp32: an IEEE binary32 addition, rounded to nearest even. NCCL is built without
+  ``-ftz``/``--use_fast_math`` (``makefiles/common.mk``), so subnormals are kept.
+* bf16 / fp16: ``__hadd`` on sm_80+ (fp16 already on sm_53+), a correctly rounded 16-bit
+  addition; on older GPUs ``__float2bfloat16(__bfloat162float(x) + __bfloat162float(y))``
+  (resp. ``__float2half``), i.e. a binary32 addition rounded once more to 16 bits. Both
+  give the same bits: binary32 has 24 significand bits, at least ``2p + 2`` for fp16
+  (p = 11) and bf16 (p = 8), so the double rounding is innocuous (Figueroa, "When is double
+  rounding innocuous?", 1995). This module computes the binary32 sum and rounds it to
+  nearest even; ``tests/naive.py`` checks it against exact rational arithmetic rounded once.
+
+NaN payload bits are not modelled (any NaN stays a NaN). Arrays follow the simulator's
+wire representation: fp32 as ``float32``, fp16 as ``float16`` and bf16 as the ``uint16``
+bit patterns (NumPy has no bfloat16), so the dtype of an array names its wire dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from gradtap.errors import PlanError
+from workload.wire_plan import DATA, PHASE_RS, WirePlan
+
+WIRE_DTYPE_OF = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(np.uint16): "bf16"}
+
+
+def wire_dtype_of(array: np.ndarray) -> str:
+    """The wire dtype (``fp32``/``fp16``/``bf16``) that ``array``'s NumPy dtype represents."""
+    try:
+        return WIRE_DTYPE_OF[array.dtype]
+    except KeyError:
+        raise TypeError(f"wire arrays are float32 (fp32), float16 (fp16) or uint16 bf16 bit "
+                        f"patterns; got {array.dtype}") from None
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
+    """Round binary32 values to the nearest bf16, ties to even (NaNs stay NaN)."""
+    bits = values.view(np.uint32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        # Rounding could carry a NaN's payload into the exponent (an infinity); keep it quiet.
+        rounded[nan] = (bits[nan] >> 16).astype(np.uint16) | 0x0040
+    return rounded
+
+
+@np.errstate(over="ignore", invalid="ignore")  # overflow to infinity is IEEE behaviour, as on the GPU
+def _add(acc: np.ndarray, own: np.ndarray) -> np.ndarray:
+    """One ring hop, ``acc + own``, rounded to the wire dtype of the operands."""
+    if acc.dtype == np.float32:
+        return acc + own
+    if acc.dtype == np.float16:
+        # NumPy's float16 -> float32 is exact and astype(float16) rounds to nearest even.
+        return (acc.astype(np.float32) + own.astype(np.float32)).astype(np.float16)
+    return _f32_to_bf16(_bf16_to_f32(acc) + _bf16_to_f32(own))
+
+
+def ring_partials(inputs: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
+    """The values the ring puts on the wire during the reduce-scatter, for every element.
+
+    Parameters
+        inputs: ``[n, count]``, row ``p`` is the bucket buffer of ring position ``p`` in the
+            wire representation (float32, float16, or uint16 bf16 bit patterns).
+        chunk_of: ``[count]`` integer ring chunk (``0..n-1``) of each element, e.g. from
+            :func:`chunk_index`.
+
+    Returns ``[n, count]`` of the same dtype: row ``s < n-1`` is the partial sum sent at
+    reduce-scatter step ``s``; row ``n-1`` is the fully reduced value (sent at step ``n-1``
+    and forwarded by every allgather step). Vectorised: ``n-1`` array additions.
+    """
+    wire_dtype_of(inputs)
+    if inputs.ndim != 2 or inputs.shape[0] < 2:
+        raise ValueError(f"inputs must be [n >= 2, count], got shape {inputs.shape}")
+    n, count = inputs.shape
+    chunk_of = np.asarray(chunk_of)
+    if chunk_of.shape != (count,) or not np.issubdtype(chunk_of.dtype, np.integer):
+        raise ValueError(f"chunk_of must be an integer array of shape ({count},), got "
+                         f"{chunk_of.dtype} {chunk_of.shape}")
+    if count and (chunk_of.min() < 0 or chunk_of.max() >= n):
+        raise ValueError(f"chunk_of holds chunks outside 0..{n - 1}")
+    cols = np.arange(count)
+    start = (chunk_of.astype(np.int64) + 1) % n  # the position that sends first at step 0
+    out = np.empty_like(inputs)
+    out[0] = inputs[start, cols]
+    for s in range(1, n):
+        out[s] = _add(out[s - 1], inputs[(start + s) % n, cols])
+    return out
+
+
+def chunk_index(plan: WirePlan, bucket: int) -> np.ndarray:
+    """``[count]`` int16 ring chunk of every element of ``bucket``, read from the plan.
+
+    At ring step 0 each position sends one chunk per channel and loop, so the plan's step-0
+    reduce-scatter sends tile the bucket; a plan whose step-0 sends do not tile it exactly
+    is refused with :class:`PlanError`.
+    """
+    if not 0 <= bucket < len(plan.bucket_numels):
+        raise ValueError(f"bucket {bucket} is not in the plan (0..{len(plan.bucket_numels) - 1})")
+    m = plan.messages
+    sends = m[(m["kind"] == DATA) & (m["bucket"] == bucket) & (m["phase"] == PHASE_RS)
+              & (m["ring_step"] == 0) & (m["part"] == 0) & (m["nelem"] > 0)]
+    # Adaptive routing plans two writes per send; both name the same element range.
+    _, first = np.unique(sends["elem_offset"], return_index=True)
+    sends = sends[first]
+    count = plan.bucket_numels[bucket]
+    ends = np.cumsum(sends["nelem"])
+    if (sends["elem_offset"] != ends - sends["nelem"]).any() or (ends[-1] if len(ends) else 0) != count:
+        raise PlanError(f"the step-0 sends of bucket {bucket} do not tile its {count} elements")
+    return np.repeat(sends["chunk"].astype(np.int16), sends["nelem"])
+
+
+def plan_allreduce(plan: WirePlan) -> Callable[[Sequence[np.ndarray], object], np.ndarray]:
+    """An ``allreduce(contributions, bucket)`` for :class:`simulator.training.Trainer`.
+
+    ``contributions[p]`` is ring position ``p``'s buffer of the bucket whose ``index`` is
+    given; the result is the fully reduced buffer (row ``n-1`` of :func:`ring_partials`).
+    """
+    cache: dict[int, np.ndarray] = {}
+
+    def allreduce(contributions: Sequence[np.ndarray], bucket) -> np.ndarray:
+        index = bucket.index
+        if index not in cache:
+            cache[index] = chunk_index(plan, index)
+        return ring_partials(np.stack(contributions), cache[index])[-1]
+
+    return allreduce

@@ -160,7 +160,7 @@ def _walk_pcapng(buf, pos, end, big, ifaces, n, used, out, offsets, caplens, wir
             if len(ifaces) == 0:
                 return n, used, pos, _BAD_IFACE
             wirelen = _u32(buf, pos + 8, big)
-            caplen = min(wirelen, blen - 16)
+            caplen = wirelen  # the spec's min(original length, snaplen); no caplen field
             if ifaces[0, _IF_SNAPLEN] > 0:
                 caplen = min(caplen, ifaces[0, _IF_SNAPLEN])
             data = pos + 12
@@ -190,7 +190,8 @@ def detect_format(path) -> str:
         if magic in (PCAP_MAGIC_US, PCAP_MAGIC_NS) or \
                 struct.unpack(">I", head)[0] in (PCAP_MAGIC_US, PCAP_MAGIC_NS):
             return "pcap"
-    raise CaptureError(f"{path}: byte 0: not a pcap or pcapng file (starts {head.hex() or 'empty'})")
+    raise CaptureError(
+        f"{path}: byte 0: not a pcap or pcapng file (starts {head.hex() or 'empty'})")
 
 
 class PcapReader:

@@ -116,7 +116,8 @@ def crc32_update(crc, buf, start, stop):
 
     ``buf``: C-contiguous 1-D uint8 array; requires ``0 <= start <= stop <= len(buf)``.
     """
-    return _isal_crc32(np.uint32(crc), buf.ctypes.data + start, np.uint64(stop - start))
+    return _isal_crc32(np.uint32(crc), buf.ctypes.data + np.int64(start),
+                       np.uint64(stop - start))
 
 
 @njit(**JIT, inline="always")
@@ -140,7 +141,8 @@ def icrc_frame(buf, l3_offset, l3_is_ipv6, end):
     if l3_is_ipv6:
         ip_len = IPV6_LEN
     else:
-        ip_len = ((buf[l3_offset + IPV4_OFF_IHL] & IPV4_IHL_MASK) >> IPV4_IHL_SHIFT) * 4
+        ihl = (np.int64(buf[l3_offset + IPV4_OFF_IHL]) & IPV4_IHL_MASK) >> IPV4_IHL_SHIFT
+        ip_len = ihl * 4
     n = ip_len + UDP_LEN + BTH_LEN
     for k in range(n):
         pre[k] = buf[l3_offset + k]

@@ -73,7 +73,8 @@ class Layout:
             size = struct.calcsize("!" + fmt)
             if isinstance(key, Bits):
                 if fmt not in _INT_FORMATS:
-                    raise ValueError(f"{name}: bit-fields {key} need an integer format, got {fmt!r}")
+                    raise ValueError(
+                        f"{name}: bit-fields {key} need an integer format, got {fmt!r}")
                 if sum(width for _, width in key) != 8 * size:
                     raise ValueError(f"{name}: bit-fields {key} do not fill their {size}-byte word")
                 shift = 8 * size

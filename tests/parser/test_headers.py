@@ -21,8 +21,8 @@ from parser.icrc import locate_icrc
 
 CAPTURES = sorted(Path("/work/shared/captures").glob("*.pcapng"))
 MAC1, MAC2 = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
-V4A, V4B = socket.inet_pton(socket.AF_INET, "10.0.0.1"), socket.inet_pton(socket.AF_INET, "10.0.0.2")
-V6A, V6B = socket.inet_pton(socket.AF_INET6, "fe80::1"), socket.inet_pton(socket.AF_INET6, "fe80::2")
+V4A, V4B = (socket.inet_pton(socket.AF_INET, a) for a in ("10.0.0.1", "10.0.0.2"))
+V6A, V6B = (socket.inet_pton(socket.AF_INET6, a) for a in ("fe80::1", "fe80::2"))
 
 # (module pack, unpack, fields, the bytes they must give, scapy's encoding or None)
 CASES = {

@@ -1,0 +1,173 @@
+"""End to end: simulated mirror captures carry the true reduced gradient where NCCL puts it.
+
+Frames are decoded with the slow struct-based decoder of ``tests/naive.py`` (nothing from
+``parser/``); the element range of each message comes from the wire plan, which is checked
+against real NCCL traffic in ``tests/workload/test_plan_captures.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from simulator.faults import parse_faults
+from simulator.run import Simulation
+from tests import naive
+from workload.layout import job_plan
+from workload.spec import parse_job
+from workload.wire_plan import DATA, PHASE_AG, PSN_MOD
+
+PAYLOAD_DECODERS = {"Simple": naive.decode_simple, "LL": naive.decode_ll, "LL128": naive.decode_ll128}
+WIRE_NP = {"fp32": np.float32, "bf16": np.uint16, "fp16": np.float16}
+
+
+def make_job(n=3, protocol="Simple", channels=2, dtype="fp32", ipv6=False, nqps=1, mtu=1024, **extra):
+    ranks = [{"ip": f"fe80::1:{i + 1:x}" if ipv6 else f"198.18.{i}.1", "mac": f"02:00:00:00:01:{i + 1:02x}"}
+             for i in range(n)]
+    mirrors = [{"name": "m-egress", "rank": 0, "direction": "egress"},
+               {"name": "m-ingress", "rank": 1 % n, "direction": "ingress"},
+               {"name": "m-both", "rank": n - 1, "direction": "both"}]
+    return parse_job({
+        "name": f"t{n}{protocol}{channels}{dtype}",
+        "model": {"factory": "simulator.models:mlp", "kwargs": {"sizes": [64, 96, 10]}},
+        "ddp": {"bucket_cap_mb": 0.01, "grad_dtype": dtype},
+        "optimizer": {"kind": "adam", "lr": 1e-3},
+        "nccl": {"protocol": protocol, "channels": channels, "qps_per_connection": nqps, "mtu": mtu,
+                 **extra},
+        "ring": {"ranks": ranks}, "mirrors": mirrors, "training": {"batch_size": 4},
+    })
+
+
+def simulate(tmp_path, job, iterations=2, faults=""):
+    spec = parse_faults(faults, tuple(m.name for m in job.mirrors))
+    return Simulation(job, tmp_path, iterations=iterations, seed=7, faults=spec).run()
+
+
+def decoded_flows(path):
+    """Data-write packets of a capture grouped by (src ip, dst ip, dest QP), in file order."""
+    flows = defaultdict(list)
+    for _, frame in naive.read_capture(path):
+        f, _ = naive.decode_frame(frame)
+        if f is not None and 0x06 <= f["opcode"] <= 0x0B:
+            assert f["icrc_ok"], "a simulated frame failed its ICRC"
+            flows[(f["ip_src"], f["ip_dst"], f["dest_qp"])].append(f)
+    return flows
+
+
+def check_allgather_matches_truth(out, job, iterations):
+    plan = job_plan(job)
+    layout = json.loads((out / "truth" / "layout.json").read_text())
+    ranks = job.ring.ranks
+    dtype = WIRE_NP[job.ddp.grad_dtype]
+    its = layout_iterations(out, iterations)
+    truths = [np.load(out / "truth" / f"iter_{it:06d}" / "grad.npy") for it in its]
+    for mirror in job.mirrors:
+        flows = decoded_flows(out / "streams" / f"{mirror.name}.pcap")
+        wanted = [f for f in plan.flows_of(mirror.rank, mirror.direction) if plan.flows["kind"][f] == DATA]
+        assert wanted
+        sends = {}   # (iteration, bucket, channel, src, step) -> [message bytes, plan row]
+        for f in wanted:
+            fl = plan.flows[f]
+            pkts = flows[(ranks[fl["src"]].ip, ranks[fl["dst"]].ip, int(fl["dst_qpn"]))]
+            assert len(pkts) == iterations * fl["npkts"], "a flow lost or gained packets without faults"
+            by_psn = {p["psn"]: p for p in pkts}
+            base = pkts[0]["psn"]
+            for k in range(iterations):
+                for m in plan.flow_messages(f):
+                    psn0 = (base + k * int(fl["npkts"]) + int(m["psn_offset"])) % PSN_MOD
+                    frames = [by_psn[(psn0 + j) % PSN_MOD] for j in range(m["npkts"])]
+                    payload = b"".join(p["payload"] for p in frames)
+                    assert len(payload) == m["wire_bytes"]
+                    if m["imm"]:
+                        assert frames[-1]["immdt_le"] == m["msg_bytes"]
+                    key = (k, int(m["bucket"]), int(m["channel"]), int(fl["src"]), int(m["step"]))
+                    buf = sends.setdefault(key, [bytearray(int(m["msg_bytes"])), m])[0]
+                    buf[m["part_offset"]:m["part_offset"] + len(payload)] = payload
+        flag_base = {}
+        checked = 0
+        for (k, bucket, channel, src, step), (message, m) in sorted(sends.items(), key=lambda kv: kv[0]):
+            if not message:
+                continue
+            data, flags = PAYLOAD_DECODERS[job.nccl.protocol](bytes(message))
+            if flags:
+                assert len(set(flags)) == 1
+                base = flags[0] - step - 1 - k * int(plan.steps_per_iteration[channel, src])
+                assert flag_base.setdefault((channel, src), base) == base, "flags do not follow the step counter"
+            if m["phase"] != PHASE_AG:
+                continue
+            start = layout["buckets"][bucket]["flat_offset"] + int(m["elem_offset"])
+            expect = truths[k][start:start + int(m["nelem"])].astype(dtype).tobytes()
+            assert data[:len(expect)] == expect, (mirror.name, k, bucket, channel, src, step)
+            checked += 1
+        assert checked > 0
+
+
+def layout_iterations(out, iterations):
+    manifest = json.loads((out / "truth" / "manifest.json").read_text())
+    assert len(manifest["iterations"]) == iterations
+    return manifest["iterations"]
+
+
+MATRIX = [(n, p, c, d) for n in (2, 3, 8) for p in ("Simple", "LL", "LL128") for c in (1, 2) for d in ("fp32", "bf16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,protocol,channels,dtype", MATRIX)
+def test_allgather_payloads_equal_ground_truth(tmp_path, n, protocol, channels, dtype):
+    job = make_job(n, protocol, channels, dtype)
+    simulate(tmp_path, job)
+    check_allgather_matches_truth(tmp_path, job, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ipv6,nqps,mtu", [(True, 2, 4096), (False, 2, 2048), (True, 1, 1024)])
+def test_addresses_qps_and_mtus(tmp_path, ipv6, nqps, mtu):
+    job = make_job(3, "LL128", 2, "fp32", ipv6=ipv6, nqps=nqps, mtu=mtu)
+    simulate(tmp_path, job)
+    check_allgather_matches_truth(tmp_path, job, 2)
+
+
+@pytest.mark.slow
+def test_mirror_faults_leave_the_truth_alone_and_appear_at_their_rates(tmp_path):
+    job = make_job(3, "LL", 2, "fp32")
+    clean = simulate(tmp_path / "clean", job)
+    rates = dict(mirror_loss=0.02, duplicate=0.02, reorder=0.02, truncate=0.02)
+    faulty = simulate(tmp_path / "faulty", job, faults=",".join(f"{k}={v}" for k, v in rates.items()))
+    for it in clean.iterations:
+        a = np.load(tmp_path / "clean" / "truth" / f"iter_{it:06d}" / "grad.npy")
+        b = np.load(tmp_path / "faulty" / "truth" / f"iter_{it:06d}" / "grad.npy")
+        assert a.tobytes() == b.tobytes()
+    for c, f in zip(clean.streams, faulty.streams):
+        n = c.frames
+        for key, p in rates.items():
+            # Binomial counts: within 5 standard deviations (fails by chance ~1e-6).
+            got = f.faults[key]
+            assert abs(got - n * p) <= 5 * np.sqrt(n * p * (1 - p)) + 1, (key, got, n * p)
+        assert f.frames == n - f.faults["mirror_loss"] + f.faults["duplicate"]
+
+
+@pytest.mark.slow
+def test_link_faults_retransmit_and_are_visible_on_every_mirror(tmp_path):
+    job = make_job(3, "Simple", 1, "fp32")
+    clean = simulate(tmp_path / "clean", job)
+    faulty = simulate(tmp_path / "faulty", job, faults="link_loss=0.01,corrupt=0.01")
+    assert faulty.link_faults["link_loss"] > 0 and faulty.link_faults["link_corrupt"] > 0
+    a = np.load(tmp_path / "clean" / "truth" / "iter_000001" / "grad.npy")
+    b = np.load(tmp_path / "faulty" / "truth" / "iter_000001" / "grad.npy")
+    assert a.tobytes() == b.tobytes()
+    bad = 0
+    retransmitted = 0
+    for s in faulty.streams:
+        seen = defaultdict(int)
+        for _, frame in naive.read_capture(s.path):
+            f, _ = naive.decode_frame(frame)
+            if f is None:
+                continue
+            bad += not f["icrc_ok"]
+            if 0x06 <= f["opcode"] <= 0x0B:
+                seen[(f["dest_qp"], f["psn"])] += 1
+        retransmitted += sum(v - 1 for v in seen.values())
+    assert bad > 0 and retransmitted > 0

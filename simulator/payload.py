@@ -1,0 +1,165 @@
+"""Protocol payloads: the bytes NCCL writes into a FIFO slot for one send.
+
+A send's data are the raw little-endian bytes of its elements in the wire dtype. What
+goes on the wire (the RDMA WRITE payload, ``msg_bytes`` in the wire plan) depends on the
+protocol, as NCCL v2.19.3-1 lays it out:
+
+**Simple** (``src/device/prims_simple.h``): the data bytes as they are.
+
+**LL** (``src/device/prims_ll.h``, ``src/include/device.h``): 16-byte lines
+``data1 flag1 data2 flag2`` (four little-endian uint32, ``union ncclLLFifoLine``), carrying
+8 data bytes each: ``storeLL`` writes ``(uint32)val, flag, (uint32)(val >> 32), flag``
+with ``flag = NCCL_LL_FLAG(step + 1) = (uint32)(step + 1)``. A last line with fewer than
+8 data bytes: ``DataLoader`` does not load the missing half for 4/8-byte types (the
+register keeps whatever it held) and for 2-byte types loads the following bytes of the
+user buffer, so NCCL leaves those bytes unspecified; this encoder writes zeros there.
+
+**LL128** (``src/device/prims_ll128.h``, ``device.h``): 128-byte lines of 16 little-endian
+uint64 words, word 15 of each line the flag ``step + 1`` (``sendFlag``, full 64 bits).
+Each warp moves a *slice* of 240 data words (1920 B) into 256 wire words (2048 B, 16
+lines); successive 1920-byte data slices go to successive 2048-byte wire slices
+(``GenericOp``: ``wireOffset = 256·warp + 2·wid``, advancing by ``256·nwarps`` while the
+data pointer advances by ``240·nwarps`` words), so a send of ``d`` data bytes is
+``ceil(d / 1920)·2048`` wire bytes. Inside a slice, lane ``wid`` (0..31) of the warp,
+a *flag thread* when ``wid % 8 == 7``:
+
+1. ``loadRegsBegin``: for ``g`` in 0..3 loads the 16-byte data block
+   ``ix = 32g - 4·(g // 2) + wid - (g % 2)·(wid // 8)`` into ``regs[2g], regs[2g+1]``
+   (flag threads skip odd ``g``; a block at or past the end of the data is not loaded);
+2. ``loadRegsFinish``: flag threads move ``regs[2g-1]`` into ``regs[2g]`` for odd ``g``;
+3. ``recvReduceSendCopy``: for ``u`` in 0, 2, 4, 6 stores the word pair
+   ``(regs[u], flagThread ? flag : regs[u+1])`` at wire words ``32u + 2·wid`` and ``+1``.
+
+Hence data word ``2·ix`` goes to wire word ``64g + 2·wid`` and data word ``2·ix + 1`` to
+``64g + 2·wid + 1`` (``64(g+1) + 2·wid`` for a flag thread); the 4 groups × 32 lanes, minus
+the flag threads' odd groups, cover blocks 0..119 exactly once (:data:`LL128_DATA_TO_WIRE`).
+Data past the end of a send (its last slice) is unspecified in NCCL (unloaded registers,
+or the user buffer's following bytes inside a partly used block); this encoder writes
+zeros there. Flags are written on every line of every slice.
+
+The flag argument of the encoders is ``step + 1``, the connection's absolute FIFO step
+plus one; LL keeps its low 32 bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from gradtap.jit import JIT
+from workload.nccl import (LL128_DATA_WORDS_PER_WARP, LL128_LINE_WORDS, LL128_WIRE_WORDS_PER_WARP,
+                           LL_DATA_PER_LINE, LL_LINE_BYTES, WARP_SIZE)
+
+PROTOCOLS = ("Simple", "LL", "LL128")
+LL128_SLICE_DATA = LL128_DATA_WORDS_PER_WARP * 8   # 1920 data bytes per warp slice
+LL128_SLICE_WIRE = LL128_WIRE_WORDS_PER_WARP * 8   # 2048 wire bytes per warp slice
+
+
+def _ll128_data_to_wire() -> np.ndarray:
+    """``[240]`` wire word (0..255) of each data word of an LL128 warp slice (see above)."""
+    wid = np.arange(WARP_SIZE)
+    flag_thread = wid % 8 == 7
+    perm = np.full(LL128_DATA_WORDS_PER_WARP, -1, dtype=np.int64)
+    for g in range(4):  # the register groups of loadRegsBegin; vectorised over the 32 lanes
+        loads = ~flag_thread if g % 2 else np.ones(WARP_SIZE, dtype=bool)
+        ix = 32 * g - 4 * (g // 2) + wid - (g % 2) * (wid // 8)
+        perm[2 * ix[loads]] = 64 * g + 2 * wid[loads]
+        second = np.where(flag_thread, 64 * (g + 1) + 2 * wid, 64 * g + 2 * wid + 1)
+        perm[2 * ix[loads] + 1] = second[loads]
+    assert (np.sort(perm) == np.setdiff1d(np.arange(LL128_WIRE_WORDS_PER_WARP),
+                                          np.arange(LL128_LINE_WORDS - 1, LL128_WIRE_WORDS_PER_WARP,
+                                                    LL128_LINE_WORDS))).all()
+    return perm
+
+
+LL128_DATA_TO_WIRE = _ll128_data_to_wire()
+_LL128_WIRE_FROM_DATA = np.zeros(LL128_WIRE_WORDS_PER_WARP, dtype=np.int64)   # flag words: overwritten
+_LL128_WIRE_FROM_DATA[LL128_DATA_TO_WIRE] = np.arange(LL128_DATA_WORDS_PER_WARP)
+_UNIT = {"Simple": 1, "LL": LL_DATA_PER_LINE, "LL128": LL128_SLICE_DATA}          # data bytes per unit
+_WIRE_UNIT = {"Simple": 1, "LL": LL_LINE_BYTES, "LL128": LL128_SLICE_WIRE}        # wire bytes per unit
+
+
+def wire_size(protocol: str, data_bytes: int) -> int:
+    """Wire bytes of a send carrying ``data_bytes`` bytes of elements."""
+    _check_protocol(protocol)
+    return -(-data_bytes // _UNIT[protocol]) * _WIRE_UNIT[protocol]
+
+
+def encode(protocol: str, data: np.ndarray, flag: int) -> np.ndarray:
+    """The wire payload (uint8) of one send whose element bytes are ``data`` (uint8, 1-D)."""
+    wire, _ = encode_batch(protocol, data, np.array([0, len(data)]), np.array([flag], dtype=np.uint64))
+    return wire
+
+
+def encode_batch(protocol: str, data: np.ndarray, offsets: np.ndarray,
+                 flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Encode many sends at once.
+
+    Parameters
+        data: uint8, the element bytes of all sends; send ``i`` is
+            ``data[offsets[i]:offsets[i+1]]``.
+        offsets: ``[m+1]`` non-decreasing int64 byte offsets into ``data``.
+        flags: ``[m]`` ``step + 1`` of each send (ignored by Simple).
+
+    Returns ``(wire, wire_offsets)``: the concatenated wire payloads (uint8) and ``[m+1]``
+    int64 offsets, send ``i`` being ``wire[wire_offsets[i]:wire_offsets[i+1]]``.
+    """
+    _check_protocol(protocol)
+    data, offsets, flags = _check_batch(data, offsets, flags)
+    sizes = np.diff(offsets)
+    units = -(-sizes // _UNIT[protocol])
+    wire_offsets = np.concatenate([[0], np.cumsum(units * _WIRE_UNIT[protocol])]).astype(np.int64)
+    padded = _pad(data[offsets[0]:offsets[-1]], sizes, units * _UNIT[protocol])
+    if protocol == "Simple":
+        return padded.copy(), wire_offsets
+    unit_flags = np.repeat(flags, units)
+    if protocol == "LL":
+        lines = np.empty((len(padded) // LL_DATA_PER_LINE, 4), dtype="<u4")
+        lines[:, 0::2] = padded.view("<u4").reshape(-1, 2)
+        low = unit_flags.astype("<u4")                  # NCCL_LL_FLAG: the low 32 bits
+        lines[:, 1] = low
+        lines[:, 3] = low
+        return lines.reshape(-1).view(np.uint8), wire_offsets
+    words = padded.view("<u8").reshape(-1, LL128_DATA_WORDS_PER_WARP)
+    # A gather (each wire word from its data word) is several times faster than the scatter.
+    slices = np.take(words, _LL128_WIRE_FROM_DATA, axis=1)
+    slices[:, LL128_LINE_WORDS - 1::LL128_LINE_WORDS] = unit_flags.astype("<u8")[:, None]
+    return slices.reshape(-1).view(np.uint8), wire_offsets
+
+
+def _pad(data: np.ndarray, sizes: np.ndarray, padded_sizes: np.ndarray) -> np.ndarray:
+    """Each send's bytes followed by zeros up to ``padded_sizes``, all concatenated."""
+    if (padded_sizes == sizes).all():
+        return data
+    out = np.zeros(int(padded_sizes.sum()), dtype=np.uint8)
+    _copy_segments(data, np.cumsum(sizes) - sizes, sizes, out, np.cumsum(padded_sizes) - padded_sizes)
+    return out
+
+
+@njit(**JIT)
+def _copy_segments(src, src_starts, lengths, dst, dst_starts):
+    """``dst[dst_starts[i]:][:lengths[i]] = src[src_starts[i]:][:lengths[i]]`` for every i.
+
+    A loop of slice copies: NumPy has no segmented copy, and a byte-index gather or mask
+    costs ten times the bytes it moves."""
+    for i in range(len(lengths)):
+        n = lengths[i]
+        dst[dst_starts[i]:dst_starts[i] + n] = src[src_starts[i]:src_starts[i] + n]
+
+
+def _check_protocol(protocol: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+
+
+def _check_batch(data, offsets, flags):
+    data = np.asarray(data)
+    if data.dtype != np.uint8 or data.ndim != 1:
+        raise ValueError(f"data must be a 1-D uint8 array, got {data.dtype} with shape {data.shape}")
+    offsets = np.asarray(offsets, dtype=np.int64)
+    flags = np.asarray(flags).astype(np.uint64)
+    if offsets.ndim != 1 or len(offsets) < 1 or flags.shape != (len(offsets) - 1,):
+        raise ValueError(f"offsets must be [m+1] and flags [m]; got {offsets.shape} and {flags.shape}")
+    if offsets[0] < 0 or offsets[-1] > len(data) or (np.diff(offsets) < 0).any():
+        raise ValueError(f"offsets must be non-decreasing within 0..{len(data)}")
+    return np.ascontiguousarray(data), offsets, flags

@@ -1,0 +1,59 @@
+"""Memory bandwidth of this machine, measured in the same run as a benchmark.
+
+``memcpy_bandwidth(threads)`` copies one large array into another, split in ``threads``
+contiguous parts copied at once by as many threads, and returns the best rate seen in GB/s
+(1e9 bytes copied per second; each byte is read once and written once). Benchmarks divide
+their own throughput by it to say how close a fast path comes to what memory allows.
+
+The copy is ``np.copyto`` on contiguous uint8 slices, which is libc ``memcpy`` (non-temporal
+stores for large sizes) and releases the GIL, so the threads really run in parallel. A
+Numba store loop is not a fair stand-in: on this class of machine it reaches well under half
+of memcpy's rate because every store first reads its cache line.
+
+Run ``python -m benchmarks._bandwidth`` to print the figures for 1 and 2 threads.
+"""
+
+import os
+import threading
+import time
+
+import numpy as np
+
+
+def memcpy_bandwidth(threads: int, nbytes: int = 256 << 20, repeats: int = 7) -> float:
+    """Best-of-``repeats`` copy rate of an ``nbytes`` array over ``threads`` threads, GB/s.
+
+    ``nbytes`` should be far larger than the last-level cache so the figure is DRAM's.
+    """
+    if threads < 1:
+        raise ValueError(f"threads = {threads}; must be >= 1")
+    src = np.ones(nbytes, np.uint8)  # written, so every page is faulted in before timing
+    dst = np.ones(nbytes, np.uint8)
+    bounds = np.linspace(0, nbytes, threads + 1).astype(np.int64)
+    start_line = threading.Barrier(threads + 1)
+    finish_line = threading.Barrier(threads + 1)
+
+    def worker(lo: int, hi: int) -> None:
+        for _ in range(repeats):
+            start_line.wait()
+            np.copyto(dst[lo:hi], src[lo:hi])
+            finish_line.wait()
+
+    pool = [threading.Thread(target=worker, args=(int(bounds[i]), int(bounds[i + 1])))
+            for i in range(threads)]
+    for t in pool:
+        t.start()
+    best = float("inf")
+    for _ in range(repeats):
+        start_line.wait()
+        start = time.perf_counter()
+        finish_line.wait()
+        best = min(best, time.perf_counter() - start)
+    for t in pool:
+        t.join()
+    return nbytes / best / 1e9
+
+
+if __name__ == "__main__":
+    for n in range(1, min(2, os.cpu_count() or 1) + 1):
+        print(f"memcpy, {n} thread{'s' if n > 1 else ''}: {memcpy_bandwidth(n):6.2f} GB/s")

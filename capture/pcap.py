@@ -43,6 +43,7 @@ PCAP_HEADER_LEN = 24
 PCAP_RECORD_LEN = 16
 PCAPNG_SHB = 0x0A0D0D0A
 PCAPNG_BYTE_ORDER_MAGIC = 0x1A2B3C4D
+_BYTE_ORDER_MAGIC_SWAPPED = 0x4D3C2B1A  # how the magic reads in the other byte order
 PCAPNG_IDB = 0x00000001
 PCAPNG_OPB = 0x00000002
 PCAPNG_SPB = 0x00000003
@@ -229,10 +230,13 @@ class PcapReader:
         self._end = len(self._buf)
         self._big = False
         self._ifaces = np.zeros((0, 5), np.int64)
+        self._pos = 0
         if self.format == "pcap":
-            self._pos = self._pcap_header()
-        else:
-            self._pos = 0
+            try:
+                self._pos = self._pcap_header()
+            except CaptureError:
+                self.close()
+                raise
 
     def _error(self, pos: int, what: str) -> CaptureError:
         return CaptureError(f"{self.path}: byte {pos}: {what}")
@@ -270,7 +274,7 @@ class PcapReader:
         btype = struct.unpack_from("<I", self._map, pos)[0]
         if btype == PCAPNG_SHB:
             bom = struct.unpack_from("<I", self._map, pos + 8)[0]
-            if bom not in (PCAPNG_BYTE_ORDER_MAGIC, 0x4D3C2B1A):
+            if bom not in (PCAPNG_BYTE_ORDER_MAGIC, _BYTE_ORDER_MAGIC_SWAPPED):
                 raise self._error(pos + 8, f"section header byte-order magic {bom:#010x} is "
                                            f"neither {PCAPNG_BYTE_ORDER_MAGIC:#010x} nor swapped")
             self._big = bom != PCAPNG_BYTE_ORDER_MAGIC
@@ -293,10 +297,11 @@ class PcapReader:
         else:
             linktype, _, snaplen = struct.unpack_from(order + "HHI", self._map, pos + 8)
             self._check_linktype(pos + 8, linktype)
-            self._add_interface(pos, order, snaplen, pos + 16, pos + blen - 4)
+            self._add_interface(order, snaplen, pos + 16, pos + blen - 4)
         return pos + blen
 
-    def _add_interface(self, pos: int, order: str, snaplen: int, opt: int, end: int) -> None:
+    def _add_interface(self, order: str, snaplen: int, opt: int, end: int) -> None:
+        """Append the interface of an IDB whose options span ``[opt, end)``."""
         mul, div, pow2, offset_ns = 1000, 1, -1, 0  # default if_tsresol 6: microseconds
         while opt + 4 <= end:
             code, length = struct.unpack_from(order + "HH", self._map, opt)
@@ -349,7 +354,8 @@ class PcapReader:
             if status != _BLOCK:
                 break
             self._pos = self._pcapng_block(pos)
-            if self._pos is None:
+            if self._pos is None:  # cut off by the end of the file, already counted
+                status = _EOF
                 break
         if status == _TRUNCATED:
             self._truncated(pos, "last record")
@@ -378,6 +384,7 @@ class PcapReader:
         return self._error(pos, what)
 
     def stats(self) -> dict:
+        """Frames and captured bytes read so far, and truncated records (0 or 1)."""
         return {"frames": self.frames, "bytes": self.bytes, "truncated": self.truncated}
 
     def close(self) -> None:

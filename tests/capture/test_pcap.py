@@ -276,16 +276,16 @@ def test_malformed_files_raise_capture_error(tmp_path, content, message):
     assert message in _read_error(tmp_path, content)
 
 
-@pytest.mark.parametrize("kind", ["pcap", "pcapng"])
+@pytest.mark.parametrize("kind", ["pcap", "pcapng", "pcapng-idb"])
 def test_truncated_last_record_is_counted_and_ends_reading(tmp_path, kind, caplog):
     if kind == "pcap":
         head = classic(LE, True, [(1, 2, frame(60), 60), (3, 4, frame(70), 70)])
         last = len(head) - 16 - 70
     else:
-        head = GOOD + epb(LE, 0, 6, frame(70))
+        head = GOOD + (epb(LE, 0, 6, frame(70)) if kind == "pcapng" else idb(LE, tsresol=9))
         last = len(GOOD)
     for cut in range(last + 1, len(head)):
-        path = tmp_path / f"cut{cut}.{kind}"
+        path = tmp_path / f"cut{cut}.{kind[:6]}"
         path.write_bytes(head[:cut])
         with caplog.at_level(logging.WARNING, logger="capture.pcap"):
             caplog.clear()

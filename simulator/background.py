@@ -2,7 +2,7 @@
 
 A real mirror port carries more than NCCL's ring: pipeline-parallel p2p RDMA writes to
 ranks outside the ring, the TCP of the rendezvous store, ARP, and connection-manager MADs
-(UD SEND to QP 1). The parser must count all of it and keep none. Each mirrored rank gets a
+(64-byte UD SENDs to QP 1). The parser must count all of it and keep none. Each mirrored rank gets a
 few of each per iteration, at fixed points of the iteration's timeline.
 """
 
@@ -22,7 +22,7 @@ P2P_BYTES = (40000, 15424, 24576)   # the p2p message sizes seen in the real cap
 P2P_QPN = 0x7000
 TCP_STORE_PORT = 29500
 CM_QPN = 1                           # the GSI QP that carries connection-manager MADs
-MAD_BYTES = 256
+CM_BYTES = 64                        # the size of the UD datagrams to QP 1 in the real captures
 
 
 def _peer(job: JobSpec, position: int) -> tuple[str, str]:
@@ -47,7 +47,7 @@ class Background:
             cm = routes.add(ranks[p].mac, peer_mac, ranks[p].ip, peer_ip, 50100 + p)
             self.routes[p] = (out, back, cm)
         self.arena = np.concatenate([self.rng.integers(0, 256, max(P2P_BYTES), dtype=np.uint8),
-                                     np.zeros(MAD_BYTES, np.uint8)])
+                                     self.rng.integers(0, 256, CM_BYTES, dtype=np.uint8)])
         self.psn = {p: int(self.rng.integers(0, 1 << 24)) for p in self.positions}
 
     def packets(self, t0: int, mtu: int, arena_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -86,7 +86,7 @@ class Background:
             mad["opcode"] = op.UD_SEND_ONLY
             mad["dest_qpn"] = CM_QPN
             mad["payload_off"] = arena_base + max(P2P_BYTES)
-            mad["payload_len"] = MAD_BYTES
+            mad["payload_len"] = CM_BYTES
             mad["ts_ns"] = t0 + 500
             rows += [pk, mad]
             src += [np.r_[np.full(npk, p), -1, p]]

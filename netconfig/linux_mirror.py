@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass, field
 from socket import htons
 
-from pyroute2 import IPRoute, NetNS, protocols
+from pyroute2 import IPRoute, NetNS, netns as namespaces, protocols
 from pyroute2.netlink.exceptions import NetlinkError as PyrouteNetlinkError
 from pyroute2.netlink.rtnl import TC_H_CLSACT
 
@@ -79,6 +79,9 @@ class _Link:
     def __init__(self, netns: str | None):
         self.netns = netns
         self.where = f" in netns {netns!r}" if netns else ""
+        # NetNS() would create a missing namespace; acting on an empty one helps nobody.
+        if netns and netns not in namespaces.listnetns():
+            raise NetlinkError(f"network namespace {netns!r} does not exist", errno=errno.ENOENT)
         try:
             self.ipr = NetNS(netns) if netns else IPRoute()
         except (OSError, PyrouteNetlinkError) as exc:
@@ -89,7 +92,7 @@ class _Link:
     def close(self) -> None:
         self.ipr.close()
 
-    def call(self, what: str, ifname: str, method: str, *args, **kwargs):
+    def call(self, what: str, ifname: str, method: str, /, *args, **kwargs):
         try:
             return getattr(self.ipr, method)(*args, **kwargs)
         except PyrouteNetlinkError as exc:
@@ -203,12 +206,14 @@ def teardown_mirrors(mirrors: list[TcMirror], netns: str | None = None) -> Teard
     result = TeardownResult()
     link = _Link(netns)
     try:
+        ifnames = dict.fromkeys(m.ifname for m in mirrors)
+        has_clsact = {ifname: link.clsact_kind(ifname) == "clsact" for ifname in ifnames}
         for mirror in mirrors:
-            (result.removed if _delete_ours(link, mirror) else result.absent).append(mirror)
-        for ifname in dict.fromkeys(m.ifname for m in mirrors):
-            if link.clsact_kind(ifname) != "clsact":
-                continue
-            if not link.filters(ifname, "ingress") and not link.filters(ifname, "egress"):
+            # Without a clsact qdisc the hooks hold no filters (and the kernel rejects the delete).
+            removed = has_clsact[mirror.ifname] and _delete_ours(link, mirror)
+            (result.removed if removed else result.absent).append(mirror)
+        for ifname, present in has_clsact.items():
+            if present and not link.filters(ifname, "ingress") and not link.filters(ifname, "egress"):
                 link.call("deleting the clsact qdisc", ifname, "tc", "del", "clsact", link.index(ifname))
                 result.qdiscs_removed.append(ifname)
     finally:

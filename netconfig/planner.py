@@ -239,7 +239,7 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
         options.append(((encapsulation != "none", port.free_gbps), port, encapsulation))
     if not options:
         reasons.add(f"no unused port on {seat.switch} (or reachable by ERSPAN) has {load:g} Gbps free "
-                    f"for a {direction} mirror")
+                    f"to mirror {direction}")
         return None
     _, port, encapsulation = min(options, key=lambda o: o[0])
     return port, encapsulation

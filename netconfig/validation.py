@@ -78,7 +78,9 @@ def _explain(error: dict[str, Any], root: type[BaseModel]) -> str:
     kind, ctx, value = error["type"], error.get("ctx") or {}, error.get("input")
     for key, word in _BOUND_WORDS.items():
         if key in ctx and kind.startswith(("greater_than", "less_than")):
-            return f"{show_value(value)} is not allowed (must be {word} {ctx[key]})"
+            bound = ctx[key]
+            shown = f"{bound:g}" if isinstance(bound, float) else str(bound)
+            return f"{show_value(value)} is not allowed (must be {word} {shown})"
     if kind == "missing":
         return "is required but missing"
     if kind == "extra_forbidden":

@@ -51,7 +51,7 @@ def ifname_of(switch: SwitchInfo, port: str) -> str:
 
 
 def tc_mirrors(switch: SwitchInfo, sessions: list[Session]) -> list[TcMirror]:
-    """The tc filters that implement ``sessions``, one per (interface, hook)."""
+    """The tc filters that implement ``sessions``, one per (interface, hook), in session order."""
     mirrors: dict[tuple[str, Hook], TcMirror] = {}
     for s in sessions:
         dest = ifname_of(switch, str(s.destination))
@@ -61,7 +61,7 @@ def tc_mirrors(switch: SwitchInfo, sessions: list[Session]) -> list[TcMirror]:
                 if (mirror.ifname, hook) in mirrors:
                     raise ConfigError(f"switch {switch.name}: {mirror.ifname} {hook} is mirrored twice")
                 mirrors[mirror.ifname, hook] = mirror
-    return sorted(mirrors.values())
+    return list(mirrors.values())
 
 
 def render(switch: SwitchInfo, sessions: list[Session]) -> SwitchConfig:

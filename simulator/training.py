@@ -274,6 +274,9 @@ def _match_params(model: torch.nn.Module, params: Sequence[ParamLike]) -> list[t
         p = by_name.get(spec.name)
         if p is None:
             raise ConfigError(f"params[{i}]: {spec.name!r} is not a parameter of the model")
+        if p.dtype != torch.float32:
+            raise ConfigError(f"params[{i}]: {spec.name!r} is {p.dtype}; the simulated wire "
+                              "dtypes assume float32 parameters and gradients")
         got = (tuple(p.shape), str(p.dtype).removeprefix("torch."))
         if got != (tuple(spec.shape), spec.dtype):
             raise ConfigError(f"params[{i}]: {spec.name!r} is {got[0]} {got[1]} in the model, "

@@ -13,7 +13,7 @@ torch 2.13.0 (``torch/nn/parallel/distributed.py`` and
   a given order, appending each to the open bucket of its dtype; once the open bucket
   holds ``>=`` the current byte limit it is closed and the next limit applies (the last
   limit repeats). So a bucket can exceed its limit by up to one parameter, and a
-  parameter larger than the limit closes its bucket on its own. Buckets never mix
+  parameter larger than the limit closes the bucket it joins. Buckets never mix
   dtypes; open buckets left at the end are appended after the closed ones.
 * **Initial layout** (iteration 0). The walk is in registration order. With the
   defaults (``find_unused_parameters=False``) or ``static_graph=True`` the limit is
@@ -36,7 +36,8 @@ torch 2.13.0 (``torch/nn/parallel/distributed.py`` and
 * **Buffer.** Offsets are dense: each parameter's gradient follows the previous one with
   no alignment padding, and a bucket's buffer has its parameters' dtype. Within its
   slot a gradient is in the parameter's memory order (row-major for contiguous
-  parameters, which is all this project models).
+  parameters, which is all this project models). ``gradient_as_bucket_view`` changes
+  where ``.grad`` lives, not the layout.
 * **Launch order.** DDP allreduces buckets strictly in index order (a bucket that is
   ready early waits for its predecessors), so ``Bucket.index`` is the wire order.
 

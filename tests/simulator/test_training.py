@@ -213,6 +213,8 @@ def test_bad_inputs():
         Trainer(model, list(reversed(params)), buckets, **common)
     with pytest.raises(ConfigError, match="exactly once"):
         Trainer(model, params, buckets[:-1], **common)
+    with pytest.raises(ConfigError, match="float32 parameters"):
+        Trainer(models.build(factory, kwargs, seed=0).double(), params, buckets, **common)
     with pytest.raises(ConfigError, match="grad_dtype"):
         Trainer(model, params, buckets, **common, wire_dtype="int8")
     trainer = Trainer(model, params, buckets, **dict(common, allreduce=lambda per_rank, b: per_rank[0][:-1]))

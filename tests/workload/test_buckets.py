@@ -152,6 +152,7 @@ REAL_DDP_CASES = [
     ("simulator.models:mlp", {}, {"static_graph": True, "bucket_cap_mb": 1}),
     ("simulator.models:gpt2", TINY_GPT, {}),
     ("simulator.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05}),
+    ("simulator.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": True}),
     ("simulator.models:flowcheck_testbed", {}, {}),  # the tied embedding alone exceeds 25 MiB
     ("tests.simulator.naive_ddp:small_params", {}, {"bucket_cap_mb": 0.001}),
     ("tests.simulator.naive_ddp:shuffled", {}, {"bucket_cap_mb": 0.02}),

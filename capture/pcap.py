@@ -26,7 +26,7 @@ import os
 import struct
 
 import numpy as np
-from numba import njit
+from numba import config, njit, types
 
 from capture.frames import LINKTYPE_ETHERNET, FrameBatch
 from gradtap.errors import CaptureError
@@ -59,6 +59,20 @@ _EOF, _FULL, _BLOCK, _TRUNCATED, _BAD_BLOCK_LEN, _BAD_TRAILER, _BAD_IFACE, _BAD_
 _IF_MUL, _IF_DIV, _IF_POW2, _IF_OFFSET_NS, _IF_SNAPLEN = range(5)
 
 
+if config.DISABLE_JIT:
+    def _copy(dst, dst_pos, src, src_pos, n):
+        dst[dst_pos:dst_pos + n] = src[src_pos:src_pos + n]
+else:
+    _libc_memcpy = types.ExternalFunction(
+        "memcpy", types.voidptr(types.uintp, types.uintp, types.uintp))
+
+    @njit(**JIT, inline="always")
+    def _copy(dst, dst_pos, src, src_pos, n):
+        """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]`` by libc memcpy: Numba's slice
+        assignment is an element loop several times slower. Callers check the bounds."""
+        _libc_memcpy(dst.ctypes.data + dst_pos, src.ctypes.data + src_pos, n)
+
+
 @njit(**JIT, inline="always")
 def _u16(buf, pos, big):
     a, b = np.int64(buf[pos]), np.int64(buf[pos + 1])
@@ -74,7 +88,7 @@ def _u32(buf, pos, big):
 
 @njit(**JIT, inline="always")
 def _put(out, used, buf, src, caplen, offsets, caplens, wirelens, ts_ns, n, wirelen, ts):
-    out[used:used + caplen] = buf[src:src + caplen]
+    _copy(out, used, buf, src, caplen)
     offsets[n] = used
     caplens[n] = caplen
     wirelens[n] = wirelen
@@ -441,7 +455,7 @@ def _pack_records(data, offsets, caplens, wirelens, ts_ns, snaplen, frac_div, pc
         _put_le32(out, pos + head, caplen)
         _put_le32(out, pos + head + 4, wirelens[i])
         head += 8
-        out[pos + head:pos + head + caplen] = data[offsets[i]:offsets[i] + caplen]
+        _copy(out, pos + head, data, offsets[i], caplen)
         if pcapng:
             out[pos + head + caplen:pos + blen - 4] = 0
             _put_le32(out, pos + blen - 4, blen)

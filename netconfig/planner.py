@@ -220,7 +220,10 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
                 continue
             encapsulation = "none"
         else:
-            if port.mode == "span" or port.ip is None:
+            if port.mode == "span":
+                continue
+            if port.ip is None:
+                reasons.add(f"{port.node} {port.nic} (on {port.switch}) has no ip to receive ERSPAN")
                 continue
             if not topo.mirror.erspan.allow:
                 reasons.add(f"ERSPAN from {seat.switch} is off (mirror.erspan.allow is false)")

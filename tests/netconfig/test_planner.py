@@ -2,11 +2,14 @@ from collections import defaultdict
 
 import pytest
 import yaml
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from gradtap.errors import ConfigError
 from netconfig.plan import mirrors_section
 from netconfig.planner import plan_topology
 from netconfig.reliability import p_fail_eq2
+from netconfig.ring import chunk_coverage, stream_hops
 from netconfig.report import report_dict
 from netconfig.topology import load_topology, parse_topology
 from tests.netconfig.topologies import EXAMPLES, edited, one_leaf
@@ -158,3 +161,35 @@ def test_the_testbed_plan_drops_into_the_testbed_job_spec():
     parsed = parse_job(job, source=str(job_path))
     assert [(m.name, m.rank, m.direction) for m in parsed.mirrors] == [(f"m{i}", i, "egress") for i in range(3)]
     assert load_job(job_path).world_size == plan.groups[0].size
+
+
+@settings(max_examples=60, deadline=None)
+@given(dp=st.integers(2, 10), cpu_ports=st.integers(1, 5), cpu_speed=st.sampled_from([100, 200, 400]),
+       directions=st.sets(st.sampled_from(["egress", "ingress", "both"]), min_size=1),
+       limit=st.one_of(st.none(), st.integers(1, 6)), gpus_per_node=st.sampled_from([1, 2]))
+def test_any_plan_keeps_the_rules_or_the_topology_is_refused(dp, cpu_ports, cpu_speed, directions, limit,
+                                                            gpus_per_node):
+    assume(dp % gpus_per_node == 0)
+    doc = one_leaf(dp=dp, cpu_ports=cpu_ports, cpu_speed=cpu_speed, directions=tuple(sorted(directions)),
+                   gpus_per_node=gpus_per_node)
+    doc["layout"]["order"] = ["dp", "tp", "pp"]
+    doc["leaf_switches"][0]["max_mirror_sessions"] = limit
+    try:
+        plan = plan_of(doc)
+    except ConfigError as exc:
+        assert "is infeasible" in str(exc) and "no plan was made" in str(exc)
+        return
+    (group,) = plan.groups
+    sources = group.sources
+    assert len(sources) == 3 and len({s.position for s in sources}) == 3
+    assert len({s.cpu_nic for s in sources}) == 3
+    assert all(s.load_gbps == 100 * (2 if s.direction == "both" else 1) <= cpu_speed for s in sources)
+    assert all(s.direction in directions for s in sources)
+    hops = [h for s in sources for h in stream_hops(s.position, s.direction, dp)]
+    assert all(group.coverage[k] == chunk_coverage(dp, hops)[k] for k in range(dp))
+    nodes = [f"gpu{(p // gpus_per_node)}" for p in range(dp)]
+    assert all(nodes[h] != nodes[(h + 1) % dp] for h in hops)  # only hops that leave a server
+    if len(set(hops)) == len(hops):
+        assert min(group.coverage) >= len(hops) - 1
+    for s in report_dict(plan)["switches"]:
+        assert s["session_limit"] is None or s["sessions"] <= s["session_limit"]

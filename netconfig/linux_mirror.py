@@ -69,7 +69,7 @@ def plan_mirrors(plan: Plan, switch: str | None = None) -> tuple[str, list[TcMir
                               "choose the Linux one with --switch")
         switch = mirroring[0]
     info = plan.switch(switch)
-    sessions = build_sessions(linux.SPEC, info, plan.sources_on(switch), plan.mirror.erspan)
+    sessions = build_sessions(linux.SPEC, info, plan.sources_on(switch), plan.mirror)
     return switch, linux.tc_mirrors(info, sessions)
 
 

@@ -31,7 +31,7 @@ from netconfig.plan import CpuNodeUse, GroupPlan, Plan, PlannedSource, SwitchInf
 from netconfig.reliability import p_fail_eq2, p_fail_exact
 from netconfig.ring import chunk_coverage, stream_hops
 from netconfig.topology import Direction, LeafSwitch, Topology
-from netconfig.vendors.base import session_keys
+from netconfig.vendors.base import session_keys, session_limit
 
 _DIRECTION_ORDER = {"egress": 0, "ingress": 1, "both": 2}
 _MAX_REASONS = 6
@@ -208,7 +208,7 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
            reasons: set[str]) -> tuple[_CpuPort, str] | None:
     """The best port of the node for this source (local first, tightest fit), or None with reasons noted."""
     spec = vendors.spec(switch.vendor)
-    limit = switch.max_mirror_sessions or spec.max_sessions
+    limit = session_limit(spec, switch.max_mirror_sessions, topo.mirror)
     erspan = f"erspan{topo.mirror.erspan.version}"
     used = {id(p.port) for p in picks}
     options = []

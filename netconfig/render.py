@@ -19,7 +19,7 @@ def render_plan(plan: Plan, vendor: str | None = None, switches: list[str] | Non
     for name in names:
         switch = plan.switch(name)
         module = vendors.vendor(vendor or switch.vendor)
-        sessions = build_sessions(module.SPEC, switch, plan.sources_on(name), plan.mirror.erspan)
+        sessions = build_sessions(module.SPEC, switch, plan.sources_on(name), plan.mirror)
         configs.append(module.render(switch, sessions))
     return configs
 

@@ -122,6 +122,8 @@ class MirrorPolicy(_Model):
     #: Directions the planner may choose from; ``both`` needs twice the mirror capacity.
     directions: list[Direction] = Field(["egress"], min_length=1)
     erspan: ErspanPolicy = ErspanPolicy()
+    #: Per-vendor session limits replacing the built-in defaults (a switch's own limit wins).
+    session_limits: dict[Vendor, int] = {}
     cpu_node_price_per_hour: float = Field(0.0, ge=0)
     currency: str = Field("USD", min_length=1, max_length=8)
 

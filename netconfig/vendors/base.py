@@ -18,7 +18,7 @@ from typing import Literal
 
 from gradtap.errors import ConfigError
 from netconfig.plan import PlannedSource, SwitchInfo
-from netconfig.topology import Direction, ErspanPolicy
+from netconfig.topology import Direction, MirrorPolicy
 
 SwitchDirection = Literal["rx", "tx", "both"]
 #: GPU-NIC view -> switch-port view: what the NIC transmits, the switch port receives.
@@ -104,12 +104,13 @@ def destination_key(source: PlannedSource) -> str:
     return source.dest_port if source.encapsulation == "none" else f"erspan:{source.erspan_dst_ip}"
 
 
-def session_limit(spec: VendorSpec, switch: SwitchInfo) -> int | None:
-    return switch.max_mirror_sessions or spec.max_sessions
+def session_limit(spec: VendorSpec, switch_limit: int | None, policy: MirrorPolicy) -> int | None:
+    """The switch's own limit, else the policy's limit for the vendor, else the vendor default."""
+    return switch_limit or policy.session_limits.get(spec.name) or spec.max_sessions
 
 
 def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSource],
-                   erspan: ErspanPolicy) -> list[Session]:
+                   policy: MirrorPolicy) -> list[Session]:
     """Group ``switch``'s sources into sessions, name or number them, and check the platform's limits."""
     for src in sources:
         if src.encapsulation not in spec.encapsulations:
@@ -118,10 +119,11 @@ def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSo
                               f"{src.encapsulation} because CPU node {src.cpu_node} is cabled to "
                               f"{src.dest_switch}, not {src.switch}; {spec.title} renders {', '.join(can)}")
     keys = session_keys(spec, ((destination_key(s), s.direction) for s in sources))
-    limit = session_limit(spec, switch)
+    limit = session_limit(spec, switch.max_mirror_sessions, policy)
     if limit is not None and len(keys) > limit:
         raise ConfigError(f"{spec.title} on {switch.name}: the plan needs {len(keys)} mirror sessions, but the "
-                          f"switch allows {limit} (set leaf_switches[].max_mirror_sessions if the ASIC allows more)")
+                          f"switch allows {limit} (set leaf_switches[].max_mirror_sessions or "
+                          f"mirror.session_limits.{spec.name} if the ASIC allows more)")
     sessions = []
     for index, key in enumerate(keys):
         dest, shared = key
@@ -130,7 +132,7 @@ def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSo
         first = members[0].source
         target = None if first.encapsulation == "none" else ErspanTarget(
             first.erspan_dst_ip or "", _erspan_source(spec, switch), 3 if first.encapsulation == "erspan3" else 2,
-            erspan.dscp, erspan.ttl)
+            policy.erspan.dscp, policy.erspan.ttl)
         sessions.append(Session(index, _session_id(spec, switch, index),
                                 first.dest_port if target is None else None, target, shared, members))
     return sessions

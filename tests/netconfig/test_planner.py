@@ -100,6 +100,9 @@ def test_infeasible_with_too_few_ports_says_how_many_were_placed():
 def test_infeasible_when_the_switch_runs_out_of_sessions():
     doc = edited(one_leaf(), **{"leaf_switches.0.max_mirror_sessions": 2})
     assert "leaf0 (SONiC) would exceed its limit of 2 mirror sessions" in infeasible(doc)
+    per_vendor = edited(one_leaf(), **{"mirror.session_limits": {"sonic": 1}})
+    assert "leaf0 (SONiC) would exceed its limit of 1 mirror sessions" in infeasible(per_vendor)
+    assert len(plan_of(edited(one_leaf(), **{"mirror.session_limits": {"eos": 1}})).groups[0].sources) == 3
 
 
 def test_erspan_needs_a_capable_vendor_and_a_source_address():

@@ -8,7 +8,7 @@ from gradtap.errors import ConfigError
 from netconfig.plan import PlannedSource, SwitchInfo
 from netconfig.planner import plan_topology
 from netconfig.render import render_plan
-from netconfig.topology import ErspanPolicy, load_topology
+from netconfig.topology import MirrorPolicy, load_topology
 from netconfig.vendors import VENDORS, spec
 from netconfig.vendors.base import build_sessions
 from tests.netconfig.topologies import EXAMPLES
@@ -63,9 +63,10 @@ def switch(**kw) -> SwitchInfo:
 MIXED = [source("m0", "Ethernet0", "egress"), source("m1", "Ethernet1", "ingress"), source("m2", "Ethernet2", "both")]
 
 
-def shape(vendor, sources, **kw):
+def shape(vendor, sources, limits=None, **kw):
+    policy = MirrorPolicy(loss_rate=1e-9, packets_per_iteration=1e6, session_limits=limits or {})
     return [(s.id, s.destination, s.direction, [(m.port, m.direction) for m in s.members])
-            for s in build_sessions(spec(vendor), switch(**kw), sources, ErspanPolicy())]
+            for s in build_sessions(spec(vendor), switch(**kw), sources, policy)]
 
 
 def test_sessions_share_a_destination_and_split_by_direction_where_the_platform_must():
@@ -81,6 +82,10 @@ def test_sessions_share_a_destination_and_split_by_direction_where_the_platform_
 def test_session_limits_numbers_and_names():
     with pytest.raises(ConfigError, match="the plan needs 3 mirror sessions, but the switch allows 2"):
         shape("sonic", MIXED, max_mirror_sessions=2)
+    with pytest.raises(ConfigError, match="allows 1 .*mirror.session_limits.sonic"):
+        shape("sonic", MIXED, limits={"sonic": 1})
+    assert len(shape("sonic", MIXED, limits={"sonic": 1}, max_mirror_sessions=3)) == 3  # the switch wins
+    assert len(shape("nvue", MIXED, limits={"sonic": 1})) == 2
     assert [s[0] for s in shape("nxos", [source(dest=f"Ethernet{9 + i}", port=f"Ethernet{i}") for i in range(2)],
                                 session_id_base=31)] == [31, 32]
     with pytest.raises(ConfigError, match=r"session number 33 is not allowed \(must be 1..32"):

@@ -87,13 +87,20 @@ def wire_size(protocol: str, data_bytes: int) -> int:
 
 def encode(protocol: str, data: np.ndarray, flag: int) -> np.ndarray:
     """The wire payload (uint8) of one send whose element bytes are ``data`` (uint8, 1-D)."""
-    wire, _ = encode_batch(protocol, data, np.array([0, len(data)]), np.array([flag], dtype=np.uint64))
-    return wire
+    _check_protocol(protocol)
+    data = _check_data(data)
+    unit = _UNIT[protocol]
+    if len(data) % unit:
+        padded = np.zeros(-(-len(data) // unit) * unit, dtype=np.uint8)
+        padded[:len(data)] = data
+    else:
+        padded = data
+    return _layout(protocol, padded, np.uint64(flag))
 
 
 def encode_batch(protocol: str, data: np.ndarray, offsets: np.ndarray,
                  flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Encode many sends at once.
+    """Encode many sends at once; equal to :func:`encode` of each, concatenated.
 
     Parameters
         data: uint8, the element bytes of all sends; send ``i`` is
@@ -105,26 +112,33 @@ def encode_batch(protocol: str, data: np.ndarray, offsets: np.ndarray,
     int64 offsets, send ``i`` being ``wire[wire_offsets[i]:wire_offsets[i+1]]``.
     """
     _check_protocol(protocol)
-    data, offsets, flags = _check_batch(data, offsets, flags)
+    data = _check_data(data)
+    offsets, flags = _check_offsets(offsets, flags, len(data))
     sizes = np.diff(offsets)
     units = -(-sizes // _UNIT[protocol])
     wire_offsets = np.concatenate([[0], np.cumsum(units * _WIRE_UNIT[protocol])]).astype(np.int64)
     padded = _pad(data[offsets[0]:offsets[-1]], sizes, units * _UNIT[protocol])
+    return _layout(protocol, padded, np.repeat(flags, units)), wire_offsets
+
+
+def _layout(protocol: str, padded: np.ndarray, unit_flags) -> np.ndarray:
+    """Wire bytes of whole protocol units of data; ``unit_flags`` is one flag per unit
+    (LL line, LL128 slice) or a single flag for all."""
     if protocol == "Simple":
-        return padded.copy(), wire_offsets
-    unit_flags = np.repeat(flags, units)
+        return padded.copy()
+    unit_flags = np.asarray(unit_flags, dtype=np.uint64)
     if protocol == "LL":
         lines = np.empty((len(padded) // LL_DATA_PER_LINE, 4), dtype="<u4")
         lines[:, 0::2] = padded.view("<u4").reshape(-1, 2)
         low = unit_flags.astype("<u4")                  # NCCL_LL_FLAG: the low 32 bits
         lines[:, 1] = low
         lines[:, 3] = low
-        return lines.reshape(-1).view(np.uint8), wire_offsets
+        return lines.reshape(-1).view(np.uint8)
     words = padded.view("<u8").reshape(-1, LL128_DATA_WORDS_PER_WARP)
     # A gather (each wire word from its data word) is several times faster than the scatter.
     slices = np.take(words, _LL128_WIRE_FROM_DATA, axis=1)
-    slices[:, LL128_LINE_WORDS - 1::LL128_LINE_WORDS] = unit_flags.astype("<u8")[:, None]
-    return slices.reshape(-1).view(np.uint8), wire_offsets
+    slices[:, LL128_LINE_WORDS - 1::LL128_LINE_WORDS] = unit_flags.astype("<u8")[..., None]
+    return slices.reshape(-1).view(np.uint8)
 
 
 def _pad(data: np.ndarray, sizes: np.ndarray, padded_sizes: np.ndarray) -> np.ndarray:
@@ -152,14 +166,18 @@ def _check_protocol(protocol: str) -> None:
         raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
 
 
-def _check_batch(data, offsets, flags):
-    data = np.asarray(data)
-    if data.dtype != np.uint8 or data.ndim != 1:
-        raise ValueError(f"data must be a 1-D uint8 array, got {data.dtype} with shape {data.shape}")
+def _check_data(data) -> np.ndarray:
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1:
+        raise ValueError(f"data must be a 1-D uint8 array, got {getattr(data, 'dtype', type(data).__name__)} "
+                         f"with shape {getattr(data, 'shape', None)}")
+    return np.ascontiguousarray(data)
+
+
+def _check_offsets(offsets, flags, length: int) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.asarray(offsets, dtype=np.int64)
     flags = np.asarray(flags).astype(np.uint64)
     if offsets.ndim != 1 or len(offsets) < 1 or flags.shape != (len(offsets) - 1,):
         raise ValueError(f"offsets must be [m+1] and flags [m]; got {offsets.shape} and {flags.shape}")
-    if offsets[0] < 0 or offsets[-1] > len(data) or (np.diff(offsets) < 0).any():
-        raise ValueError(f"offsets must be non-decreasing within 0..{len(data)}")
-    return np.ascontiguousarray(data), offsets, flags
+    if offsets[0] < 0 or offsets[-1] > length or (np.diff(offsets) < 0).any():
+        raise ValueError(f"offsets must be non-decreasing within 0..{length}")
+    return offsets, flags

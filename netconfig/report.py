@@ -44,7 +44,8 @@ def report_dict(plan: Plan) -> dict:
         spec = vendors.spec(sw.vendor)
         switches.append({"switch": sw.name, "vendor": sw.vendor, "sources": len(sources),
                          "sessions": len(build_sessions(spec, sw, sources, mirror)),
-                         "session_limit": session_limit(spec, sw.max_mirror_sessions, mirror), "free_ports": sw.ports_free})
+                         "session_limit": session_limit(spec, sw.max_mirror_sessions, mirror),
+                         "free_ports": sw.ports_free})
     eq2 = [g.p_fail_eq2 for g in plan.groups]
     p_job = p_any_fails(g.p_fail_exact for g in plan.groups)
     p_job_eq2 = None if None in eq2 else p_any_fails(eq2)

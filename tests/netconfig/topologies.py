@@ -13,8 +13,9 @@ def one_leaf(dp: int = 8, cpu_ports: int = 3, cpu_speed: float = 100, vendor: st
     """``dp`` ranks on one leaf (``gpus_per_node`` per server) and one CPU node on the same leaf."""
     ports = [{"name": f"Ethernet{i}", "speed_gbps": 100} for i in range(dp)]
     ports += [{"name": f"Ethernet{100 + k}", "speed_gbps": cpu_speed} for k in range(cpu_ports)]
-    nodes = [{"name": f"gpu{n}", "gpus": [{"nic": f"nic{g}", "switch": "leaf0", "port": f"Ethernet{n * gpus_per_node + g}"}
-                                          for g in range(gpus_per_node)]}
+    nodes = [{"name": f"gpu{n}",
+              "gpus": [{"nic": f"nic{g}", "switch": "leaf0", "port": f"Ethernet{n * gpus_per_node + g}"}
+                       for g in range(gpus_per_node)]}
              for n in range(dp // gpus_per_node)]
     return {
         "name": "one-leaf",

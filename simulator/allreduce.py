@@ -65,14 +65,15 @@ def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
 
 
 @np.errstate(over="ignore", invalid="ignore")  # overflow to infinity is IEEE behaviour, as on the GPU
-def _add(acc: np.ndarray, own: np.ndarray) -> np.ndarray:
-    """One ring hop, ``acc + own``, rounded to the wire dtype of the operands."""
+def _add(acc: np.ndarray, own: np.ndarray, out: np.ndarray) -> None:
+    """One ring hop, ``out = acc + own``, rounded to the wire dtype of the operands."""
     if acc.dtype == np.float32:
-        return acc + own
-    if acc.dtype == np.float16:
-        # NumPy's float16 -> float32 is exact and astype(float16) rounds to nearest even.
-        return (acc.astype(np.float32) + own.astype(np.float32)).astype(np.float16)
-    return _f32_to_bf16(_bf16_to_f32(acc) + _bf16_to_f32(own))
+        np.add(acc, own, out=out)
+    elif acc.dtype == np.float16:
+        # NumPy's float16 -> float32 is exact and the cast back rounds to nearest even.
+        out[...] = acc.astype(np.float32) + own.astype(np.float32)
+    else:
+        out[...] = _f32_to_bf16(_bf16_to_f32(acc) + _bf16_to_f32(own))
 
 
 def ring_partials(inputs: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
@@ -86,7 +87,8 @@ def ring_partials(inputs: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
 
     Returns ``[n, count]`` of the same dtype: row ``s < n-1`` is the partial sum sent at
     reduce-scatter step ``s``; row ``n-1`` is the fully reduced value (sent at step ``n-1``
-    and forwarded by every allgather step). Vectorised: ``n-1`` array additions.
+    and forwarded by every allgather step). Vectorised: ``n-1`` slice additions per
+    run of consecutive elements of one chunk.
     """
     wire_dtype_of(inputs)
     if inputs.ndim != 2 or inputs.shape[0] < 2:
@@ -98,12 +100,16 @@ def ring_partials(inputs: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
                          f"{chunk_of.dtype} {chunk_of.shape}")
     if count and (chunk_of.min() < 0 or chunk_of.max() >= n):
         raise ValueError(f"chunk_of holds chunks outside 0..{n - 1}")
-    cols = np.arange(count)
-    start = (chunk_of.astype(np.int64) + 1) % n  # the position that sends first at step 0
     out = np.empty_like(inputs)
-    out[0] = inputs[start, cols]
-    for s in range(1, n):
-        out[s] = _add(out[s - 1], inputs[(start + s) % n, cols])
+    # A plan's chunks are runs of thousands of elements: one slice addition per hop and run.
+    edges = np.flatnonzero(np.diff(chunk_of)) + 1
+    for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), count]):
+        if lo == hi:
+            continue
+        first = (int(chunk_of[lo]) + 1) % n       # the position that sends the run at step 0
+        out[0, lo:hi] = inputs[first, lo:hi]
+        for s in range(1, n):
+            _add(out[s - 1, lo:hi], inputs[(first + s) % n, lo:hi], out[s, lo:hi])
     return out
 
 

@@ -400,3 +400,47 @@ def test_capture_reader_agrees_with_scapy(name):
     theirs = rdpcap(str(CAPTURES / name))
     assert [frame for _, frame in ours] == [bytes(p) for p in theirs]
     assert [ts for ts, _ in ours] == [int(p.time * 10 ** 9 + 0.5) for p in theirs]
+
+
+def _scapy_frame(ip_layer, vlans=(), opcode=0x0B, padcnt=2):
+    from scapy.contrib.roce import BTH
+    from scapy.layers.inet import UDP
+    from scapy.layers.l2 import Dot1Q, Ether
+    from scapy.packet import Raw
+    frame = Ether(src="02:00:00:00:00:01", dst="02:00:00:00:00:02")
+    for vid in vlans:
+        frame = frame / Dot1Q(vlan=vid)
+    exts = struct.pack("!QII", 0x7F00_1234_5678, 0xABCDEF, 7232) + bytes.fromhex("401c0000")
+    body = exts + bytes(range(1, 41)) + bytes(padcnt)
+    return bytes(frame / ip_layer / UDP(sport=50000, dport=4791)
+                 / BTH(opcode=opcode, padcount=padcnt, pkey=0xFFFF, dqpn=0x915, ackreq=1, psn=0xFFFFFE)
+                 / Raw(body))
+
+
+@pytest.mark.parametrize("ip,vlans", [("v4", ()), ("v4", (7, 100)), ("v6", (5,))])
+def test_naive_decoder_on_scapy_built_frames(ip, vlans):
+    """IPv4 with options and IPv6, behind 802.1Q tags: fields, payload without pad, and an
+    ICRC that scapy computed independently."""
+    from scapy.layers.inet import IP, IPOption_NOP
+    from scapy.layers.inet6 import IPv6
+    layer = (IP(src="198.18.0.1", dst="198.18.0.2", tos=0x68, ttl=17, options=[IPOption_NOP()] * 4)
+             if ip == "v4" else IPv6(src="fe80::1", dst="fe80::2", tc=3, fl=12345, hlim=9))
+    frame = _scapy_frame(layer, vlans)
+    f, reason = naive.decode_frame(frame)
+    assert reason is None and f["icrc_ok"], (reason, f and hex(f["icrc"]), f and hex(f["icrc_computed"]))
+    assert f["vlans"] == list(vlans) and f["ip_version"] == (4 if ip == "v4" else 6)
+    assert (f["opcode"], f["padcnt"], f["dest_qp"], f["ackreq"], f["psn"]) == (0x0B, 2, 0x915, 1, 0xFFFFFE)
+    assert (f["reth_va"], f["reth_rkey"], f["reth_dma_len"]) == (0x7F00_1234_5678, 0xABCDEF, 7232)
+    assert (f["immdt_raw"], f["immdt_le"], f["immdt_be"]) == (bytes.fromhex("401c0000"), 7232, 0x401C0000)
+    assert f["payload"] == bytes(range(1, 41))
+    corrupt = bytearray(frame)
+    corrupt[-10] ^= 1
+    assert naive.decode_frame(bytes(corrupt))[0]["icrc_ok"] is False
+
+
+def test_naive_decoder_refuses_every_truncation_without_raising():
+    from scapy.layers.inet import IP
+    frame = _scapy_frame(IP(src="198.18.0.1", dst="198.18.0.2"), (3,))
+    for cut in range(len(frame)):
+        f, reason = naive.decode_frame(frame[:cut])
+        assert f is None and reason, cut

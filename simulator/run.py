@@ -47,7 +47,8 @@ LINKTYPE_ETHERNET = 1
 class StreamSummary:
     name: str
     path: Path
-    frames: int = 0
+    offered: int = 0      # frames the mirror port carried, before the mirror path's faults
+    frames: int = 0       # frames written to the capture
     bytes: int = 0
     roce_frames: int = 0
     faults: dict[str, int] = field(default_factory=dict)
@@ -110,18 +111,33 @@ class Simulation:
         chunk_of = [chunk_index(plan, b) for b in range(len(buckets))]
         n = job.world_size
 
-        partials: dict[int, np.ndarray] = {}
-
+        routes = Routes(job.ipv6)
+        streams = [_Stream(job, i, self.out, self.fmt) for i in range(len(job.mirrors))]
+        egress = {s.mirror.rank for s in streams if s.mirror.direction != "ingress"}
+        ingress = {s.mirror.rank for s in streams if s.mirror.direction != "egress"}
+        builder = TrafficBuilder(job, plan, routes, self.timing, self.faults.link(), rng, egress, ingress)
+        background = Background(job, routes, {s.mirror.rank for s in streams}, rng)
+        state = ConnectionState.initial(plan, rng)
+        link_faults: dict[str, int] = {}
         captured_buckets = {b: i for i, b in enumerate(buckets)}
+        clock = {"t": EPOCH_NS, "encode_s": 0.0, "capturing": False}
 
         def allreduce(per_rank, bucket):
+            """Reduce one bucket in ring order and, while capturing, put it on the wire."""
             i = captured_buckets.get(bucket)
             # A bucket of the initial layout (iteration 0 of a rebuilt job, before capture
             # begins) is its own NCCL call with its own chunking.
             chunks = chunk_of[i] if i is not None else chunk_index(build_plan(job, [bucket.numel]), 0)
             rows = ring_partials(np.stack(per_rank), chunks)
-            if i is not None:
-                partials[i] = rows
+            if clock["capturing"]:
+                started = time.perf_counter()
+                traffic = builder.build(i, rows, state, clock["t"])
+                for key, v in traffic.injected.items():
+                    link_faults[key] = link_faults.get(key, 0) + v
+                self._write_streams(streams, traffic.packets, traffic.src, traffic.dst, traffic.arena, [],
+                                    routes, rng)
+                clock["t"] = traffic.end_ns + self.timing.step_latency_ns
+                clock["encode_s"] += time.perf_counter() - started
             return rows[n - 1].copy()
 
         init = job.initial_state
@@ -132,62 +148,46 @@ class Simulation:
                           wire_dtype=job.ddp.grad_dtype, predivide=job.ddp.predivide, data=data,
                           allreduce=allreduce)
         if init.checkpoint is not None:
-            state = torch.load(init.checkpoint, weights_only=False)
-            model.load_state_dict(state["model"])
-            trainer.optimizer.load_state_dict(state["optimizer"])
-            trainer.iteration = int(state.get("iteration", 0))
+            saved = torch.load(init.checkpoint, weights_only=False)
+            model.load_state_dict(saved["model"])
+            trainer.optimizer.load_state_dict(saved["optimizer"])
+            trainer.iteration = int(saved.get("iteration", 0))
         truth = TruthWriter(self.out / "truth", job, self.seed)
-        for _ in range(first):
-            progress("training iteration 0 (initial bucket layout, before capture)", 0, self.iterations)
-            trainer.step()
-        truth.layout(params, buckets, job.ddp.grad_dtype, trainer.iteration)
-        truth.start(trainer.state_dict())
-
-        routes = Routes(job.ipv6)
-        streams = [_Stream(job, i, self.out, self.fmt) for i in range(len(job.mirrors))]
-        positions = {s.mirror.rank for s in streams}
-        positions |= {(p - 1) % n for p in positions} | {(p + 1) % n for p in positions}
-        builder = TrafficBuilder(job, plan, routes, self.timing, self.faults.link(), rng, positions)
-        background = Background(job, routes, {s.mirror.rank for s in streams}, rng)
-        state = ConnectionState.initial(plan, rng)
-        link_faults: dict[str, int] = {}
-        t0 = EPOCH_NS
         captured = []
-        train_s = enc_s = 0.0
+        started = time.perf_counter()
         try:
+            for _ in range(first):
+                progress("training iteration 0 (initial bucket layout, before capture)", 0, self.iterations)
+                trainer.step()
+            truth.layout(params, buckets, job.ddp.grad_dtype, trainer.iteration)
+            truth.start(trainer.state_dict())
+            clock["capturing"] = True
             for k in range(self.iterations):
                 it = trainer.iteration
-                progress(f"iteration {it}: training {n} ranks", k, self.iterations)
-                t = time.perf_counter()
+                progress(f"iteration {it}: training {n} ranks and encoding {len(buckets)} buckets",
+                         k, self.iterations)
+                t0 = clock["t"]
+                bg, bg_src, bg_dst = background.packets(t0, job.nccl.mtu, 0)
+                self._write_streams(streams, bg, bg_src, bg_dst, background.arena, background.raw_frames(t0),
+                                    routes, rng)
+                clock["t"] = t0 + self.timing.compute_gap_ns
                 result = trainer.step(buckets)
-                train_s += time.perf_counter() - t
-                t = time.perf_counter()
-                progress(f"iteration {it}: encoding", k, self.iterations)
-                traffic = builder.build([partials[b] for b in range(len(buckets))], state, t0)
-                for key, v in traffic.injected.items():
-                    link_faults[key] = link_faults.get(key, 0) + v
-                self._write_streams(streams, traffic, background, t0, routes, rng)
-                enc_s += time.perf_counter() - t
                 truth.iteration(it, result.reduced_buckets, model, trainer.optimizer)
                 captured.append(it)
                 state.advance(plan)
-                t0 = traffic.end_ns + self.timing.step_latency_ns
-                partials.clear()
             progress("done", self.iterations, self.iterations)
         finally:
             for s in streams:
                 s.writer.close()
             truth.close()
-        return Summary(self.out, captured, [s.summary for s in streams], link_faults, train_s, enc_s)
+        total = time.perf_counter() - started
+        return Summary(self.out, captured, [s.summary for s in streams], link_faults,
+                       total - clock["encode_s"], clock["encode_s"])
 
-    def _write_streams(self, streams, traffic, background: Background, t0, routes, rng) -> None:
-        base = len(traffic.arena)
-        bg_packets, bg_src, bg_dst = background.packets(t0, self.job.nccl.mtu, base)
-        packets = np.concatenate([traffic.packets, bg_packets])
-        src = np.concatenate([traffic.src, bg_src])
-        dst = np.concatenate([traffic.dst, bg_dst])
-        arena = np.concatenate([traffic.arena, background.arena])
-        raw = background.raw_frames(t0)
+    def _write_streams(self, streams, packets, src, dst, arena, raw, routes, rng) -> None:
+        """Append frames to every stream that captures them: ``packets`` (time-ordered
+        descriptors with their sender and receiver positions) and ``raw`` non-RoCE frames
+        ``(ts_ns, src, dst, bytes)``; then apply that stream's mirror faults."""
         for s in streams:
             sel = s.select(src, dst)
             data, offsets, lengths = encode_frames(packets[sel], routes, arena)
@@ -207,8 +207,9 @@ class Simulation:
                                wirelens=lengths[pick], ts_ns=np.maximum.accumulate(ts[pick]),
                                linktype=LINKTYPE_ETHERNET)
             s.writer.write_batch(batch)
+            s.summary.offered += len(lengths)
             s.summary.frames += len(pick)
             s.summary.bytes += int(outcome.caplen.sum())
-            s.summary.roce_frames += int(np.isin(pick, np.arange(len(sel))).sum())
+            s.summary.roce_frames += int((pick < len(sel)).sum())
             for key, v in outcome.counts.items():
                 s.summary.faults[key] = s.summary.faults.get(key, 0) + v

@@ -97,7 +97,7 @@ class TrafficBuilder:
     """Turns the plan plus one iteration's ring values into packets."""
 
     def __init__(self, job: JobSpec, plan: WirePlan, routes: Routes, timing: Timing, faults: LinkFaults,
-                 rng: np.random.Generator, positions: set[int]):
+                 rng: np.random.Generator, egress: set[int], ingress: set[int]):
         self.job, self.plan, self.routes, self.timing, self.faults, self.rng = job, plan, routes, timing, faults, rng
         ranks = job.ring.ranks
         f = plan.flows
@@ -105,11 +105,15 @@ class TrafficBuilder:
                                     for s, d, sp in zip(f["src"], f["dst"], f["udp_sport"])], np.int32)
         self.ack_route = np.array([routes.add(ranks[d].mac, ranks[s].mac, ranks[d].ip, ranks[s].ip, int(sp))
                                    for s, d, sp in zip(f["src"], f["dst"], f["udp_sport"])], np.int32)
-        # Only flows a mirror sees are built (either end at a mirrored position).
-        self.wanted = np.isin(f["src"], list(positions)) | np.isin(f["dst"], list(positions))
+        # Only what some mirror captures is built: a flow's writes when its sender's egress or
+        # its receiver's ingress is mirrored; its ACKs when the reverse holds. Payloads are
+        # encoded only for the first kind.
+        src_e, dst_i = np.isin(f["src"], list(egress)), np.isin(f["dst"], list(ingress))
+        self.payload_flows = src_e | dst_i
+        self.ack_flows = np.isin(f["dst"], list(egress)) | np.isin(f["src"], list(ingress))
 
     # -- payloads ---------------------------------------------------------------------
-    def _payloads(self, msgs: np.ndarray, partials: list[np.ndarray], state: ConnectionState,
+    def _payloads(self, msgs: np.ndarray, partials: np.ndarray, state: ConnectionState,
                   arena: list[np.ndarray], sizes: list[int]) -> np.ndarray:
         """Encode every send once; returns each write's arena offset of its send's bytes."""
         n = self.plan.world_size
@@ -117,7 +121,7 @@ class TrafficBuilder:
         cache: dict[tuple, int] = {}
         total = sum(sizes)
         for i, m in enumerate(msgs):
-            if m["kind"] != DATA or m["msg_bytes"] == 0:
+            if m["kind"] != DATA or m["msg_bytes"] == 0 or not self.payload_flows[m["flow"]]:
                 continue
             # Parts of one send (split over QPs, or adaptive routing's two writes) share it.
             src = self.plan.flows["src"][m["flow"]]
@@ -125,7 +129,7 @@ class TrafficBuilder:
             if key in cache:
                 start[i] = cache[key]
                 continue
-            row = partials[m["bucket"]][min(int(m["ring_step"]), n - 1)]
+            row = partials[min(int(m["ring_step"]), n - 1)]
             data = row[m["elem_offset"]:m["elem_offset"] + m["nelem"]].view(np.uint8)
             flag = int(state.step_base[m["channel"], src] + m["step"] + 1)
             wire = encode(self.plan.protocol, data, flag)
@@ -184,15 +188,20 @@ class TrafficBuilder:
         return ts, int(starts[-1] + durations[-1]) if len(keys) else t0
 
     # -- packets ------------------------------------------------------------------------
-    def build(self, partials: list[np.ndarray], state: ConnectionState, t0: int) -> IterationTraffic:
+    def build(self, bucket: int, partials: np.ndarray, state: ConnectionState, t0: int) -> IterationTraffic:
+        """The packets of one bucket's allreduce, starting at ``t0``; ``partials`` are the
+        ring values of the bucket (row s: sent at reduce-scatter step s; row n-1: final)."""
         plan, mtu = self.plan, self.plan.mtu
-        msgs = plan.messages[self.wanted[plan.messages["flow"]]]
+        pm = plan.messages
+        wanted = (self.payload_flows | self.ack_flows)[pm["flow"]] & (pm["bucket"] == bucket)
+        index = np.flatnonzero(wanted)
+        msgs = pm[index]
         arena: list[np.ndarray] = []
         sizes: list[int] = []
         payload = self._payloads(msgs, partials, state, arena, sizes)
         is_cts = msgs["kind"] == CTS
         payload[is_cts] = self._cts_payloads(msgs[is_cts], state, arena, sizes)
-        ts, end = self._write_times(msgs, t0 + self.timing.compute_gap_ns)
+        ts, end = self._write_times(msgs, t0)
 
         # Writes -> packets.
         npk = msgs["npkts"].astype(np.int64)
@@ -229,15 +238,17 @@ class TrafficBuilder:
         acks["opcode"] = op.RC_ACKNOWLEDGE
         acks["dest_qpn"] = plan.flows["src_qpn"][m["flow"][lp]]
         acks["psn"] = pk["psn"][lp]
-        msn = (state.msn[m["flow"][lp]] + _rank_within(m["flow"][lp]) + 1) % PSN_MOD
+        in_flow = index[w[lp]] - plan.flows["msg_start"][m["flow"][lp]]
+        msn = (state.msn[m["flow"][lp]] + in_flow + 1) % PSN_MOD
         acks["aeth"] = (ACK_SYNDROME << 24) | msn
         acks["ts_ns"] = pk["ts_ns"][lp] + self.timing.ack_delay_ns
-        injected = {}
-        extra, esrc, edst, injected = self._retransmissions(pk, psrc, pdst, w, k, npk, m)
+        extra, esrc, edst, ekeep, injected = self._retransmissions(pk, psrc, pdst, w, k, npk, m)
         packets = np.concatenate([pk, acks, extra])
         src_all = np.concatenate([psrc, pdst[lp], esrc])
         dst_all = np.concatenate([pdst, psrc[lp], edst])
-        order = np.argsort(packets["ts_ns"], kind="stable")
+        # Writes of flows no mirror captures were built only for their ACKs and NAKs.
+        keep = np.concatenate([self.payload_flows[m["flow"]], np.ones(len(lp), bool), ekeep])
+        order = np.flatnonzero(keep)[np.argsort(packets["ts_ns"][keep], kind="stable")]
         arena_arr = np.concatenate(arena) if arena else np.zeros(0, np.uint8)
         return IterationTraffic(packets[order], src_all[order], dst_all[order], arena_arr,
                                 max(end, int(packets["ts_ns"].max(initial=t0))), injected)
@@ -251,13 +262,13 @@ class TrafficBuilder:
         rest of the write. Only data and CTS writes are affected, not ACKs."""
         f = self.faults
         p = f.loss + f.corrupt
-        empty = np.zeros(0, PACKET_DTYPE), np.zeros(0, np.int16), np.zeros(0, np.int16)
+        empty = np.zeros(0, PACKET_DTYPE), np.zeros(0, np.int16), np.zeros(0, np.int16), np.zeros(0, bool)
         if p <= 0 or not len(pk):
             return (*empty, {"link_loss": 0, "link_corrupt": 0, "retransmitted": 0})
         hit = np.flatnonzero(self.rng.random(len(pk)) < p)
         corrupt = self.rng.random(len(hit)) < f.corrupt / p
         pk["corrupt"][hit[corrupt]] = 1
-        out, srcs, dsts = [], [], []
+        out, srcs, dsts, keep = [], [], [], []
         rtt = self.timing.rtt_ns
         for i, bad in zip(hit, corrupt):
             rest = np.arange(i, i + npk[w[i]] - k[i])        # from the lost packet to the write's end
@@ -274,9 +285,12 @@ class TrafficBuilder:
             out += [nak, again]
             srcs += [pdst[i:i + 1], psrc[rest]]
             dsts += [psrc[i:i + 1], pdst[rest]]
+            keep += [np.ones(1, bool), np.full(len(rest), self.payload_flows[m["flow"][i]])]
         stats = {"link_loss": int((~corrupt).sum()), "link_corrupt": int(corrupt.sum()),
                  "retransmitted": int(sum(len(x) for x in out[1::2]))}
-        return np.concatenate(out), np.concatenate(srcs), np.concatenate(dsts), stats
+        if not out:
+            return (*empty, stats)
+        return np.concatenate(out), np.concatenate(srcs), np.concatenate(dsts), np.concatenate(keep), stats
 
 
 def _write_opcodes(k: np.ndarray, npkts: np.ndarray, imm: np.ndarray) -> np.ndarray:
@@ -292,15 +306,3 @@ def _write_opcodes(k: np.ndarray, npkts: np.ndarray, imm: np.ndarray) -> np.ndar
 
 def _bswap32(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, np.uint32).byteswap()
-
-
-def _rank_within(groups: np.ndarray) -> np.ndarray:
-    """0, 1, 2, ... within each run of equal values of an array sorted by group."""
-    order = np.argsort(groups, kind="stable")
-    g = groups[order]
-    first = np.r_[True, g[1:] != g[:-1]]
-    idx = np.arange(len(g))
-    rank = idx - np.maximum.accumulate(np.where(first, idx, 0))
-    out = np.empty_like(rank)
-    out[order] = rank
-    return out

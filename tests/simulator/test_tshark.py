@@ -44,17 +44,28 @@ def one_iteration(job, link_faults=LinkFaults()):
     rng = np.random.default_rng(3)
     routes = Routes(job.ipv6)
     n = job.world_size
-    builder = TrafficBuilder(job, plan, routes, Timing(), link_faults, rng, set(range(n)))
+    builder = TrafficBuilder(job, plan, routes, Timing(), link_faults, rng, set(range(n)), set(range(n)))
     dtype = {"fp32": np.float32, "bf16": np.uint16, "fp16": np.float16}[job.ddp.grad_dtype]
     partials = [rng.integers(0, 1 << 15, size=(n, count)).astype(dtype) for count in plan.bucket_numels]
     state = ConnectionState.initial(plan, rng)
-    traffic = builder.build(partials, state, EPOCH_NS)
+    traffics = []
+    t = EPOCH_NS
+    for b in range(len(partials)):
+        traffics.append(builder.build(b, partials[b], state, t))
+        t = traffics[-1].end_ns + 1000
+    arena_parts = [tr.arena for tr in traffics]
+    bases = np.cumsum([0] + [len(a) for a in arena_parts])
+    for tr, base in zip(traffics, bases):
+        tr.packets["payload_off"] += base
+    traffic_packets = np.concatenate([tr.packets for tr in traffics])
+    traffic_arena = np.concatenate(arena_parts)
     background = Background(job, routes, {0}, rng)
-    bg, _, _ = background.packets(EPOCH_NS, job.nccl.mtu, len(traffic.arena))
-    packets = np.concatenate([traffic.packets, bg])
-    data, offsets, lengths = encode_frames(packets, routes, np.concatenate([traffic.arena, background.arena]))
+    bg, _, _ = background.packets(EPOCH_NS, job.nccl.mtu, len(traffic_arena))
+    packets = np.concatenate([traffic_packets, bg])
+    packets = packets[np.argsort(packets["ts_ns"], kind="stable")]
+    data, offsets, lengths = encode_frames(packets, routes, np.concatenate([traffic_arena, background.arena]))
     return packets, FrameBatch(data=data, offsets=offsets, caplens=lengths, wirelens=lengths,
-                               ts_ns=np.sort(packets["ts_ns"]), linktype=1)
+                               ts_ns=packets["ts_ns"], linktype=1)
 
 
 @pytest.mark.slow

@@ -222,7 +222,9 @@ class TrafficBuilder:
             * plan.geometry.step_bytes + m["part_offset"]
         cts_va = state.fifo_va[c, dst] + ((state.fifo_base[c, dst] + m["fifo_seq"]) % N.CTS_SLOTS) * N.CTS_SLOT_STRIDE
         pk["reth_va"] = np.where(m["kind"] == CTS, cts_va, np.where(m["remote_offset"] == NO_VA, 0, data_va))
-        pk["reth_rkey"] = np.where(m["kind"] == CTS, state.rkeys[c, dst, 1], state.rkeys[c, src, 0])
+        # Adaptive routing's closing zero-length write has VA 0 and R_Key 0 (a zeroed work request).
+        pk["reth_rkey"] = np.where(m["kind"] == CTS, state.rkeys[c, dst, 1],
+                                   np.where(m["remote_offset"] == NO_VA, 0, state.rkeys[c, src, 0]))
         pk["reth_len"] = m["wire_bytes"]
         imm = np.where(self._imm_big_endian(), m["msg_bytes"], _bswap32(m["msg_bytes"]))
         pk["imm"] = np.where(m["kind"] == CTS, 0, imm)

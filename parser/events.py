@@ -1,0 +1,74 @@
+"""The catalogue of decode events: every way a mirrored frame can be classified or refused.
+
+Mirrored traffic is untrusted input, so kernels never raise on it: they count each frame
+under exactly one event and move on. An event has a stable dotted name (``stage.what``) that
+also names its Prometheus counter; kernels use its integer code. Codes are positions in
+:data:`EVENTS` and may change between versions; names may not.
+
+Three families:
+
+- ``decode.*``: the frame is malformed or cut short; dropped.
+- ``other.*``: a well-formed frame that is not this job's allreduce data (non-RoCE traffic,
+  ACKs, CTS writes, other QPs, reduce-scatter data); counted and dropped.
+- ``data.*``: this job's allreduce data: written, or refused for a stated reason.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EVENTS: tuple[tuple[str, str], ...] = (
+    ("decode.ok", "decoded as a RoCEv2 packet with all its headers (stage 1 only)"),
+    # stage 1: frame, Ethernet, IP, UDP, BTH
+    ("decode.frame_truncated", "captured length shorter than the frame on the wire"),
+    ("decode.eth_truncated", "shorter than an Ethernet header (or its VLAN tags)"),
+    ("decode.ipv4_truncated", "IPv4 header or total length past the captured bytes"),
+    ("decode.ipv4_bad_header", "IPv4 version or header length invalid"),
+    ("decode.ipv4_fragment", "IPv4 fragment (RoCEv2 never fragments)"),
+    ("decode.ipv6_truncated", "IPv6 header or payload length past the captured bytes"),
+    ("decode.udp_truncated", "UDP header past the end of the IP payload"),
+    ("decode.udp_bad_length", "UDP length disagrees with the IP payload"),
+    ("decode.bth_truncated", "too short for BTH and ICRC"),
+    ("decode.bth_unknown_opcode", "BTH opcode not defined for RoCEv2 (e.g. 0xaa)"),
+    ("decode.ext_truncated", "the extended headers of the opcode do not fit"),
+    ("decode.bad_padding", "pad count larger than the payload"),
+    ("decode.icrc_bad", "the invariant CRC does not match: dropped, a retransmission is awaited"),
+    ("other.non_ip", "not IPv4 or IPv6 (ARP, LLDP, ...)"),
+    ("other.non_udp", "IP but not UDP (TCP, ICMP, ...)"),
+    ("other.non_roce", "UDP to a port other than 4791"),
+    # stage 2: classification of RoCEv2 frames against the job
+    ("other.unknown_flow", "RoCEv2 to a QP or address pair outside the job (p2p, CM, other jobs)"),
+    ("other.ack", "RC acknowledgement (AETH)"),
+    ("other.nak", "RC negative acknowledgement"),
+    ("other.cnp", "congestion notification packet"),
+    ("other.read_atomic", "RDMA READ or ATOMIC request/response"),
+    ("other.send_ud", "SEND or UD datagram"),
+    ("other.cts", "NCCL clear-to-send write of the job"),
+    ("other.reduce_scatter", "reduce-scatter data of the job (partial sums; not needed)"),
+    ("data.before_lock", "job data before the stream locked on to an iteration boundary"),
+    ("data.duplicate", "a PSN already received (retransmission or mirror duplicate)"),
+    ("data.out_of_window", "a PSN outside the iterations being assembled"),
+    ("data.opcode_mismatch", "opcode does not fit the packet's place in its planned write"),
+    ("data.length_mismatch", "payload or RETH DMA length differs from the plan"),
+    ("data.imm_mismatch", "ImmDt differs from the planned message size"),
+    ("data.va_mismatch", "RETH address is not the planned FIFO slot"),
+    ("data.flag_mismatch", "LL/LL128 flag is not the connection's step + 1"),
+    ("data.written", "allgather data written to the gradient buffer"),
+)
+
+NAMES = tuple(name for name, _ in EVENTS)
+CODE = {name: i for i, name in enumerate(NAMES)}
+N_EVENTS = len(EVENTS)
+
+# Integer codes for kernels (module-level ints are compile-time constants in Numba).
+globals().update({name.replace(".", "_").upper(): code for name, code in CODE.items()})
+
+
+def new_counters() -> np.ndarray:
+    """A zeroed counter array indexed by event code (int64[N_EVENTS])."""
+    return np.zeros(N_EVENTS, np.int64)
+
+
+def as_dict(counters: np.ndarray, nonzero: bool = True) -> dict[str, int]:
+    """Counters by event name."""
+    return {NAMES[i]: int(v) for i, v in enumerate(counters) if v or not nonzero}

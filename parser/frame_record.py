@@ -1,0 +1,34 @@
+"""The record stage 1 (``parser/decode.py``) writes for every frame, and stage 2 reads.
+
+One row per input frame, in arrival order. ``event`` is ``DECODE_OK`` for a complete RoCEv2
+packet whose fields below are then all valid, or the ``decode.*``/``other.*`` code of why
+the frame stops there (see ``parser/events.py``). Addresses are 16 bytes: IPv6 as is, IPv4
+as ``::ffff:a.b.c.d`` (RFC 4291 §2.5.5.2), so one comparison serves both families.
+"""
+
+import numpy as np
+
+ICRC_UNCHECKED, ICRC_OK, ICRC_BAD = 0, 1, 2
+
+FRAME_DTYPE = np.dtype([
+    ("event", "u1"),
+    ("ip_version", "u1"),      # 4 or 6
+    ("opcode", "u1"),
+    ("padcnt", "u1"),
+    ("ackreq", "u1"),
+    ("icrc", "u1"),            # ICRC_UNCHECKED / ICRC_OK / ICRC_BAD
+    ("vlan", "u2"),            # outermost VLAN id, 0 if untagged
+    ("udp_sport", "u2"),
+    ("dest_qp", "u4"),
+    ("psn", "u4"),
+    ("src_ip", "u1", 16),
+    ("dst_ip", "u1", 16),
+    ("reth_va", "u8"),
+    ("reth_rkey", "u4"),
+    ("reth_len", "u4"),
+    ("imm", "u4"),             # ImmDt, the four wire bytes read big-endian
+    ("aeth", "u4"),            # syndrome << 24 | MSN
+    ("payload_off", "i8"),     # first payload byte in the batch's data array
+    ("payload_len", "i4"),     # payload bytes (no headers, pad or ICRC)
+    ("ts_ns", "i8"),
+])

@@ -32,7 +32,8 @@ a *flag thread* when ``wid % 8 == 7``:
 
 Hence data word ``2·ix`` goes to wire word ``64g + 2·wid`` and data word ``2·ix + 1`` to
 ``64g + 2·wid + 1`` (``64(g+1) + 2·wid`` for a flag thread); the 4 groups × 32 lanes, minus
-the flag threads' odd groups, cover blocks 0..119 exactly once (:data:`LL128_DATA_TO_WIRE`).
+the flag threads' odd groups, cover blocks 0..119 exactly once
+(:data:`workload.ll128.LL128_DATA_TO_WIRE`, shared with the parser).
 Data past the end of a send (its last slice) is unspecified in NCCL (unloaded registers,
 or the user buffer's following bytes inside a partly used block); this encoder writes
 zeros there. Flags are written on every line of every slice.
@@ -47,32 +48,13 @@ import numpy as np
 from numba import njit
 
 from gradtap.jit import JIT
+from workload.ll128 import LL128_DATA_TO_WIRE, LL128_SLICE_DATA, LL128_SLICE_WIRE
 from workload.nccl import (LL128_DATA_WORDS_PER_WARP, LL128_LINE_WORDS, LL128_WIRE_WORDS_PER_WARP,
-                           LL_DATA_PER_LINE, LL_LINE_BYTES, WARP_SIZE)
+                           LL_DATA_PER_LINE, LL_LINE_BYTES)
 
 PROTOCOLS = ("Simple", "LL", "LL128")
-LL128_SLICE_DATA = LL128_DATA_WORDS_PER_WARP * 8   # 1920 data bytes per warp slice
-LL128_SLICE_WIRE = LL128_WIRE_WORDS_PER_WARP * 8   # 2048 wire bytes per warp slice
 
 
-def _ll128_data_to_wire() -> np.ndarray:
-    """``[240]`` wire word (0..255) of each data word of an LL128 warp slice (see above)."""
-    wid = np.arange(WARP_SIZE)
-    flag_thread = wid % 8 == 7
-    perm = np.full(LL128_DATA_WORDS_PER_WARP, -1, dtype=np.int64)
-    for g in range(4):  # the register groups of loadRegsBegin; vectorised over the 32 lanes
-        loads = ~flag_thread if g % 2 else np.ones(WARP_SIZE, dtype=bool)
-        ix = 32 * g - 4 * (g // 2) + wid - (g % 2) * (wid // 8)
-        perm[2 * ix[loads]] = 64 * g + 2 * wid[loads]
-        second = np.where(flag_thread, 64 * (g + 1) + 2 * wid, 64 * g + 2 * wid + 1)
-        perm[2 * ix[loads] + 1] = second[loads]
-    assert (np.sort(perm) == np.setdiff1d(np.arange(LL128_WIRE_WORDS_PER_WARP),
-                                          np.arange(LL128_LINE_WORDS - 1, LL128_WIRE_WORDS_PER_WARP,
-                                                    LL128_LINE_WORDS))).all()
-    return perm
-
-
-LL128_DATA_TO_WIRE = _ll128_data_to_wire()
 _LL128_WIRE_FROM_DATA = np.zeros(LL128_WIRE_WORDS_PER_WARP, dtype=np.int64)   # flag words: overwritten
 _LL128_WIRE_FROM_DATA[LL128_DATA_TO_WIRE] = np.arange(LL128_DATA_WORDS_PER_WARP)
 _UNIT = {"Simple": 1, "LL": LL_DATA_PER_LINE, "LL128": LL128_SLICE_DATA}          # data bytes per unit

@@ -52,6 +52,14 @@ MESSAGE_DTYPE = np.dtype([
     ("remote_offset", "i8"), # RETH VA minus the receive buffer base (or fifo base for CTS)
     ("npkts", "i4"),
     ("psn_offset", "i8"),    # first PSN of this write, relative to the flow's iteration base
+    ("block", "i8"),         # allgather data: first coverage block of this write (see BLOCK_DTYPE), else -1
+])
+
+BLOCK_DTYPE = np.dtype([
+    ("bucket", "i4"),
+    ("elem", "i8"),          # first element, in the flat gradient (buckets concatenated in launch order)
+    ("nelem", "i8"),
+    ("need", "i4"),          # packets that must arrive before the block's elements are all known
 ])
 
 FLOW_DTYPE = np.dtype([
@@ -102,6 +110,7 @@ class WirePlan:
     messages: np.ndarray                   # MESSAGE_DTYPE
     steps_per_iteration: np.ndarray        # [channel, position] FIFO steps per iteration
     fifo_per_iteration: np.ndarray         # [channel, position] receives (CTS) per iteration
+    blocks: np.ndarray                     # BLOCK_DTYPE: the coverage blocks of the allgather
 
     @property
     def total_elems(self) -> int:
@@ -224,7 +233,63 @@ def _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo) -> WirePlan
     for i in range(len(flow_arr)):
         messages["flow"][flow_arr["msg_start"][i]:flow_arr["msg_start"][i] + flow_arr["msg_count"][i]] = i
     offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(bucket_numels)[:-1]]))
+    blocks = _coverage_blocks(messages, offsets, geo, elem, job.nccl.mtu,
+                              job.nccl.qps_per_connection if N.split_data_on_qps(job.nccl) else 1)
     return WirePlan(job_name=job.name, protocol=job.nccl.protocol, world_size=n, elem_size=elem,
                     mtu=job.nccl.mtu, geometry=geo, bucket_numels=tuple(int(x) for x in bucket_numels),
                     bucket_offsets=offsets, flows=flow_arr, messages=messages,
-                    steps_per_iteration=steps, fifo_per_iteration=fifo)
+                    steps_per_iteration=steps, fifo_per_iteration=fifo, blocks=blocks)
+
+
+def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeometry, elem: int, mtu: int,
+                     nparts: int) -> np.ndarray:
+    """Cut the allgather into coverage blocks and point every allgather write at its first.
+
+    Every rank that forwards chunk c in the allgather sends it with the same size, parts and
+    packets, so one set of blocks per (bucket, loop, channel, chunk) serves every stream
+    that carries the chunk, and the merger can compare streams block by block. A block is
+    one packet for Simple and LL (their data is in wire order). For LL128 it is one warp
+    slice (1920 data bytes): its data is interleaved over the slice's 2048 wire bytes, so
+    it is known only when every packet overlapping the slice has arrived (``need``).
+    """
+    messages["block"] = -1
+    ag = np.flatnonzero((messages["kind"] == DATA) & (messages["phase"] == PHASE_AG) & (messages["wire_bytes"] > 0))
+    rows: list[tuple] = []
+    groups: dict[tuple, int] = {}
+    part_base: dict[tuple, int] = {}
+    slice_wire, slice_data = 2048, 1920
+    for i in ag:
+        m = messages[i]
+        key = (int(m["bucket"]), int(m["loop"]), int(m["channel"]), int(m["chunk"]))
+        if key not in groups:
+            groups[key] = len(rows)
+            flat = bucket_offsets[key[0]] + int(m["elem_offset"])
+            nbytes, total = int(m["nelem"]) * elem, int(m["msg_bytes"])
+            parts = send_parts(total, nparts)
+            if geo.protocol == "LL128":
+                for s in range(-(-total // slice_wire)):
+                    lo, hi = s * slice_wire, min((s + 1) * slice_wire, total)
+                    need = sum(_packets_overlapping(off, length, mtu, lo, hi) for off, length in parts)
+                    rows.append(_block(key[0], flat, s * slice_data, (s + 1) * slice_data, nbytes, elem, need))
+            else:
+                per_wire = 2 if geo.protocol == "LL" else 1   # LL: 16 wire bytes carry 8 data bytes
+                for q, (off, length) in enumerate(parts):
+                    part_base[key + (q,)] = len(rows) - groups[key]
+                    for k in range(-(-length // mtu)):
+                        lo, hi = off + k * mtu, off + min((k + 1) * mtu, length)
+                        rows.append(_block(key[0], flat, lo // per_wire, hi // per_wire, nbytes, elem, 1))
+        messages["block"][i] = groups[key] + part_base.get(key + (int(m["part"]),), 0)
+    return np.array(rows, dtype=BLOCK_DTYPE)
+
+
+def _block(bucket: int, flat: int, data_lo: int, data_hi: int, nbytes: int, elem: int, need: int) -> tuple:
+    lo, hi = min(data_lo, nbytes) // elem, -(-min(data_hi, nbytes) // elem)
+    return bucket, flat + lo, hi - lo, need
+
+
+def _packets_overlapping(part_offset: int, length: int, mtu: int, lo: int, hi: int) -> int:
+    """Packets of one part (wire bytes [part_offset, part_offset+length)) overlapping [lo, hi)."""
+    first, last = max(lo, part_offset), min(hi, part_offset + length)
+    if first >= last:
+        return 0
+    return (last - 1 - part_offset) // mtu - (first - part_offset) // mtu + 1

@@ -140,3 +140,31 @@ def test_adaptive_routing_adds_an_immediate_write_with_no_address():
 def test_unsplit_multi_qp_plan_must_be_periodic():
     with pytest.raises(PlanError, match="split_data_on_qps"):
         build_plan(job(3, "LL", 1, 3, split_data_on_qps=False), [5000])
+
+
+@pytest.mark.parametrize("n,proto,ch,nq,dtype", [m for m in MATRIX if m[0] != 8] + [(8, "LL128", 2, 2, "bf16")])
+@pytest.mark.parametrize("mtu", [1024, 4096])
+def test_coverage_blocks_tile_the_gradient_once(n, proto, ch, nq, dtype, mtu):
+    plan = build_plan(job(n, proto, ch, nq, mtu=mtu, dtype=dtype), SIZES)
+    b = plan.blocks
+    cover = np.zeros(sum(SIZES), np.int64)
+    for e, k in zip(b["elem"], b["nelem"]):
+        cover[e:e + k] += 1
+    assert (cover == 1).all()
+    assert (b["need"] >= 1).all()
+    m = plan.messages
+    ag = (m["kind"] == DATA) & (m["phase"] == PHASE_AG) & (m["wire_bytes"] > 0)
+    assert (m["block"][ag] >= 0).all() and (m["block"][~ag] == -1).all()
+    # Each allgather write's first block starts at the element where its data starts.
+    per_wire = {"Simple": 1, "LL": 2, "LL128": None}[proto]
+    elem = 4 if dtype == "fp32" else 2
+    for w in m[ag]:
+        blk = b[w["block"]]
+        start = plan.bucket_offsets[w["bucket"]] + w["elem_offset"]
+        if per_wire:
+            assert blk["elem"] == start + w["part_offset"] // per_wire // elem
+        else:
+            assert blk["elem"] == start
+    if proto == "LL128":
+        # need = packets of the whole message (all parts) overlapping the slice's wire bytes
+        assert b["need"].sum() >= (m["npkts"][ag & (m["ring_step"] == n - 1)]).sum()

@@ -260,7 +260,7 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeomet
     slice_wire, slice_data = 2048, 1920
     for i in ag:
         m = messages[i]
-        key = (int(m["bucket"]), int(m["loop"]), int(m["channel"]), int(m["chunk"]))
+        key = (int(m["bucket"]), int(m["loop"]), int(m["channel"]), int(m["chunk"]), int(m["slice"]))
         if key not in groups:
             groups[key] = len(rows)
             flat = bucket_offsets[key[0]] + int(m["elem_offset"])

@@ -33,6 +33,8 @@ EVENTS: tuple[tuple[str, str], ...] = (
     ("decode.ext_truncated", "the extended headers of the opcode do not fit"),
     ("decode.bad_padding", "pad count larger than the payload"),
     ("decode.icrc_bad", "the invariant CRC does not match: dropped, a retransmission is awaited"),
+    ("decode.ipv6_bad_header", "IPv6 version field is not 6"),
+    ("decode.payload_unexpected", "payload bytes after an opcode that carries none (ACK, READ request, ...)"),
     ("other.non_ip", "not IPv4 or IPv6 (ARP, LLDP, ...)"),
     ("other.non_udp", "IP but not UDP (TCP, ICMP, ...)"),
     ("other.non_roce", "UDP to a port other than 4791"),

@@ -1,0 +1,390 @@
+"""Stage 1 of the parser: every frame of a batch to one :data:`FRAME_DTYPE` record and one event.
+
+The walk follows the wire, one declared header at a time (``parser/headers``): Ethernet II,
+any number of 802.1Q/802.1ad tags, IPv4 (unfragmented) or IPv6, UDP to port 4791, the BTH,
+then the extended transport headers the opcode carries (``OPCODE_*`` tables), the pad and the
+ICRC. Every offset and mask comes from those declarations.
+
+Mirrored frames are untrusted. Every read is checked against the frame's captured end
+(``offsets[i] + caplens[i]``) before it happens; length fields are only ever compared, never
+used to read past that end. A frame ends in exactly one event of ``parser/events.py``:
+
+- ``decode.ok``: a complete RoCEv2 packet; every field of the record is valid and the ICRC
+  matched (or was not checked: ``icrc`` is then ``ICRC_UNCHECKED``).
+- ``decode.icrc_bad``: the same, but the ICRC did not match (fields filled all the same).
+- ``other.*``: a well-formed frame that is not RoCEv2 (ARP, TCP, UDP to another port ...).
+- ``decode.*``: malformed at the layer the event names.
+
+Truncation. A frame whose captured length is shorter than its length on the wire (a snap
+length, a mirror that cuts frames) is ``decode.frame_truncated`` as soon as a header it needs
+lies past the captured bytes, or when its RoCEv2 packet ends past them; it is
+``other.*`` if the captured bytes already show it is not RoCEv2, and a malformation visible in
+the captured bytes keeps its own event. The IP and UDP lengths of such a frame are checked
+against each other, not against the captured length. Its record holds what was captured:
+when the BTH was, ``payload_off``/``payload_len`` describe the payload as the UDP length
+declares it (not all of it is in ``data``). ``decode.*_truncated`` for a layer means the
+frame was captured whole and its own length fields do not fit.
+
+Which frames are RoCEv2 (:func:`is_roce`): those whose BTH was read, i.e. ``payload_off >= 0``
+(every record starts with ``payload_off = -1``). That includes unknown opcodes (0xaa in
+``rdma32.pcapng``), bad ICRCs and truncated packets, as tshark counts them. For an unknown
+opcode no extension header is known, so ``payload_off`` is the byte after the BTH.
+
+The ICRC is checked on every complete RoCEv2 packet, unknown opcodes included (so 0xaa
+frames show ``icrc == ICRC_BAD``), unless ``verify_icrc`` is off.
+
+Three layers (stumpy style): :func:`decode_frame` (serial, one frame), ``_decode_parts``
+(``prange`` over contiguous parts of the batch, each part with its own counter row) and
+:func:`decode_batch`, which validates its input.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from capture.frames import LINKTYPE_ETHERNET, FrameBatch
+from gradtap.jit import JIT, JIT_PARALLEL
+from parser.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
+                           DECODE_ETH_TRUNCATED, DECODE_EXT_TRUNCATED, DECODE_FRAME_TRUNCATED,
+                           DECODE_ICRC_BAD, DECODE_IPV4_BAD_HEADER, DECODE_IPV4_FRAGMENT,
+                           DECODE_IPV4_TRUNCATED, DECODE_IPV6_BAD_HEADER, DECODE_IPV6_TRUNCATED,
+                           DECODE_OK, DECODE_PAYLOAD_UNEXPECTED, DECODE_UDP_BAD_LENGTH,
+                           DECODE_UDP_TRUNCATED, N_EVENTS, OTHER_NON_IP, OTHER_NON_ROCE,
+                           OTHER_NON_UDP)
+from parser.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
+from parser.headers.aeth import AETH_OFF_SYNDROME, AETH_SIZE_SYNDROME
+from parser.headers.bth import (BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH_DESTQP_MASK,
+                                BTH_DESTQP_SHIFT, BTH_LEN, BTH_OFF_ACKREQ, BTH_OFF_DESTQP,
+                                BTH_OFF_OPCODE, BTH_OFF_PADCNT, BTH_OFF_PSN, BTH_PADCNT_MASK,
+                                BTH_PADCNT_SHIFT, BTH_PSN_MASK, BTH_PSN_SHIFT, BTH_SIZE_ACKREQ,
+                                BTH_SIZE_DESTQP, BTH_SIZE_OPCODE, BTH_SIZE_PADCNT, BTH_SIZE_PSN)
+from parser.headers.eth import (ETH_LEN, ETH_OFF_TYPE, ETH_SIZE_TYPE, ETHERTYPE_IPV4,
+                                ETHERTYPE_IPV6, ETHERTYPE_QINQ, ETHERTYPE_VLAN, VLAN_LEN,
+                                VLAN_OFF_TYPE, VLAN_OFF_VID, VLAN_SIZE_TYPE, VLAN_SIZE_VID,
+                                VLAN_VID_MASK, VLAN_VID_SHIFT)
+from parser.headers.immdt import IMMDT_OFF_IMM, IMMDT_SIZE_IMM
+from parser.headers.ipv4 import (IPPROTO_UDP, IPV4_FLAGS_MASK, IPV4_FLAGS_SHIFT,
+                                 IPV4_FRAG_OFFSET_MASK, IPV4_FRAG_OFFSET_SHIFT, IPV4_IHL_MASK,
+                                 IPV4_IHL_SHIFT, IPV4_LEN, IPV4_OFF_DST, IPV4_OFF_FLAGS,
+                                 IPV4_OFF_FRAG_OFFSET, IPV4_OFF_IHL, IPV4_OFF_PROTO, IPV4_OFF_SRC,
+                                 IPV4_OFF_TOTAL_LENGTH, IPV4_OFF_VERSION, IPV4_SIZE_DST,
+                                 IPV4_SIZE_FLAGS, IPV4_SIZE_SRC, IPV4_SIZE_FRAG_OFFSET, IPV4_SIZE_IHL,
+                                 IPV4_SIZE_PROTO, IPV4_SIZE_TOTAL_LENGTH, IPV4_SIZE_VERSION,
+                                 IPV4_VERSION_MASK, IPV4_VERSION_SHIFT)
+from parser.headers.ipv6 import (IPV6_LEN, IPV6_OFF_DST, IPV6_OFF_NEXT_HEADER,
+                                 IPV6_OFF_PAYLOAD_LENGTH, IPV6_OFF_SRC, IPV6_OFF_VERSION,
+                                 IPV6_SIZE_DST, IPV6_SIZE_NEXT_HEADER, IPV6_SIZE_PAYLOAD_LENGTH,
+                                 IPV6_SIZE_SRC, IPV6_SIZE_VERSION, IPV6_VERSION_MASK, IPV6_VERSION_SHIFT)
+from parser.headers.opcodes import (OPCODE_AETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF,
+                                    OPCODE_PAYLOAD, OPCODE_RETH_OFF, OPCODE_VALID)
+from parser.headers.reth import (RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA,
+                                 RETH_SIZE_DMA_LENGTH, RETH_SIZE_RKEY, RETH_SIZE_VA)
+from parser.headers.udp import (ROCEV2_UDP_PORT, UDP_LEN, UDP_OFF_DPORT, UDP_OFF_LENGTH,
+                                UDP_OFF_SPORT, UDP_SIZE_DPORT, UDP_SIZE_LENGTH, UDP_SIZE_SPORT)
+from parser.icrc import ICRC_LEN, icrc_frame
+
+IPV4_WORD = 4      # RFC 791 §3.1: the IHL counts 32-bit words
+IPV4_FLAG_MF = 1   # RFC 791 §3.1: "More Fragments", the last of the three flag bits
+# RFC 4291 §2.5.5.2: an IPv4 address a.b.c.d is stored as the IPv6 address ::ffff:a.b.c.d.
+V4_MAPPED_PREFIX = np.frombuffer(ipaddress.IPv6Address("::ffff:0.0.0.0").packed, np.uint8)[
+    :IPV6_SIZE_DST - IPV4_SIZE_DST].copy()
+
+
+@njit(**JIT, inline="always")
+def _be(data, pos, size):
+    """The big-endian unsigned word of ``size`` (at most 4) bytes at ``data[pos]``, int64."""
+    word = np.int64(0)
+    for k in range(size):
+        word = (word << 8) | np.int64(data[pos + k])
+    return word
+
+
+@njit(**JIT, inline="always")
+def _be_u64(data, pos, size):
+    """The big-endian unsigned word of ``size`` (at most 8) bytes at ``data[pos]``, uint64."""
+    word = np.uint64(0)
+    for k in range(size):
+        word = (word << np.uint64(8)) | np.uint64(data[pos + k])
+    return word
+
+
+@njit(**JIT, inline="always")
+def _field(data, pos, size, mask, shift):
+    """A bit-field declared in a header layout: ``(word & mask) >> shift``."""
+    return (_be(data, pos, size) & mask) >> shift
+
+
+@njit(**JIT, inline="always")
+def _le32(data, pos):
+    """The little-endian uint32 at ``data[pos]`` (the ICRC is stored so)."""
+    word = np.int64(0)
+    for k in range(ICRC_LEN - 1, -1, -1):
+        word = (word << 8) | np.int64(data[pos + k])
+    return word
+
+
+@njit(**JIT, inline="always")
+def _short(cut, event):
+    """A header lies past the captured bytes: the frame was cut short if the wire says so,
+    otherwise its own length fields are wrong (``event``)."""
+    return DECODE_FRAME_TRUNCATED if cut else event
+
+
+@njit(**JIT, inline="always")
+def _clear(rec):
+    rec["event"] = 0
+    rec["ip_version"] = 0
+    rec["opcode"] = 0
+    rec["padcnt"] = 0
+    rec["ackreq"] = 0
+    rec["icrc"] = ICRC_UNCHECKED
+    rec["vlan"] = 0
+    rec["udp_sport"] = 0
+    rec["dest_qp"] = 0
+    rec["psn"] = 0
+    for k in range(IPV6_SIZE_SRC):
+        rec["src_ip"][k] = 0
+        rec["dst_ip"][k] = 0
+    rec["reth_va"] = 0
+    rec["reth_rkey"] = 0
+    rec["reth_len"] = 0
+    rec["imm"] = 0
+    rec["aeth"] = 0
+    rec["payload_off"] = -1
+    rec["payload_len"] = 0
+
+
+@njit(**JIT, inline="always")
+def _check_icrc(data, l3, is_ipv6, end, rec):
+    crc = icrc_frame(data, l3, is_ipv6, end)
+    rec["icrc"] = ICRC_OK if np.int64(crc) == _le32(data, end - ICRC_LEN) else ICRC_BAD
+
+
+@njit(**JIT)
+def _walk(data, start, caplen, wirelen, verify_icrc, rec):
+    """The body of :func:`decode_frame`; returns the event at the first thing that stops it."""
+    cap_end = start + caplen
+    cut = caplen < wirelen
+    if start + ETH_LEN > cap_end:
+        return _short(cut, DECODE_ETH_TRUNCATED)
+    ethertype = _be(data, start + ETH_OFF_TYPE, ETH_SIZE_TYPE)
+    pos = start + ETH_LEN
+    tagged = False
+    # Each tag moves ``pos`` on by VLAN_LEN, so the loop ends within caplen / VLAN_LEN rounds.
+    while ethertype == ETHERTYPE_VLAN or ethertype == ETHERTYPE_QINQ:
+        if pos + VLAN_LEN > cap_end:
+            return _short(cut, DECODE_ETH_TRUNCATED)
+        if not tagged:
+            rec["vlan"] = _field(data, pos + VLAN_OFF_VID, VLAN_SIZE_VID, VLAN_VID_MASK,
+                              VLAN_VID_SHIFT)
+            tagged = True
+        ethertype = _be(data, pos + VLAN_OFF_TYPE, VLAN_SIZE_TYPE)
+        pos += VLAN_LEN
+
+    l3 = pos
+    is_ipv6 = ethertype == ETHERTYPE_IPV6
+    if ethertype == ETHERTYPE_IPV4:
+        if l3 + IPV4_LEN > cap_end:
+            return _short(cut, DECODE_IPV4_TRUNCATED)
+        hlen = IPV4_WORD * _field(data, l3 + IPV4_OFF_IHL, IPV4_SIZE_IHL, IPV4_IHL_MASK,
+                                  IPV4_IHL_SHIFT)
+        if _field(data, l3 + IPV4_OFF_VERSION, IPV4_SIZE_VERSION, IPV4_VERSION_MASK,
+                  IPV4_VERSION_SHIFT) != 4 or hlen < IPV4_LEN:
+            return DECODE_IPV4_BAD_HEADER
+        total = _be(data, l3 + IPV4_OFF_TOTAL_LENGTH, IPV4_SIZE_TOTAL_LENGTH)
+        if total < hlen:
+            return DECODE_IPV4_BAD_HEADER
+        ip_end = l3 + total
+        if ip_end > cap_end and not cut:
+            return DECODE_IPV4_TRUNCATED
+        if l3 + hlen > cap_end:
+            return DECODE_FRAME_TRUNCATED  # options cut off (only a cut frame gets here)
+        flags = _field(data, l3 + IPV4_OFF_FLAGS, IPV4_SIZE_FLAGS, IPV4_FLAGS_MASK,
+                       IPV4_FLAGS_SHIFT)
+        if flags & IPV4_FLAG_MF or _field(data, l3 + IPV4_OFF_FRAG_OFFSET, IPV4_SIZE_FRAG_OFFSET,
+                                          IPV4_FRAG_OFFSET_MASK, IPV4_FRAG_OFFSET_SHIFT):
+            return DECODE_IPV4_FRAGMENT
+        rec["ip_version"] = 4
+        prefix = len(V4_MAPPED_PREFIX)
+        for k in range(prefix):
+            rec["src_ip"][k] = V4_MAPPED_PREFIX[k]
+            rec["dst_ip"][k] = V4_MAPPED_PREFIX[k]
+        for k in range(IPV4_SIZE_SRC):
+            rec["src_ip"][prefix + k] = data[l3 + IPV4_OFF_SRC + k]
+            rec["dst_ip"][prefix + k] = data[l3 + IPV4_OFF_DST + k]
+        if _be(data, l3 + IPV4_OFF_PROTO, IPV4_SIZE_PROTO) != IPPROTO_UDP:
+            return OTHER_NON_UDP
+        l4 = l3 + hlen
+    elif is_ipv6:
+        if l3 + IPV6_LEN > cap_end:
+            return _short(cut, DECODE_IPV6_TRUNCATED)
+        if _field(data, l3 + IPV6_OFF_VERSION, IPV6_SIZE_VERSION, IPV6_VERSION_MASK,
+                  IPV6_VERSION_SHIFT) != 6:
+            return DECODE_IPV6_BAD_HEADER
+        ip_end = l3 + IPV6_LEN + _be(data, l3 + IPV6_OFF_PAYLOAD_LENGTH, IPV6_SIZE_PAYLOAD_LENGTH)
+        if ip_end > cap_end and not cut:
+            return DECODE_IPV6_TRUNCATED
+        rec["ip_version"] = 6
+        for k in range(IPV6_SIZE_SRC):
+            rec["src_ip"][k] = data[l3 + IPV6_OFF_SRC + k]
+            rec["dst_ip"][k] = data[l3 + IPV6_OFF_DST + k]
+        # RoCEv2 puts UDP right after the fixed header; an extension header is not RoCEv2.
+        if _be(data, l3 + IPV6_OFF_NEXT_HEADER, IPV6_SIZE_NEXT_HEADER) != IPPROTO_UDP:
+            return OTHER_NON_UDP
+        l4 = l3 + IPV6_LEN
+    else:
+        return OTHER_NON_IP
+
+    if l4 + UDP_LEN > ip_end:
+        return DECODE_UDP_TRUNCATED
+    if l4 + UDP_LEN > cap_end:
+        return DECODE_FRAME_TRUNCATED
+    rec["udp_sport"] = _be(data, l4 + UDP_OFF_SPORT, UDP_SIZE_SPORT)
+    if _be(data, l4 + UDP_OFF_DPORT, UDP_SIZE_DPORT) != ROCEV2_UDP_PORT:
+        return OTHER_NON_ROCE
+    udp_len = _be(data, l4 + UDP_OFF_LENGTH, UDP_SIZE_LENGTH)
+    if udp_len < UDP_LEN or l4 + udp_len > ip_end:
+        return DECODE_UDP_BAD_LENGTH
+    end = l4 + udp_len  # one past the ICRC
+    bth = l4 + UDP_LEN
+    if end - bth < BTH_LEN + ICRC_LEN:
+        return DECODE_BTH_TRUNCATED
+    if bth + BTH_LEN > cap_end:
+        return DECODE_FRAME_TRUNCATED
+
+    opcode = _be(data, bth + BTH_OFF_OPCODE, BTH_SIZE_OPCODE)
+    padcnt = _field(data, bth + BTH_OFF_PADCNT, BTH_SIZE_PADCNT, BTH_PADCNT_MASK, BTH_PADCNT_SHIFT)
+    rec["opcode"] = opcode
+    rec["padcnt"] = padcnt
+    rec["ackreq"] = _field(data, bth + BTH_OFF_ACKREQ, BTH_SIZE_ACKREQ, BTH_ACKREQ_MASK,
+                        BTH_ACKREQ_SHIFT)
+    rec["dest_qp"] = _field(data, bth + BTH_OFF_DESTQP, BTH_SIZE_DESTQP, BTH_DESTQP_MASK,
+                         BTH_DESTQP_SHIFT)
+    rec["psn"] = _field(data, bth + BTH_OFF_PSN, BTH_SIZE_PSN, BTH_PSN_MASK, BTH_PSN_SHIFT)
+    complete = end <= cap_end
+    ext = bth + BTH_LEN
+    payload_end = end - ICRC_LEN - padcnt
+    if not OPCODE_VALID[opcode]:
+        rec["payload_off"] = ext
+        rec["payload_len"] = max(payload_end - ext, 0)
+        if complete and verify_icrc:
+            _check_icrc(data, l3, is_ipv6, end, rec)
+        return DECODE_BTH_UNKNOWN_OPCODE
+
+    payload_off = ext + OPCODE_EXT_LEN[opcode]
+    payload_len = payload_end - payload_off
+    rec["payload_off"] = payload_off
+    rec["payload_len"] = max(payload_len, 0)
+    if payload_off > end - ICRC_LEN:
+        return DECODE_EXT_TRUNCATED
+    if payload_off <= cap_end:
+        if OPCODE_RETH_OFF[opcode] >= 0:
+            reth = ext + OPCODE_RETH_OFF[opcode]
+            rec["reth_va"] = _be_u64(data, reth + RETH_OFF_VA, RETH_SIZE_VA)
+            rec["reth_rkey"] = _be(data, reth + RETH_OFF_RKEY, RETH_SIZE_RKEY)
+            rec["reth_len"] = _be(data, reth + RETH_OFF_DMA_LENGTH, RETH_SIZE_DMA_LENGTH)
+        if OPCODE_IMMDT_OFF[opcode] >= 0:
+            rec["imm"] = _be(data, ext + OPCODE_IMMDT_OFF[opcode] + IMMDT_OFF_IMM, IMMDT_SIZE_IMM)
+        if OPCODE_AETH_OFF[opcode] >= 0:
+            # The record keeps the whole word: syndrome << 24 | MSN.
+            rec["aeth"] = _be(data, ext + OPCODE_AETH_OFF[opcode] + AETH_OFF_SYNDROME,
+                           AETH_SIZE_SYNDROME)
+    if payload_len < 0:
+        return DECODE_BAD_PADDING
+    if not OPCODE_PAYLOAD[opcode] and payload_len != 0:
+        return DECODE_PAYLOAD_UNEXPECTED
+    if not complete:
+        return DECODE_FRAME_TRUNCATED
+    if verify_icrc:
+        _check_icrc(data, l3, is_ipv6, end, rec)
+        if rec["icrc"] == ICRC_BAD:
+            return DECODE_ICRC_BAD
+    return DECODE_OK
+
+
+@njit(**JIT)
+def decode_frame(data, start, caplen, wirelen, verify_icrc, rec):
+    """Decode the frame ``data[start:start + caplen]`` into ``rec`` and return its event.
+
+    Parameters
+    ----------
+    data:
+        ``uint8[m]``, C-contiguous; the frame must lie inside it (the caller checks).
+    start, caplen, wirelen:
+        The frame's first byte, its captured length and its length on the wire (bytes).
+    verify_icrc:
+        Check the ICRC of complete RoCEv2 packets.
+    rec:
+        One :data:`FRAME_DTYPE` record, overwritten (all fields but ``ts_ns``).
+    """
+    _clear(rec)
+    event = _walk(data, start, caplen, wirelen, verify_icrc, rec)
+    rec["event"] = event
+    return event
+
+
+@njit(**JIT_PARALLEL)
+def _decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, out, counters):
+    """Decode every frame; part ``p`` of ``counters.shape[0]`` contiguous parts counts its
+    events in ``counters[p]`` only, so threads never share a counter."""
+    n = len(offsets)
+    parts = counters.shape[0]
+    for p in prange(parts):
+        for i in range(p * n // parts, (p + 1) * n // parts):
+            rec = out[i]
+            event = decode_frame(data, offsets[i], caplens[i], wirelens[i], verify_icrc, rec)
+            rec["ts_ns"] = ts_ns[i]
+            counters[p, event] += 1
+
+
+def decode_batch(batch: FrameBatch, verify_icrc: bool = True,
+                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Stage 1 over a batch: one record per frame, in order, and the event counters.
+
+    Parameters
+    ----------
+    batch:
+        Ethernet frames (:class:`~capture.frames.FrameBatch`).
+    verify_icrc:
+        Check the ICRC of every complete RoCEv2 packet (a job may switch it off).
+    out:
+        Optional :data:`FRAME_DTYPE` array of at least ``len(batch)`` rows to fill (reused
+        across batches); the first ``len(batch)`` rows are returned.
+
+    Returns
+    -------
+    ``(records, counters)``: ``FRAME_DTYPE[n]`` and ``int64[N_EVENTS]`` (frames per event
+    code; they add up to ``n``). ``payload_off`` indexes ``batch.data``.
+    """
+    if not isinstance(batch, FrameBatch):
+        raise TypeError(f"decode_batch needs a FrameBatch, got {type(batch).__name__}")
+    if batch.linktype != LINKTYPE_ETHERNET:
+        raise ValueError(f"batch link type {batch.linktype} is not Ethernet "
+                         f"(LINKTYPE_ETHERNET = {LINKTYPE_ETHERNET})")
+    n = len(batch)
+    # FrameBatch checks this when built; its arrays are mutable, and the kernel trusts it.
+    if n and (batch.offsets.min() < 0 or batch.caplens.min() < 0
+              or (batch.offsets + batch.caplens).max() > len(batch.data)):
+        raise ValueError("FrameBatch frames reach outside data")
+    if out is None:
+        out = np.empty(n, FRAME_DTYPE)
+    elif not isinstance(out, np.ndarray) or out.dtype != FRAME_DTYPE or out.ndim != 1:
+        raise TypeError(f"out must be a 1-D FRAME_DTYPE array, got "
+                        f"{getattr(out, 'dtype', type(out).__name__)}")
+    elif len(out) < n or not out.flags.writeable:
+        raise ValueError(f"out has {len(out)} rows (writeable: {out.flags.writeable}); "
+                         f"the batch needs {n} writeable rows")
+    out = out[:n]
+    counters = np.zeros((max(1, min(numba.get_num_threads(), n)), N_EVENTS), np.int64)
+    _decode_parts(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
+                  bool(verify_icrc), out, counters)
+    return out, counters.sum(axis=0)
+
+
+def is_roce(records: np.ndarray) -> np.ndarray:
+    """Which records are RoCEv2 packets (their BTH was read), as tshark counts them."""
+    return records["payload_off"] >= 0

@@ -28,7 +28,10 @@ CM_BYTES = 64                        # the size of the UD datagrams to QP 1 in t
 def _peer(job: JobSpec, position: int) -> tuple[str, str]:
     """Address and MAC of a pipeline neighbour outside the ring (not a ring rank)."""
     ip = ipaddress.ip_address(job.ring.ranks[position].ip)
-    peer = ip + 0x100 if ip.version == 4 else ip + 0x10000
+    ring = {r.ip for r in job.ring.ranks}
+    peer = ip + 0x10000
+    while str(peer) in ring:
+        peer += 0x10000
     return str(peer), f"02:00:00:00:ff:{position & 0xFF:02x}"
 
 

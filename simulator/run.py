@@ -65,9 +65,12 @@ class Summary:
 
 
 class _Stream:
-    def __init__(self, job: JobSpec, index: int, out: Path, fmt: str):
+    def __init__(self, job: JobSpec, index: int, out: Path, fmt: str, seed: int):
         m = job.mirrors[index]
         self.mirror = m
+        # Each mirror path draws its faults from its own generator, so the traffic on the
+        # links (and every other stream) is the same whatever faults this path has.
+        self.rng = np.random.default_rng([seed, 1 + index])
         path = out / "streams" / f"{m.name}.{fmt}"
         self.writer = PcapWriter(path, nanosecond=True) if fmt == "pcap" else PcapngWriter(path)
         self.summary = StreamSummary(m.name, path)
@@ -112,7 +115,7 @@ class Simulation:
         n = job.world_size
 
         routes = Routes(job.ipv6)
-        streams = [_Stream(job, i, self.out, self.fmt) for i in range(len(job.mirrors))]
+        streams = [_Stream(job, i, self.out, self.fmt, self.seed) for i in range(len(job.mirrors))]
         egress = {s.mirror.rank for s in streams if s.mirror.direction != "ingress"}
         ingress = {s.mirror.rank for s in streams if s.mirror.direction != "egress"}
         builder = TrafficBuilder(job, plan, routes, self.timing, self.faults.link(), rng, egress, ingress)
@@ -135,7 +138,7 @@ class Simulation:
                 for key, v in traffic.injected.items():
                     link_faults[key] = link_faults.get(key, 0) + v
                 self._write_streams(streams, traffic.packets, traffic.src, traffic.dst, traffic.arena, [],
-                                    routes, rng)
+                                    routes)
                 clock["t"] = traffic.end_ns + self.timing.step_latency_ns
                 clock["encode_s"] += time.perf_counter() - started
             return rows[n - 1].copy()
@@ -169,7 +172,7 @@ class Simulation:
                 t0 = clock["t"]
                 bg, bg_src, bg_dst = background.packets(t0, job.nccl.mtu, 0)
                 self._write_streams(streams, bg, bg_src, bg_dst, background.arena, background.raw_frames(t0),
-                                    routes, rng)
+                                    routes)
                 clock["t"] = t0 + self.timing.compute_gap_ns
                 result = trainer.step(buckets)
                 truth.iteration(it, result.reduced_buckets, model, trainer.optimizer)
@@ -184,7 +187,7 @@ class Simulation:
         return Summary(self.out, captured, [s.summary for s in streams], link_faults,
                        total - clock["encode_s"], clock["encode_s"])
 
-    def _write_streams(self, streams, packets, src, dst, arena, raw, routes, rng) -> None:
+    def _write_streams(self, streams, packets, src, dst, arena, raw, routes) -> None:
         """Append frames to every stream that captures them: ``packets`` (time-ordered
         descriptors with their sender and receiver positions) and ``raw`` non-RoCE frames
         ``(ts_ns, src, dst, bytes)``; then apply that stream's mirror faults."""
@@ -201,7 +204,7 @@ class Simulation:
                 ts = np.concatenate([ts, [f[0] for f in extra]])
                 data = np.concatenate([data, blob])
             order = np.argsort(ts, kind="stable")
-            outcome = apply_mirror_faults(lengths[order], self.faults.for_stream(s.mirror.name), rng)
+            outcome = apply_mirror_faults(lengths[order], self.faults.for_stream(s.mirror.name), s.rng)
             pick = order[outcome.index]
             batch = FrameBatch(data=data, offsets=offsets[pick], caplens=outcome.caplen,
                                wirelens=lengths[pick], ts_ns=np.maximum.accumulate(ts[pick]),

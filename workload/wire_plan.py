@@ -20,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from workload import nccl as N
+from workload.ll128 import LL128_SLICE_DATA, LL128_SLICE_WIRE
 from workload.ring_schedule import CallSchedule, step_phase
 from gradtap.errors import PlanError
 from workload.spec import WIRE_DTYPE_BYTES, JobSpec
@@ -28,6 +29,7 @@ DATA, CTS = 0, 1                 # message kinds
 PHASE_RS, PHASE_AG, PHASE_OTHER = 0, 1, 2
 NO_VA = -1                       # remote_offset of the zero-length immediate write of adaptive routing
 PSN_MOD = 1 << 24
+LL128_SLICE_LINES_MASK = (1 << (LL128_SLICE_WIRE // N.LL128_LINE_BYTES)) - 1   # 16 lines of 128 B
 
 MESSAGE_DTYPE = np.dtype([
     ("flow", "i4"),          # index into the flow table
@@ -59,7 +61,7 @@ BLOCK_DTYPE = np.dtype([
     ("bucket", "i4"),
     ("elem", "i8"),          # first element, in the flat gradient (buckets concatenated in launch order)
     ("nelem", "i8"),
-    ("need", "i4"),          # packets that must arrive before the block's elements are all known
+    ("need", "i4"),          # bitmask of the units that must arrive (see _coverage_blocks)
 ])
 
 FLOW_DTYPE = np.dtype([
@@ -248,16 +250,18 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeomet
     Every rank that forwards chunk c in the allgather sends it with the same size, parts and
     packets, so one set of blocks per (bucket, loop, channel, chunk) serves every stream
     that carries the chunk, and the merger can compare streams block by block. A block is
-    one packet for Simple and LL (their data is in wire order). For LL128 it is one warp
-    slice (1920 data bytes): its data is interleaved over the slice's 2048 wire bytes, so
-    it is known only when every packet overlapping the slice has arrived (``need``).
+    one packet for Simple and LL (their data is in wire order): ``need`` is 1, one unit. For
+    LL128 it is one warp slice (1920 data bytes), whose data is interleaved over the slice's
+    2048 wire bytes: its units are the slice's 16 lines of 128 bytes, ``need`` = 0xFFFF.
+    Packets and QP parts always start on a line, so each packet sets whole lines, and copies
+    of a block from several flows combine line by line.
     """
     messages["block"] = -1
     ag = np.flatnonzero((messages["kind"] == DATA) & (messages["phase"] == PHASE_AG) & (messages["wire_bytes"] > 0))
     rows: list[tuple] = []
     groups: dict[tuple, int] = {}
     part_base: dict[tuple, int] = {}
-    slice_wire, slice_data = 2048, 1920
+    slice_wire, slice_data = LL128_SLICE_WIRE, LL128_SLICE_DATA
     for i in ag:
         m = messages[i]
         key = (int(m["bucket"]), int(m["loop"]), int(m["channel"]), int(m["chunk"]), int(m["slice"]))
@@ -268,9 +272,8 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeomet
             parts = send_parts(total, nparts)
             if geo.protocol == "LL128":
                 for s in range(-(-total // slice_wire)):
-                    lo, hi = s * slice_wire, min((s + 1) * slice_wire, total)
-                    need = sum(_packets_overlapping(off, length, mtu, lo, hi) for off, length in parts)
-                    rows.append(_block(key[0], flat, s * slice_data, (s + 1) * slice_data, nbytes, elem, need))
+                    rows.append(_block(key[0], flat, s * slice_data, (s + 1) * slice_data, nbytes, elem,
+                                       LL128_SLICE_LINES_MASK))
             else:
                 per_wire = 2 if geo.protocol == "LL" else 1   # LL: 16 wire bytes carry 8 data bytes
                 for q, (off, length) in enumerate(parts):
@@ -285,11 +288,3 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeomet
 def _block(bucket: int, flat: int, data_lo: int, data_hi: int, nbytes: int, elem: int, need: int) -> tuple:
     lo, hi = min(data_lo, nbytes) // elem, -(-min(data_hi, nbytes) // elem)
     return bucket, flat + lo, hi - lo, need
-
-
-def _packets_overlapping(part_offset: int, length: int, mtu: int, lo: int, hi: int) -> int:
-    """Packets of one part (wire bytes [part_offset, part_offset+length)) overlapping [lo, hi)."""
-    first, last = max(lo, part_offset), min(hi, part_offset + length)
-    if first >= last:
-        return 0
-    return (last - 1 - part_offset) // mtu - (first - part_offset) // mtu + 1

@@ -1,0 +1,119 @@
+"""Locking a stream on to an iteration boundary, from the middle of a running job.
+
+The appliance may start while training runs, so the PSN at which each flow's iteration
+begins is unknown. Two facts give it:
+
+1. **The plan's write sizes.** A write that starts at PSN ``p`` with RETH length ``L`` can
+   only be a planned write ``j`` of that length, so the flow's iteration begins at
+   ``p - psn_offset[j]`` modulo its period. Each observed write narrows the candidates.
+   Repeated patterns (equal buckets) can leave several.
+2. **The gap between iterations.** No job traffic flows while the trainer computes the
+   next forward pass, so the first write after a gap of at least ``gap_ns`` belongs to a new
+   iteration; among the remaining candidates the one that places it earliest in the
+   iteration wins (exactly at its start unless the mirror lost the first packets). The
+   capture's own start counts as the end of a gap when the port carried other frames for
+   ``gap_ns`` before the job's first one.
+
+The stream locks at the first gap, and iteration 0 starts there; nothing before it is used.
+Each flow gets its base at its first write after the gap (:meth:`LockOn.place`), from the
+candidates gathered so far, that one included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from parser import events as ev
+from parser.headers.opcodes import KIND_WRITE, OPCODE_KIND, OPCODE_RETH_OFF
+from parser.stream_tables import StreamTables
+
+PSN_MOD = 1 << 24
+
+
+@dataclass
+class Lock:
+    """Where iteration 0 of a stream begins."""
+
+    index: int                 # record index (in the batch that locked) of its first job frame
+    ts_ns: int                 # time of that frame
+
+
+def flow_of(recs: np.ndarray, t: StreamTables) -> np.ndarray:
+    """Stream flow index of every record (-1: not a write of the job's flows)."""
+    out = np.full(len(recs), -1, np.int64)
+    ok = (recs["event"] == ev.DECODE_OK) & (OPCODE_KIND[recs["opcode"]] == KIND_WRITE)
+    for f in range(len(t.qpn)):
+        hit = ok & (recs["dest_qp"] == t.qpn[f])
+        if hit.any():
+            hit &= (recs["src_ip"] == t.src_ip[f]).all(axis=1) & (recs["dst_ip"] == t.dst_ip[f]).all(axis=1)
+            out[hit] = f
+    return out
+
+
+@dataclass
+class LockOn:
+    tables: StreamTables
+    messages: np.ndarray
+    gap_ns: int
+    candidates: dict[int, set[int]] = field(default_factory=dict)   # flow -> bases mod period, from ref
+    ref: dict[int, int] = field(default_factory=dict)               # flow -> first PSN seen
+    last_ts: int | None = None
+
+    def observe(self, recs: np.ndarray) -> Lock | None:
+        """Look at one batch of records; the lock when it is found in this batch."""
+        t = self.tables
+        flows = flow_of(recs, t)
+        job = np.flatnonzero(flows >= 0)
+        starts = job[(OPCODE_RETH_OFF[recs["opcode"][job]] >= 0) & t.is_data[flows[job]]]
+        for i in starts:
+            self._narrow(int(flows[i]), int(recs["psn"][i]), int(recs["reth_len"][i]))
+        if self.last_ts is None and len(recs):
+            self.last_ts = int(recs["ts_ns"][0])   # the capture was already listening here
+        ts = recs["ts_ns"][job]
+        if len(job) == 0:
+            return None
+        prev = np.r_[self.last_ts, ts[:-1]]
+        self.last_ts = int(ts[-1])
+        gaps = np.flatnonzero(ts - prev >= self.gap_ns)
+        if len(gaps) == 0:
+            return None
+        first = job[gaps[0]]
+        return Lock(index=int(first), ts_ns=int(recs["ts_ns"][first]))
+
+    def place(self, recs: np.ndarray, start: int, base_psn: np.ndarray) -> None:
+        """Give every data flow without a base (-1) one from its first write in ``recs[start:]``:
+        the candidate that puts that write earliest in the iteration."""
+        t = self.tables
+        todo = [f for f in t.data_flows if base_psn[f] < 0]
+        if not todo:
+            return
+        flows = flow_of(recs, t)
+        flows[:start] = -1
+        starts = np.flatnonzero((flows >= 0) & (OPCODE_RETH_OFF[recs["opcode"]] >= 0))
+        for f in todo:
+            mine = starts[flows[starts] == f]
+            for i in mine:
+                self._narrow(f, int(recs["psn"][i]), int(recs["reth_len"][i]))
+            if len(mine) == 0 or f not in self.candidates:
+                continue
+            psn = int(recs["psn"][mine[0]])
+            pos = min(_signed(psn - self.ref[f] - c) % int(t.period[f]) for c in self.candidates[f])
+            base_psn[f] = (psn - pos) % PSN_MOD
+
+    def _narrow(self, f: int, psn: int, length: int) -> None:
+        t = self.tables
+        m = self.messages[t.msg_start[f]:t.msg_start[f] + t.msg_count[f]]
+        period = int(t.period[f])
+        ref = self.ref.setdefault(f, psn)
+        cands = {_signed(psn - int(off) - ref) % period for off in m["psn_offset"][m["wire_bytes"] == length]}
+        # A write the plan does not have (corruption is caught by the ICRC; this is another
+        # job or a plan mismatch) narrows nothing.
+        if cands:
+            self.candidates[f] = self.candidates.get(f, cands) & cands or cands
+
+
+def _signed(delta: int) -> int:
+    """A 24-bit PSN difference as a signed number in [-2^23, 2^23)."""
+    return (delta + (PSN_MOD >> 1)) % PSN_MOD - (PSN_MOD >> 1)

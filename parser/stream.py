@@ -1,0 +1,160 @@
+"""One mirror stream, frames in, assembled iterations out.
+
+:class:`StreamParser` is the parser's public face. Feed it frame batches (from any capture
+source) in arrival order; it decodes them (stage 1), locks on to an iteration boundary
+(``parser/lockon.py``), places every packet by PSN and wire plan (``parser/assemble.py``),
+and hands back each iteration once the stream has moved two iterations past it (late
+retransmissions are still accepted until then) or at :meth:`StreamParser.flush`.
+
+An :class:`AssembledIteration` holds the stream's copy of the gradient in the wire dtype and
+which units (packets; LL128 lines) of each coverage block arrived; a block is *covered*
+when all have.
+Elements outside covered blocks are meaningless.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from capture.frames import FrameBatch
+from parser import events as ev
+from parser.assemble import NEED_ADVANCE, assemble
+from parser.decode import decode_batch
+from parser.lockon import PSN_MOD, LockOn
+from parser.stream_tables import stream_tables
+from workload import nccl
+from workload.spec import JobSpec
+from workload.wire_plan import WirePlan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 2
+DEFAULT_GAP_NS = 1_000_000   # an iteration boundary is a pause of at least 1 ms in the job's traffic
+
+
+@dataclass
+class AssembledIteration:
+    stream: str
+    index: int                 # iteration number counted from the stream's lock (0 = first aligned)
+    start_ns: int              # time of the iteration's first job frame, as seen by this stream
+    grad: np.ndarray           # uint8[grad_bytes]: the flat gradient in the wire dtype
+    got: np.ndarray            # int32[blocks]: bitmask of the units received per coverage block
+    need: np.ndarray           # int32[blocks]: bitmask of the units each block needs
+
+    @property
+    def covered(self) -> np.ndarray:
+        return (self.got & self.need) == self.need
+
+
+class StreamParser:
+    """Parse one mirror stream of ``job``.
+
+    Parameters
+    ----------
+    job, plan:
+        The job spec and its wire plan (``workload.layout.job_plan``).
+    stream:
+        Name of one of ``job.mirrors``.
+    verify_icrc:
+        Check every frame's ICRC (``job.appliance.verify_icrc`` by default).
+    slots:
+        Iterations assembled at once (>= 2: the current one and the next).
+    gap_ns:
+        Minimum pause in the job's traffic that separates two iterations.
+    """
+
+    def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
+                 slots: int = DEFAULT_SLOTS, gap_ns: int = DEFAULT_GAP_NS):
+        self.job, self.plan = job, plan
+        self.mirror = job.mirror(stream)
+        self.tables = t = stream_tables(job, plan, self.mirror)
+        self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
+        self.imm_big_endian = nccl.era_facts(job.nccl).imm_big_endian
+        self.bucket_offsets = np.asarray(plan.bucket_offsets, np.int64)
+        self.need = plan.blocks["need"].astype(np.int32)
+        nconn = len(t.conn_steps)
+        self.base_psn = np.full(len(t.qpn), -1, np.int64)
+        self.step_base = np.full(nconn, -1, np.int64)
+        self.va_ref = np.full(nconn, -1, np.int64)
+        self.va_step = np.zeros(nconn, np.int64)
+        self.grad = np.zeros((slots, t.grad_bytes), np.uint8)
+        self.got = np.zeros((slots, len(plan.blocks)), np.int32)
+        self.seen = np.zeros((slots, t.seen_bits), np.uint8)
+        self.slot_start = np.full(slots, -1, np.int64)   # first frame time seen per slot
+        self.slot0 = 0
+        self.iteration = 0            # iteration held by slot0
+        self.counters = ev.new_counters()
+        self.lockon = LockOn(t, plan.messages, gap_ns)
+        self.lock_ts: int | None = None
+
+    @property
+    def locked(self) -> bool:
+        return self.lock_ts is not None
+
+    def feed(self, batch: FrameBatch) -> list[AssembledIteration]:
+        """Parse one batch; returns the iterations it completed."""
+        # Stage 2 counts every record under one event, stage 1's refusals included.
+        recs, _ = decode_batch(batch, self.verify_icrc)
+        start = 0
+        if not self.locked:
+            lock = self.lockon.observe(recs)
+            stop = lock.index if lock else len(recs)
+            self._run(recs, 0, stop, batch.data)        # counted as before-lock/other
+            if lock is None:
+                return []
+            self.lock_ts = lock.ts_ns
+            log.info("stream %s: locked on an iteration boundary at t=%d ns; iteration 0 starts there",
+                     self.mirror.name, lock.ts_ns)
+            start = lock.index
+        self.lockon.place(recs, start, self.base_psn)
+        out = []
+        while True:
+            status, i = self._run(recs, start, len(recs), batch.data)
+            if status != NEED_ADVANCE:
+                return out
+            out.append(self._retire())
+            start = i
+
+    def flush(self) -> list[AssembledIteration]:
+        """Hand back every iteration still held (end of input)."""
+        out = []
+        for _ in range(self.grad.shape[0]):
+            if self.seen[self.slot0].any():
+                out.append(self._retire())
+            else:
+                self._advance()
+        return out
+
+    def _run(self, recs, start, stop, data):
+        t = self.tables
+        return assemble(recs[:stop], start, data, t.qpn, t.src_ip, t.dst_ip, t.is_data, t.period,
+                        t.msg_start, t.msg_count, t.seen_base, t.conn, t.conn_steps, self.plan.messages,
+                        self.bucket_offsets, t.protocol, t.elem, t.mtu, t.step_bytes, self.imm_big_endian,
+                        self.base_psn, self.step_base, self.va_ref, self.va_step, self.slot0, self.slot_start,
+                        self.grad, self.got, self.seen, self.counters)
+
+    def _retire(self) -> AssembledIteration:
+        s = self.slot0
+        out = AssembledIteration(self.mirror.name, self.iteration, int(self.slot_start[s]),
+                                 self.grad[s].copy(), self.got[s].copy(), self.need)
+        self._advance()
+        return out
+
+    def _advance(self) -> None:
+        """Drop the oldest slot: every flow's base moves one period, connections' steps too."""
+        s = self.slot0
+        self.grad[s] = 0
+        self.got[s] = 0
+        self.seen[s] = 0
+        self.slot_start[s] = -1
+        t = self.tables
+        locked = self.base_psn >= 0
+        self.base_psn[locked] = (self.base_psn[locked] + t.period[locked]) % PSN_MOD
+        known = self.step_base >= 0
+        self.step_base[known] += t.conn_steps[known]
+        self.va_step -= t.conn_steps
+        self.slot0 = (s + 1) % self.grad.shape[0]
+        self.iteration += 1

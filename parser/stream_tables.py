@@ -1,0 +1,86 @@
+"""What one mirror stream must know of the wire plan, as flat arrays for the kernels.
+
+A stream (a rank's port, one or both directions) sees a subset of the plan's flows. Each is
+identified on the wire by its destination QPN and its source and destination addresses.
+Per flow the kernel needs the slice of ``plan.messages`` it posts, its packets per
+iteration (the PSN period), and where its packets sit in the stream's per-iteration
+"seen" bitmap; per connection (channel, sender) the FIFO steps per iteration.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+import numpy as np
+
+from workload.spec import JobSpec, MirrorSpec
+from workload.wire_plan import DATA, WirePlan
+
+PROTOCOL_CODE = {"Simple": 0, "LL": 1, "LL128": 2}
+
+
+def ip16(address: str) -> np.ndarray:
+    """16-byte form of an address: IPv6 as is, IPv4 as ``::ffff:a.b.c.d`` (as stage 1 stores it)."""
+    ip = ipaddress.ip_address(address)
+    if ip.version == 4:
+        ip = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed)
+    return np.frombuffer(ip.packed, np.uint8).copy()
+
+
+@dataclass(frozen=True)
+class StreamTables:
+    """Flows of one stream (index ``f``) and the plan arrays the kernel reads."""
+
+    name: str
+    plan_flow: np.ndarray      # int64[F]: index into plan.flows
+    qpn: np.ndarray            # uint32[F]: destination QPN on the wire
+    src_ip: np.ndarray         # uint8[F, 16]
+    dst_ip: np.ndarray         # uint8[F, 16]
+    is_data: np.ndarray        # bool[F]: data flow (else CTS)
+    period: np.ndarray         # int64[F]: packets per iteration (PSN period)
+    msg_start: np.ndarray      # int64[F]: first message in plan.messages
+    msg_count: np.ndarray      # int64[F]
+    seen_base: np.ndarray      # int64[F]: first bit of the flow in the seen bitmap (data flows)
+    conn: np.ndarray           # int64[F]: connection index channel * n + sender position
+    seen_bits: int             # packets of all data flows per iteration
+    conn_steps: np.ndarray     # int64[channels * n]: FIFO steps per iteration per connection
+    protocol: int              # PROTOCOL_CODE
+    elem: int                  # bytes per element on the wire
+    mtu: int
+    step_bytes: int
+    grad_bytes: int            # bytes of the whole flat gradient in the wire dtype
+
+    @property
+    def data_flows(self) -> np.ndarray:
+        return np.flatnonzero(self.is_data)
+
+
+def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTables:
+    flows = plan.flows_of(mirror.rank, mirror.direction)
+    f = plan.flows[flows]
+    ranks = job.ring.ranks
+    is_data = f["kind"] == DATA
+    seen_base = np.zeros(len(flows), np.int64)
+    seen_base[is_data] = np.concatenate([[0], np.cumsum(f["npkts"][is_data])[:-1]]) if is_data.any() else []
+    n = plan.world_size
+    return StreamTables(
+        name=mirror.name,
+        plan_flow=flows.astype(np.int64),
+        qpn=f["dst_qpn"].astype(np.uint32),
+        src_ip=np.stack([ip16(ranks[s].ip) for s in f["src"]]) if len(f) else np.zeros((0, 16), np.uint8),
+        dst_ip=np.stack([ip16(ranks[d].ip) for d in f["dst"]]) if len(f) else np.zeros((0, 16), np.uint8),
+        is_data=is_data,
+        period=f["npkts"].astype(np.int64),
+        msg_start=f["msg_start"].astype(np.int64),
+        msg_count=f["msg_count"].astype(np.int64),
+        seen_base=seen_base,
+        conn=(f["channel"].astype(np.int64) * n + f["src"]),
+        seen_bits=int(f["npkts"][is_data].sum()),
+        conn_steps=plan.steps_per_iteration.reshape(-1).astype(np.int64),
+        protocol=PROTOCOL_CODE[plan.protocol],
+        elem=plan.elem_size,
+        mtu=plan.mtu,
+        step_bytes=plan.geometry.step_bytes,
+        grad_bytes=plan.total_elems * plan.elem_size,
+    )

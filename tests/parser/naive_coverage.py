@@ -1,0 +1,66 @@
+"""Slow twin of the stream parser's coverage: which allgather units a capture delivers.
+
+Frames are decoded by ``tests/naive.py``; a data packet that passes its ICRC is placed by its
+PSN relative to its flow's first PSN (given) and the plan's ``psn_offset``, exactly as the
+wire plan defines positions, and marks the units of the coverage block it carries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests import naive
+from workload.wire_plan import DATA, PHASE_AG, PSN_MOD
+
+
+def first_psns(path, job, plan) -> dict[int, int]:
+    """PSN of the first data packet of every plan flow in a capture."""
+    ranks = {r.ip: i for i, r in enumerate(job.ring.ranks)}
+    out: dict[int, int] = {}
+    for _, frame in naive.read_capture(path):
+        f, _ = naive.decode_frame(frame)
+        if f is None or not 0x06 <= f["opcode"] <= 0x0B or f["ip_src"] not in ranks or f["ip_dst"] not in ranks:
+            continue
+        flow = _flow(plan, ranks[f["ip_src"]], ranks[f["ip_dst"]], f["dest_qp"])
+        if flow is not None:
+            out.setdefault(flow, f["psn"])
+    return out
+
+
+def _flow(plan, src, dst, qp):
+    fl = plan.flows
+    hit = np.flatnonzero((fl["src"] == src) & (fl["dst"] == dst) & (fl["dst_qpn"] == qp) & (fl["kind"] == DATA))
+    return int(hit[0]) if len(hit) else None
+
+
+def coverage(path, job, plan, first: dict[int, int], iterations: int) -> list[np.ndarray]:
+    """Per iteration, the covered mask of every block, from the frames of ``path``."""
+    ranks = {r.ip: i for i, r in enumerate(job.ring.ranks)}
+    got = [np.zeros(len(plan.blocks), np.int64) for _ in range(iterations)]
+    for _, frame in naive.read_capture(path):
+        f, _ = naive.decode_frame(frame)
+        if f is None or not f["icrc_ok"] or not 0x06 <= f["opcode"] <= 0x0B:
+            continue
+        if f["ip_src"] not in ranks or f["ip_dst"] not in ranks:
+            continue
+        flow = _flow(plan, ranks[f["ip_src"]], ranks[f["ip_dst"]], f["dest_qp"])
+        if flow is None:
+            continue
+        it, pos = divmod((f["psn"] - first[flow]) % PSN_MOD, int(plan.flows["npkts"][flow]))
+        if it >= iterations:
+            continue
+        msgs = plan.flow_messages(flow)
+        w = msgs[np.searchsorted(msgs["psn_offset"], pos, side="right") - 1]
+        k = pos - int(w["psn_offset"])
+        if w["phase"] != PHASE_AG or w["block"] < 0:
+            continue
+        wire = int(w["part_offset"]) + k * plan.mtu
+        if len(f["payload"]) != min(plan.mtu, int(w["wire_bytes"]) - k * plan.mtu):
+            continue
+        if plan.protocol == "LL128":
+            for line in range(wire // 128, (wire + len(f["payload"])) // 128):
+                got[it][int(w["block"]) + line // 16] |= 1 << (line % 16)
+        else:
+            got[it][int(w["block"]) + k] |= 1
+    need = plan.blocks["need"]
+    return [(g & need) == need for g in got]

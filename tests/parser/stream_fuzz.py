@@ -1,0 +1,58 @@
+"""Stage-2 fuzz driver (run in a subprocess with NUMBA_BOUNDSCHECK=1 by test_stream.py).
+
+Frames of a simulated stream are mutated in their BTH, extension headers and payload, then
+given a correct ICRC again, so that stage 1 accepts them and stage 2 must cope with PSNs,
+opcodes, lengths, addresses, immediates and flags that contradict the plan.
+"""
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from capture.frames import FrameBatch
+from capture.pcap import read_pcap
+from parser import events as ev
+from parser.icrc import compute_icrc, locate_icrc
+from parser.stream import StreamParser
+from tests.simulator.test_simulate import make_job, simulate
+from workload.layout import job_plan
+
+
+def mutate(frame: bytes, rng: np.random.Generator) -> bytes:
+    try:
+        l3, ipv6, end = locate_icrc(frame)
+    except ValueError:
+        return frame
+    b = bytearray(frame)
+    bth = l3 + (40 if ipv6 else (frame[l3] & 0x0F) * 4) + 8
+    for _ in range(int(rng.integers(1, 4))):
+        at = int(rng.integers(bth, end - 4))
+        b[at] ^= 1 << int(rng.integers(0, 8))
+    b[end - 4:end] = compute_icrc(bytes(b)).to_bytes(4, "little")
+    return bytes(b)
+
+
+def main() -> None:
+    rng = np.random.default_rng(11)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for protocol in ("Simple", "LL", "LL128"):
+            job = make_job(3, protocol, 2, "fp32", nqps=2)
+            simulate(out, job, iterations=2)
+            batch = read_pcap(out / "streams" / "m-both.pcap")
+            frames = [bytes(batch.data[o:o + c]) for o, c in zip(batch.offsets, batch.caplens)]
+            hit = rng.random(len(frames)) < 0.3
+            frames = [mutate(f, rng) if h else f for f, h in zip(frames, hit)]
+            fuzzed = FrameBatch.from_frames(frames, batch.ts_ns)
+            parser = StreamParser(job, job_plan(job), "m-both")
+            its = parser.feed(fuzzed) + parser.flush()
+            assert parser.counters.sum() == len(frames), (parser.counters.sum(), len(frames))
+            for it in its:
+                assert it.grad.shape[0] == parser.tables.grad_bytes
+            print(protocol, ev.as_dict(parser.counters))
+    print("frames counted")
+
+
+if __name__ == "__main__":
+    main()

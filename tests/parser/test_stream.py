@@ -1,0 +1,204 @@
+"""The stream parser against the simulator's ground truth.
+
+Simulated captures (``simulator.run``) are parsed stream by stream. Every covered block must
+equal the true reduced gradient, and the coverage must be exactly what NCCL's step order
+gives the stream's port and direction, minus the blocks whose frames the mirror lost.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from capture.frames import FrameBatch
+from capture.pcap import PcapReader, read_pcap
+from parser import events as ev
+from parser.stream import StreamParser
+from tests import naive
+from tests.parser import naive_coverage
+from tests.simulator.test_simulate import make_job, simulate
+from workload.layout import job_plan
+from workload.wire_plan import DATA, PHASE_AG
+
+FAULTS_ALL_BUT_MIRROR_LOSS = "link_loss=0.01,corrupt=0.01,reorder=0.02,duplicate=0.02,truncate=0.01"
+
+
+def parse_stream(out, job, name, batch_frames=65536, skip_frames=0):
+    parser = StreamParser(job, job_plan(job), name)
+    its = []
+    with PcapReader(out / "streams" / f"{name}.pcap", max_frames=batch_frames) as reader:
+        for batch in reader:
+            if skip_frames:
+                cut = min(skip_frames, len(batch.offsets))
+                skip_frames -= cut
+                batch = _tail(batch, cut)
+            its += parser.feed(batch)
+    return parser, its + parser.flush()
+
+
+def _tail(batch: FrameBatch, start: int) -> FrameBatch:
+    return FrameBatch(data=batch.data, offsets=batch.offsets[start:], caplens=batch.caplens[start:],
+                      wirelens=batch.wirelens[start:], ts_ns=batch.ts_ns[start:], linktype=batch.linktype)
+
+
+def truth_grads(out):
+    manifest = json.loads((out / "truth" / "manifest.json").read_text())
+    return [np.load(out / "truth" / f"iter_{it:06d}" / "grad.npy").view(np.uint8) for it in manifest["iterations"]]
+
+
+def block_chunks(plan):
+    """Ring chunk of every coverage block (from the allgather writes that carry it)."""
+    m = plan.messages
+    ag = m[(m["kind"] == DATA) & (m["phase"] == PHASE_AG) & (m["block"] >= 0)]
+    chunk = np.full(len(plan.blocks), -1)
+    for w in ag:
+        n = 1 if plan.protocol == "LL128" else max(1, -(-int(w["wire_bytes"]) // plan.mtu))
+        if plan.protocol == "LL128":
+            n = -(-int(w["msg_bytes"]) // 2048)
+        chunk[w["block"]:w["block"] + n] = w["chunk"]
+    assert (chunk >= 0).all()
+    return chunk
+
+
+def expected_coverage(plan, mirror, n):
+    chunk = block_chunks(plan)
+    missing = {"egress": {(mirror.rank + 1) % n}, "ingress": {mirror.rank}, "both": set()}[mirror.direction]
+    return ~np.isin(chunk, list(missing))
+
+
+def assert_exact(its, out, plan, offset=0):
+    truths = truth_grads(out)
+    b = plan.blocks
+    elem = plan.elem_size
+    checked = 0
+    for it in its:
+        truth = truths[it.index + offset]
+        for k in np.flatnonzero(it.covered):
+            lo, hi = int(b["elem"][k]) * elem, int(b["elem"][k] + b["nelem"][k]) * elem
+            assert it.grad[lo:hi].tobytes() == truth[lo:hi].tobytes(), (it.stream, it.index, k)
+            checked += 1
+    assert checked
+
+
+MATRIX = [
+    # n, protocol, channels, qps, mtu, ipv6, dtype
+    (2, "Simple", 1, 1, 1024, False, "fp32"),
+    (3, "Simple", 2, 2, 4096, True, "bf16"),
+    (8, "Simple", 2, 1, 4096, False, "fp32"),
+    (2, "LL", 2, 2, 1024, True, "fp32"),
+    (3, "LL", 1, 1, 4096, False, "bf16"),
+    (8, "LL", 2, 2, 1024, False, "bf16"),
+    (2, "LL128", 1, 2, 4096, False, "bf16"),
+    (3, "LL128", 2, 1, 1024, True, "fp32"),
+    (8, "LL128", 2, 2, 1024, True, "fp32"),
+    (3, "LL128", 2, 2, 2048, False, "bf16"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n,protocol,channels,nqps,mtu,ipv6,dtype", MATRIX)
+def test_clean_streams_cover_exactly_their_chunks_and_equal_truth(tmp_path, n, protocol, channels, nqps, mtu,
+                                                                   ipv6, dtype):
+    job = make_job(n, protocol, channels, dtype, ipv6=ipv6, nqps=nqps, mtu=mtu)
+    simulate(tmp_path, job, iterations=3)
+    plan = job_plan(job)
+    for mirror in job.mirrors:
+        parser, its = parse_stream(tmp_path, job, mirror.name)
+        assert [it.index for it in its] == [0, 1, 2]
+        expected = expected_coverage(plan, mirror, n)
+        for it in its:
+            assert np.array_equal(it.covered, expected), (mirror.name, it.index)
+        assert_exact(its, tmp_path, plan)
+        c = ev.as_dict(parser.counters)
+        assert not any(k.startswith("data.") and k != "data.written" for k in c), c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["link_loss=0.02", "corrupt=0.02", "reorder=0.05", "duplicate=0.05",
+                                   "truncate=0.02", FAULTS_ALL_BUT_MIRROR_LOSS])
+@pytest.mark.parametrize("protocol", ["Simple", "LL", "LL128"])
+def test_faults_without_mirror_loss_leave_coverage_complete_and_exact(tmp_path, fault, protocol):
+    job = make_job(3, protocol, 2, "fp32", nqps=2)
+    simulate(tmp_path, job, iterations=3, faults=fault)
+    plan = job_plan(job)
+    for mirror in job.mirrors:
+        parser, its = parse_stream(tmp_path, job, mirror.name)
+        expected = expected_coverage(plan, mirror, 3)
+        if "truncate" in fault:
+            # A truncated frame is lost to the mirror: it may open a hole, and nothing else.
+            truncated = parser.counters[ev.DECODE_FRAME_TRUNCATED]
+            assert truncated > 0
+            for it in its:
+                assert not (it.covered & ~expected).any()
+                assert (expected & ~it.covered).sum() <= truncated
+        else:
+            for it in its:
+                assert np.array_equal(it.covered, expected), (mirror.name, fault, it.index)
+        assert_exact(its, tmp_path, plan)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["Simple", "LL", "LL128"])
+@pytest.mark.parametrize("faults", ["mirror_loss=0.05", "mirror_loss=0.03," + FAULTS_ALL_BUT_MIRROR_LOSS])
+def test_mirror_loss_leaves_holes_exactly_where_frames_were_dropped(tmp_path, protocol, faults):
+    """Coverage equals what the slow twin finds in the same capture, and a clean run's
+    coverage shrinks only where that capture lost frames."""
+    job = make_job(3, protocol, 2, "fp32", mtu=1024, nqps=2)
+    simulate(tmp_path / "clean", job, iterations=2)
+    simulate(tmp_path / "lossy", job, iterations=2, faults=faults)
+    plan = job_plan(job)
+    holes = 0
+    for mirror in job.mirrors:
+        first = naive_coverage.first_psns(tmp_path / "clean" / "streams" / f"{mirror.name}.pcap", job, plan)
+        expected = naive_coverage.coverage(tmp_path / "lossy" / "streams" / f"{mirror.name}.pcap", job, plan,
+                                           first, 2)
+        _, clean = parse_stream(tmp_path / "clean", job, mirror.name)
+        _, lossy = parse_stream(tmp_path / "lossy", job, mirror.name)
+        assert [it.index for it in lossy] == [0, 1]
+        for c, l in zip(clean, lossy):
+            assert np.array_equal(l.covered, expected[l.index]), (mirror.name, l.index)
+            assert not (l.covered & ~c.covered).any()
+            holes += int((c.covered & ~l.covered).sum())
+        assert_exact(lossy, tmp_path / "lossy", plan)
+    assert holes > 0
+
+
+@pytest.mark.slow
+def test_lock_on_mid_iteration_waits_for_the_next_boundary_and_says_so(tmp_path, caplog):
+    job = make_job(3, "LL", 2, "fp32")
+    simulate(tmp_path, job, iterations=3)
+    plan = job_plan(job)
+    total = len(read_pcap(tmp_path / "streams" / "m-both.pcap").offsets)
+    with caplog.at_level(logging.INFO, logger="parser.stream"):
+        parser, its = parse_stream(tmp_path, job, "m-both", batch_frames=64, skip_frames=total // 6)
+    assert "locked on an iteration boundary" in caplog.text
+    assert [it.index for it in its] == [0, 1]
+    for it in its:
+        assert it.covered.all()
+    assert_exact(its, tmp_path, plan, offset=1)
+    assert parser.counters[ev.DATA_BEFORE_LOCK] > 0
+
+
+def test_bad_stream_name_is_a_config_error():
+    from gradtap.errors import ConfigError
+    job = make_job(2, "LL", 1, "fp32")
+    with pytest.raises(ConfigError, match="not in the job"):
+        StreamParser(job, job_plan(job), "nope")
+
+
+@pytest.mark.slow
+def test_stage2_fuzz_under_boundscheck():
+    """Mutated frames that still pass the ICRC go through both stages without crashing,
+    with NUMBA_BOUNDSCHECK=1, and every frame is counted once."""
+    code = "from tests.parser.stream_fuzz import main; main()"
+    env = {"NUMBA_BOUNDSCHECK": "1", "PYTHONPATH": ".", "GRADTAP_JIT_CACHE": "0"}
+    import os
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "frames counted" in result.stdout

@@ -14,9 +14,13 @@ begins is unknown. Two facts give it:
    capture's own start counts as the end of a gap when the port carried other frames for
    ``gap_ns`` before the job's first one.
 
-The stream locks at the first gap, and iteration 0 starts there; nothing before it is used.
-Each flow gets its base at its first write after the gap (:meth:`LockOn.place`), from the
-candidates gathered so far, that one included.
+A flow is *resolved* when one candidate is left, or when it has been watched for a whole
+period (its writes then repeat within the iteration and only the gap can tell). The stream
+locks at the first gap of a batch at whose end every data flow is resolved, and iteration 0
+starts there; nothing before it is used. A guess from too few writes could misplace a whole
+flow consistently (its flags, addresses and lengths would all agree with the wrong place),
+so there is no locking before that. Each flow then gets its base at its first write after
+the gap (:meth:`LockOn.place`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Lock:
 
     index: int                 # record index (in the batch that locked) of its first job frame
     ts_ns: int                 # time of that frame
+    ordinal: int               # iterations begun since the capture started before this one
 
 
 def flow_of(recs: np.ndarray, t: StreamTables) -> np.ndarray:
@@ -59,7 +64,9 @@ class LockOn:
     gap_ns: int
     candidates: dict[int, set[int]] = field(default_factory=dict)   # flow -> bases mod period, from ref
     ref: dict[int, int] = field(default_factory=dict)               # flow -> first PSN seen
+    span: dict[int, int] = field(default_factory=dict)              # flow -> PSNs watched past ref
     last_ts: int | None = None
+    begun: int = 0              # iterations begun since the capture started (a partial first one counts)
 
     def observe(self, recs: np.ndarray) -> Lock | None:
         """Look at one batch of records; the lock when it is found in this batch."""
@@ -69,18 +76,28 @@ class LockOn:
         starts = job[(OPCODE_RETH_OFF[recs["opcode"][job]] >= 0) & t.is_data[flows[job]]]
         for i in starts:
             self._narrow(int(flows[i]), int(recs["psn"][i]), int(recs["reth_len"][i]))
-        if self.last_ts is None and len(recs):
-            self.last_ts = int(recs["ts_ns"][0])   # the capture was already listening here
         ts = recs["ts_ns"][job]
         if len(job) == 0:
             return None
+        if self.last_ts is None:
+            # The capture was already listening at its first frame. If the job's first frame
+            # comes less than a gap later, the capture began inside an iteration: that
+            # partial iteration is the first one begun.
+            self.last_ts = int(recs["ts_ns"][0])
+            self.begun += int(ts[0] - self.last_ts < self.gap_ns)
         prev = np.r_[self.last_ts, ts[:-1]]
         self.last_ts = int(ts[-1])
         gaps = np.flatnonzero(ts - prev >= self.gap_ns)
-        if len(gaps) == 0:
+        begun_before = self.begun
+        self.begun += len(gaps)
+        if len(gaps) == 0 or not all(self._resolved(f) for f in t.data_flows):
             return None
         first = job[gaps[0]]
-        return Lock(index=int(first), ts_ns=int(recs["ts_ns"][first]))
+        return Lock(index=int(first), ts_ns=int(recs["ts_ns"][first]), ordinal=begun_before)
+
+    def _resolved(self, f: int) -> bool:
+        cands = self.candidates.get(f)
+        return cands is not None and (len(cands) == 1 or self.span.get(f, 0) >= self.tables.period[f])
 
     def place(self, recs: np.ndarray, start: int, base_psn: np.ndarray) -> None:
         """Give every data flow without a base (-1) one from its first write in ``recs[start:]``:
@@ -107,6 +124,7 @@ class LockOn:
         m = self.messages[t.msg_start[f]:t.msg_start[f] + t.msg_count[f]]
         period = int(t.period[f])
         ref = self.ref.setdefault(f, psn)
+        self.span[f] = max(self.span.get(f, 0), _signed(psn - ref))
         cands = {_signed(psn - int(off) - ref) % period for off in m["psn_offset"][m["wire_bytes"] == length]}
         # A write the plan does not have (corruption is caught by the ICRC; this is another
         # job or a plan mismatch) narrows nothing.

@@ -38,7 +38,7 @@ DEFAULT_GAP_NS = 1_000_000   # an iteration boundary is a pause of at least 1 ms
 @dataclass
 class AssembledIteration:
     stream: str
-    index: int                 # iteration number counted from the stream's lock (0 = first aligned)
+    index: int                 # iterations begun since the capture started before this one (0 = the first)
     start_ns: int              # time of the iteration's first job frame, as seen by this stream
     grad: np.ndarray           # uint8[grad_bytes]: the flat gradient in the wire dtype
     got: np.ndarray            # int32[blocks]: bitmask of the units received per coverage block
@@ -106,8 +106,10 @@ class StreamParser:
             if lock is None:
                 return []
             self.lock_ts = lock.ts_ns
-            log.info("stream %s: locked on an iteration boundary at t=%d ns; iteration 0 starts there",
-                     self.mirror.name, lock.ts_ns)
+            self.iteration = lock.ordinal
+            log.info("stream %s: locked on an iteration boundary at t=%d ns; the capture's iteration %d starts "
+                     "there%s", self.mirror.name, lock.ts_ns, lock.ordinal,
+                     "" if lock.ordinal == 0 else f" ({lock.ordinal} earlier iteration(s) could not be aligned)")
             start = lock.index
         self.lockon.place(recs, start, self.base_psn)
         out = []
@@ -117,6 +119,20 @@ class StreamParser:
                 return out
             out.append(self._retire())
             start = i
+
+    def in_progress(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+        """``(iteration, start_ns, grad, got)`` of every slot holding data, oldest first.
+
+        ``grad`` and ``got`` are views into the slot, valid until the slot is retired. A
+        covered block's bytes never change once covered (a later copy of its packets is a
+        duplicate and is dropped), so a consumer may take covered blocks from here early.
+        """
+        out = []
+        for r in range(self.grad.shape[0]):
+            s = (self.slot0 + r) % self.grad.shape[0]
+            if self.slot_start[s] >= 0:
+                out.append((self.iteration + r, int(self.slot_start[s]), self.grad[s], self.got[s]))
+        return out
 
     def flush(self) -> list[AssembledIteration]:
         """Hand back every iteration still held (end of input)."""

@@ -201,7 +201,20 @@ class TrainingSpec(_Strict):
 
 
 class ApplianceSpec(_Strict):
+    """How the appliance runs this job (capture, parse, merge, update, snapshot)."""
+
     verify_icrc: bool = True
+    iteration_gap_ns: int = Field(1_000_000, gt=0, description="pause in the job's traffic between iterations")
+    control_endpoint: str | None = Field(None, description="trainer URL that receives fallback events (HTTP POST)")
+    snapshot_every: int = Field(1, ge=1, description="write a snapshot every K iterations")
+    snapshot_keep: int = Field(3, ge=1, description="snapshots kept on disk (the newest ones)")
+
+    @field_validator("control_endpoint")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL")
+        return v
 
 
 class JobSpec(_Strict):

@@ -71,13 +71,13 @@ def expected_coverage(plan, mirror, n):
     return ~np.isin(chunk, list(missing))
 
 
-def assert_exact(its, out, plan, offset=0):
+def assert_exact(its, out, plan):
     truths = truth_grads(out)
     b = plan.blocks
     elem = plan.elem_size
     checked = 0
     for it in its:
-        truth = truths[it.index + offset]
+        truth = truths[it.index]
         for k in np.flatnonzero(it.covered):
             lo, hi = int(b["elem"][k]) * elem, int(b["elem"][k] + b["nelem"][k]) * elem
             assert it.grad[lo:hi].tobytes() == truth[lo:hi].tobytes(), (it.stream, it.index, k)
@@ -177,10 +177,11 @@ def test_lock_on_mid_iteration_waits_for_the_next_boundary_and_says_so(tmp_path,
     with caplog.at_level(logging.INFO, logger="parser.stream"):
         parser, its = parse_stream(tmp_path, job, "m-both", batch_frames=64, skip_frames=total // 6)
     assert "locked on an iteration boundary" in caplog.text
-    assert [it.index for it in its] == [0, 1]
+    # The capture now begins inside iteration 0, so the first whole one is iteration 1.
+    assert [it.index for it in its] == [1, 2]
     for it in its:
         assert it.covered.all()
-    assert_exact(its, tmp_path, plan, offset=1)
+    assert_exact(its, tmp_path, plan)
     assert parser.counters[ev.DATA_BEFORE_LOCK] > 0
 
 

@@ -1,0 +1,182 @@
+"""Offline replay: capture files → parse → merge → update, the appliance's pipeline over pcaps.
+
+Each stream's file is read in bounded batches (``capture.pcap.PcapReader``). All streams
+advance together in time: every round takes from each stream the frames up to a common
+horizon (the earliest end of the streams' buffered batches), so no stream runs ahead of the
+others by more than one batch of the slowest; this matters because the merger's deadline
+looks at how far each stream has got. The streams of a round are parsed in parallel threads
+(the Numba kernels release the GIL); the merger and the updater then run on the main thread
+while the parsers wait, so nothing reads a slot a parser is writing.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from capture.frames import FrameBatch
+from capture.pcap import PcapReader
+from gradtap.errors import ConfigError
+from merger.merger import IterationReport, Merger, Sink
+from parser import events as ev
+from parser.stream import StreamParser
+from workload.spec import JobSpec
+from workload.wire_plan import WirePlan
+
+
+class _Source:
+    """One stream's capture file, served in time slices."""
+
+    def __init__(self, path: Path, batch_frames: int):
+        self.reader = PcapReader(path, max_frames=batch_frames)
+        self.batches = iter(self.reader)
+        self.pending: FrameBatch | None = None
+        self.done = False
+        self.frames = 0
+        self.bytes = 0
+        self.file_bytes = path.stat().st_size
+
+    def horizon(self) -> int | None:
+        """Time of the last buffered frame (None at end of file)."""
+        if self.pending is None or len(self.pending.offsets) == 0:
+            self.pending = next(self.batches, None)
+            if self.pending is None:
+                self.done = True
+                return None
+        return int(self.pending.ts_ns[-1])
+
+    def take(self, until: int) -> FrameBatch | None:
+        b = self.pending
+        if b is None:
+            return None
+        cut = int(np.searchsorted(b.ts_ns, until, side="right"))
+        head = _slice(b, 0, cut)
+        self.pending = _slice(b, cut, len(b.offsets)) if cut < len(b.offsets) else None
+        self.frames += cut
+        self.bytes += int(head.caplens.sum())
+        return head
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def _slice(b: FrameBatch, lo: int, hi: int) -> FrameBatch:
+    return FrameBatch(data=b.data, offsets=b.offsets[lo:hi], caplens=b.caplens[lo:hi], wirelens=b.wirelens[lo:hi],
+                      ts_ns=b.ts_ns[lo:hi], linktype=b.linktype)
+
+
+@dataclass
+class StageTimes:
+    parse_s: dict[str, float] = field(default_factory=dict)
+    merge_s: float = 0.0
+    update_s: float = 0.0
+
+
+@dataclass
+class ReplayResult:
+    reports: list[IterationReport]
+    counters: dict[str, dict[str, int]]        # stream -> decode event -> count
+    frames: dict[str, int]
+    bytes: dict[str, int]
+    times: StageTimes
+    wall_s: float
+
+
+Progress = Callable[[str, int, int], None]     # (stream, bytes read, file bytes)
+
+
+def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
+    """``NAME=PATH`` or a path whose file name (without suffix) is a stream of the job."""
+    names = [m.name for m in job.mirrors]
+    out: dict[str, Path] = {}
+    for spec in pcaps:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            path, name = spec, Path(spec).name.split(".")[0]
+        if name not in names:
+            raise ConfigError(f"capture {spec!r}: {name!r} is not a mirror stream of job {job.name!r} "
+                              f"(streams: {', '.join(names)}); name it as STREAM=PATH")
+        if name in out:
+            raise ConfigError(f"capture {spec!r}: stream {name!r} is given twice")
+        if not Path(path).is_file():
+            raise ConfigError(f"capture {spec!r}: {path} is not a file")
+        out[name] = Path(path)
+    if not out:
+        raise ConfigError("no capture files given")
+    return out
+
+
+def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
+           progress: Progress = lambda *_: None) -> ReplayResult:
+    """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``; never hangs (ends at EOF)."""
+    gap = job.appliance.iteration_gap_ns
+    parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in pcaps}
+    sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
+    times = StageTimes(parse_s={name: 0.0 for name in pcaps})
+    timed_sink = _TimedSink(sink, times)
+    merger = Merger(plan, list(pcaps), timed_sink)
+    started = time.perf_counter()
+
+    def parse(name: str, batch: FrameBatch):
+        t = time.perf_counter()
+        retired = parsers[name].feed(batch)
+        times.parse_s[name] += time.perf_counter() - t
+        return name, retired
+
+    try:
+        with ThreadPoolExecutor(max_workers=len(pcaps)) as pool:
+            while True:
+                horizons = {n: s.horizon() for n, s in sources.items() if not s.done}
+                live = {n: h for n, h in horizons.items() if h is not None}
+                if not live:
+                    break
+                until = min(live.values())
+                work = [(n, sources[n].take(until)) for n in live]
+                results = list(pool.map(lambda nb: parse(*nb), [w for w in work if w[1] is not None]))
+                t = time.perf_counter()
+                for name, retired in results:
+                    merger.update(name, retired, parsers[name].in_progress())
+                    progress(name, sources[name].bytes, sources[name].file_bytes)
+                merger.advance()
+                times.merge_s += time.perf_counter() - t - timed_sink.pop_update_time()
+        for name, p in parsers.items():
+            merger.update(name, p.flush(), [])
+        t = time.perf_counter()
+        reports = merger.close()
+        times.merge_s += time.perf_counter() - t - timed_sink.pop_update_time()
+    finally:
+        for s in sources.values():
+            s.close()
+    return ReplayResult(reports, {n: ev.as_dict(p.counters) for n, p in parsers.items()},
+                        {n: s.frames for n, s in sources.items()}, {n: s.bytes for n, s in sources.items()},
+                        times, time.perf_counter() - started)
+
+
+class _TimedSink:
+    """Measures the time the sink (the updater) takes, so merge time excludes it."""
+
+    def __init__(self, sink: Sink, times: StageTimes):
+        self.sink, self.times, self._pending = sink, times, 0.0
+
+    def bucket(self, iteration, bucket, data):
+        t = time.perf_counter()
+        self.sink.bucket(iteration, bucket, data)
+        self._spent(time.perf_counter() - t)
+
+    def iteration_done(self, iteration, report):
+        t = time.perf_counter()
+        self.sink.iteration_done(iteration, report)
+        self._spent(time.perf_counter() - t)
+
+    def _spent(self, seconds: float) -> None:
+        self.times.update_s += seconds
+        self._pending += seconds
+
+    def pop_update_time(self) -> float:
+        spent, self._pending = self._pending, 0.0
+        return spent

@@ -32,14 +32,13 @@ with ``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)`` DDP d
 (``div_``) instead.
 
 After the allreduce: optional ``torch.nn.utils.clip_grad_norm_(model.parameters(),
-max_norm)`` (its defaults otherwise), the learning rate of :func:`learning_rate`, then
-``optimizer.step()``. Per-rank buffers of every bucket are kept in the result, so an
+max_norm)`` (its defaults otherwise), the learning rate of
+:func:`workload.schedule.learning_rate`, then ``optimizer.step()``. Per-rank buffers of every bucket are kept in the result, so an
 iteration holds ``N`` copies of the gradient in memory.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -50,6 +49,7 @@ import torch
 from gradtap.errors import ConfigError, GradtapError, PlanError
 from simulator.data import Batch, batch_loss
 from workload.buckets import Bucket, ParamLike
+from workload.schedule import learning_rate, lr_factor  # noqa: F401  (re-exported)
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # numpy has no bfloat16: bf16 buffers travel as their raw 16-bit patterns.
@@ -77,35 +77,6 @@ class IterationResult:
     reduced_buckets: tuple[np.ndarray, ...]
     losses: tuple[float, ...]
     lr: float
-
-
-def lr_factor(schedule: Any, step: int) -> float:
-    """The multiplier of the base learning rate at optimizer step ``step`` (0-based).
-
-    ``constant``: 1. ``warmup_cosine``: ``(step + 1) / warmup_steps`` during warm-up,
-    then ``m + (1 - m) * 0.5 * (1 + cos(pi * p))`` with ``m = min_lr_ratio`` and
-    ``p = min(1, (step - warmup_steps) / (total_steps - warmup_steps))`` (``p = 1`` when
-    there are no decay steps). Evaluated in Python floats, in this order: the updater's
-    replica must evaluate the same expression to stay bit-exact. Equivalent to
-    ``LambdaLR(optimizer, lambda s: lr_factor(schedule, s))`` stepped after every
-    ``optimizer.step()``.
-    """
-    if schedule.kind == "constant":
-        return 1.0
-    if schedule.kind != "warmup_cosine":
-        raise ConfigError(f"optimizer.schedule.kind: {schedule.kind!r} is not one of "
-                          "'constant', 'warmup_cosine'")
-    if step < schedule.warmup_steps:
-        return (step + 1) / schedule.warmup_steps
-    decay_steps = schedule.total_steps - schedule.warmup_steps
-    progress = min(1.0, (step - schedule.warmup_steps) / decay_steps) if decay_steps > 0 else 1.0
-    m = schedule.min_lr_ratio
-    return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def learning_rate(optimizer_cfg: Any, step: int) -> float:
-    """``optimizer_cfg.lr * lr_factor(optimizer_cfg.schedule, step)``."""
-    return optimizer_cfg.lr * lr_factor(optimizer_cfg.schedule, step)
 
 
 def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: Any) -> torch.optim.Optimizer:

@@ -1,0 +1,73 @@
+"""The union of streams' copies equals its plain twin, and disagreements are reported."""
+
+import numpy as np
+import pytest
+
+from merger.union import BucketBlocks, union
+from tests.merger import naive_union
+
+
+def blocks_of(sizes):
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    return BucketBlocks(np.arange(100, 100 + len(sizes)), starts, np.asarray(sizes, np.int64))
+
+
+def test_union_fills_holes_from_other_streams():
+    blocks = blocks_of([4, 4, 4])
+    truth = np.arange(12, dtype=np.uint8)
+    a = ("a", truth.copy(), np.array([True, False, True]))
+    b = ("b", truth.copy(), np.array([False, True, True]))
+    u = union(blocks, [a, b], 12)
+    assert u.complete and u.mismatches == () and u.data.tobytes() == truth.tobytes()
+
+
+def test_missing_block_is_not_covered():
+    blocks = blocks_of([4, 4])
+    u = union(blocks, [("a", np.zeros(8, np.uint8), np.array([True, False]))], 8)
+    assert not u.complete and list(u.covered) == [True, False]
+
+
+def test_mismatch_names_streams_and_block_and_majority_wins():
+    blocks = blocks_of([4, 4])
+    good = np.arange(8, dtype=np.uint8)
+    bad = good.copy()
+    bad[5] ^= 1
+    copies = [("a", good, np.array([True, True])), ("b", bad, np.array([True, True])),
+              ("c", good, np.array([True, True]))]
+    u = union(blocks, copies, 8)
+    assert u.complete and u.data.tobytes() == good.tobytes()
+    (m,) = u.mismatches
+    assert m.block == 101 and m.groups == (("a", "c"), ("b",)) and m.resolved
+
+
+def test_a_tie_leaves_the_block_uncovered():
+    blocks = blocks_of([4])
+    a = np.zeros(4, np.uint8)
+    b = np.ones(4, np.uint8)
+    u = union(blocks, [("a", a, np.array([True])), ("b", b, np.array([True]))], 4)
+    assert not u.complete and not u.mismatches[0].resolved
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_union_equals_its_plain_twin(seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 9, size=rng.integers(1, 12))
+    blocks = blocks_of(sizes)
+    total = int(sizes.sum())
+    truth = rng.integers(0, 256, total, dtype=np.uint8)
+    copies = []
+    for s in range(rng.integers(1, 5)):
+        data = truth.copy()
+        if rng.random() < 0.5:
+            data[rng.integers(0, total)] ^= 1 << int(rng.integers(0, 8))
+        copies.append((f"s{s}", data, rng.random(len(sizes)) < 0.7))
+    u = union(blocks, copies, total)
+    ranges = list(zip(blocks.start.tolist(), blocks.nbytes.tolist()))
+    merged, covered, mismatches = naive_union.union(ranges, [(n, d.tobytes(), list(c)) for n, d, c in copies])
+    assert list(u.covered) == covered
+    for j, value in enumerate(merged):
+        if value is not None:
+            start, n = ranges[j]
+            assert u.data[start:start + n].tobytes() == value
+    assert [(int(m.block) - 100, [list(g) for g in m.groups]) for m in u.mismatches] == \
+        [(j, [list(g) for g in groups]) for j, groups in mismatches]

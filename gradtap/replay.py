@@ -76,6 +76,22 @@ class StageTimes:
     merge_s: float = 0.0
     update_s: float = 0.0
 
+    def total(self) -> tuple[float, float, float]:
+        return sum(self.parse_s.values()), self.merge_s, self.update_s
+
+
+@dataclass
+class IterationTiming:
+    """Where one iteration's time went. Stage seconds are the pipeline's work between the
+    previous iteration's completion and this one's; ``lag_s`` is the wall time from the last
+    round that fed this iteration's frames to its replica update."""
+
+    iteration: int
+    parse_s: float
+    merge_s: float
+    update_s: float
+    lag_s: float
+
 
 @dataclass
 class ReplayResult:
@@ -85,6 +101,7 @@ class ReplayResult:
     bytes: dict[str, int]
     times: StageTimes
     wall_s: float
+    timings: list[IterationTiming]
 
 
 Progress = Callable[[str, int, int], None]     # (stream, bytes read, file bytes)
@@ -119,6 +136,7 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
     times = StageTimes(parse_s={name: 0.0 for name in pcaps})
     timed_sink = _TimedSink(sink, times)
+    last_fed: dict[int, float] = {}            # iteration -> wall time of the last round carrying it
     merger = Merger(plan, list(pcaps), timed_sink)
     started = time.perf_counter()
 
@@ -139,8 +157,12 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
                 work = [(n, sources[n].take(until)) for n in live]
                 results = list(pool.map(lambda nb: parse(*nb), [w for w in work if w[1] is not None]))
                 t = time.perf_counter()
+                fed = time.perf_counter()
                 for name, retired in results:
-                    merger.update(name, retired, parsers[name].in_progress())
+                    slots = parsers[name].in_progress()
+                    for i, *_ in slots:
+                        last_fed[i] = fed
+                    merger.update(name, retired, slots)
                     progress(name, sources[name].bytes, sources[name].file_bytes)
                 merger.advance()
                 times.merge_s += time.perf_counter() - t - timed_sink.pop_update_time()
@@ -154,7 +176,7 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
             s.close()
     return ReplayResult(reports, {n: ev.as_dict(p.counters) for n, p in parsers.items()},
                         {n: s.frames for n, s in sources.items()}, {n: s.bytes for n, s in sources.items()},
-                        times, time.perf_counter() - started)
+                        times, time.perf_counter() - started, timed_sink.timings(last_fed))
 
 
 class _TimedSink:
@@ -162,6 +184,7 @@ class _TimedSink:
 
     def __init__(self, sink: Sink, times: StageTimes):
         self.sink, self.times, self._pending = sink, times, 0.0
+        self._done: list[tuple[int, float, tuple[float, float, float]]] = []   # iteration, wall, cumulative
 
     def bucket(self, iteration, bucket, data):
         t = time.perf_counter()
@@ -171,7 +194,17 @@ class _TimedSink:
     def iteration_done(self, iteration, report):
         t = time.perf_counter()
         self.sink.iteration_done(iteration, report)
-        self._spent(time.perf_counter() - t)
+        now = time.perf_counter()
+        self._spent(now - t)
+        self._done.append((iteration, now, self.times.total()))
+
+    def timings(self, last_fed: dict[int, float]) -> list[IterationTiming]:
+        out, before = [], (0.0, 0.0, 0.0)
+        for iteration, wall, cumulative in self._done:
+            delta = [c - b for c, b in zip(cumulative, before)]
+            out.append(IterationTiming(iteration, *delta, lag_s=max(0.0, wall - last_fed.get(iteration, wall))))
+            before = cumulative
+        return out
 
     def _spent(self, seconds: float) -> None:
         self.times.update_s += seconds

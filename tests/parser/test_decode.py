@@ -268,7 +268,7 @@ IMM = bytes.fromhex("10000000")
 PAYLOAD = bytes(range(16))
 
 
-def _frame(ip=IP4, udp=UDP, bth=BTH_WRITE_ONLY_IMM, rest=RETH + IMM + PAYLOAD):
+def roce_frame(ip=IP4, udp=UDP, bth=BTH_WRITE_ONLY_IMM, rest=RETH + IMM + PAYLOAD):
     """An IPv4 RoCEv2 frame with its IP and UDP lengths set to fit and a correct ICRC."""
     udp = udp[:4] + struct.pack("!H", len(udp) + len(bth) + len(rest) + 4) + udp[6:]
     ip = ip[:2] + struct.pack("!H", len(ip) + len(udp) + len(bth) + len(rest) + 4) + ip[4:]
@@ -283,7 +283,7 @@ def _decode(frames, wirelens=None):
 
 
 def test_byte_literal_write_only_with_immediate():
-    frame = _frame()
+    frame = roce_frame()
     assert len(frame) == 14 + 80
     batch, records, _ = _decode([frame])
     r = records[0]
@@ -297,13 +297,13 @@ def test_byte_literal_write_only_with_immediate():
 
 
 def test_byte_literal_refusals():
-    fragment = _frame(ip=IP4[:6] + b"\x20\x00" + IP4[8:])                          # MF set
-    options = _frame(ip=b"\x46" + IP4[1:] + b"\x01\x01\x01\x01")                  # IHL 6, NOPs
+    fragment = roce_frame(ip=IP4[:6] + b"\x20\x00" + IP4[8:])                          # MF set
+    options = roce_frame(ip=b"\x46" + IP4[1:] + b"\x01\x01\x01\x01")                  # IHL 6, NOPs
     ipv6_ext = ETH4[:12] + b"\x86\xdd" + bytes.fromhex("60000000" "0008" "00" "40") + bytes(32) + bytes(8)
-    not_roce = _frame(udp=bytes.fromhex("c0004791" "003c0000"))   # port 18321
-    unknown = _frame(bth=b"\xaa" + BTH_WRITE_ONLY_IMM[1:])
-    ack_with_payload = _frame(bth=b"\x11" + BTH_WRITE_ONLY_IMM[1:])
-    big_pad = _frame(bth=b"\x11\x30" + BTH_WRITE_ONLY_IMM[2:], rest=b"\0\0\0\0" + b"\0\0")   # pad 3 > 2
+    not_roce = roce_frame(udp=bytes.fromhex("c0004791" "003c0000"))   # port 18321
+    unknown = roce_frame(bth=b"\xaa" + BTH_WRITE_ONLY_IMM[1:])
+    ack_with_payload = roce_frame(bth=b"\x11" + BTH_WRITE_ONLY_IMM[1:])
+    big_pad = roce_frame(bth=b"\x11\x30" + BTH_WRITE_ONLY_IMM[2:], rest=b"\0\0\0\0" + b"\0\0")   # pad 3 > 2
     batch, records, counters = _decode([fragment, options, ipv6_ext, not_roce, unknown, ack_with_payload, big_pad])
     check_batch(batch, records, counters)
     assert [ev.NAMES[e] for e in records["event"]] == [
@@ -315,7 +315,7 @@ def test_byte_literal_refusals():
 
 
 def test_cut_frames_keep_what_was_captured():
-    frame = _frame()
+    frame = roce_frame()
     bth_end = 14 + 20 + 8 + 12
     cuts = list(range(len(frame)))
     _, records, counters = _decode([frame[:k] for k in cuts], wirelens=[len(frame)] * len(cuts))

@@ -22,7 +22,7 @@ from capture.pcap import PcapWriter
 from gradtap.cli import _register, app
 from parser.inspect import inspect_capture
 from tests import naive
-from tests.parser.test_decode import BTH_WRITE_ONLY_IMM, CAPTURES, ROCE_FRAMES, _frame
+from tests.parser.test_decode import BTH_WRITE_ONLY_IMM, CAPTURES, ROCE_FRAMES, roce_frame
 from tests.simulator.test_simulate import make_job, simulate
 from workload.layout import job_plan
 from workload.wire_plan import CTS, PHASE_AG, PHASE_RS
@@ -135,7 +135,7 @@ def test_psn_gaps_equal_the_twin_under_mirror_faults(tmp_path):
 
 def _with_psns(psns: list[int], qp: int, opcode: int = 0x07) -> list[bytes]:
     """IPv4 frames of one flow (RDMA WRITE MIDDLE, or an ACK) with these PSNs."""
-    return [_frame(bth=bytes([opcode]) + BTH_WRITE_ONLY_IMM[1:4] + struct.pack("!II", qp, psn),
+    return [roce_frame(bth=bytes([opcode]) + BTH_WRITE_ONLY_IMM[1:4] + struct.pack("!II", qp, psn),
                    rest=b"\0\0\0\0" if opcode == 0x11 else bytes(64)) for psn in psns]
 
 

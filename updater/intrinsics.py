@@ -1,0 +1,150 @@
+"""float32 operations that Numba does not expose, written as LLVM intrinsics.
+
+PyTorch's CPU kernels are C++ compiled with FMA contraction, and MKL's square root is an
+AVX-512 instruction sequence; to equal them bit for bit a kernel needs the same operations:
+
+- :func:`fma32`: ``a * b + c`` with one rounding (``llvm.fma.f32``, ``vfmadd`` on x86).
+  With ``fastmath`` off LLVM never contracts a multiply and an add by itself, so every
+  fused multiply-add in a kernel is one of these, written where PyTorch has one.
+- :func:`div32`: IEEE float32 division. Numba's default error model checks every divisor
+  for zero to raise ``ZeroDivisionError``; that branch keeps a loop from vectorising and is
+  not what PyTorch does (``x / 0`` is ``inf`` or ``nan``).
+- :func:`half_to_f32`, :func:`bf16_to_f32`: widen a 16-bit gradient (its bit pattern as
+  ``uint16``; Numba has no float16 on the CPU) to float32. Both are exact; :func:`widen`
+  picks one (or none, for a float32 gradient) by type.
+- :func:`rsqrt14`, :func:`rsqrt14x16`: the AVX-512F approximate reciprocal square root
+  (``vrsqrt14ss``/``vrsqrt14ps``, relative error below 2**-14), one lane or sixteen.
+  MKL's float32 square root starts from it (``updater/mkl_sqrt.py``); using the same
+  instruction is what makes that root reproducible. LLVM cannot vectorise a target
+  intrinsic inside a loop, hence the 16-lane form.
+
+Only the ``rsqrt14`` pair needs AVX-512F (:func:`has_avx512f`); calling it on a CPU without
+it fails when the kernel is compiled, so callers check first.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from llvmlite import binding as llvm_binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from gradtap.jit import JIT
+
+_F32 = ir.FloatType()
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+_V4 = ir.VectorType(_F32, 4)
+_V16 = ir.VectorType(_F32, 16)
+
+
+@lru_cache(maxsize=1)
+def has_avx512f() -> bool:
+    """Whether the host CPU (as LLVM sees it) has AVX-512F."""
+    return "+avx512f" in llvm_binding.get_host_cpu_features().flatten().split(",")
+
+
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` rounded once (float32)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        fn = builder.module.declare_intrinsic("llvm.fma", [_F32], ir.FunctionType(_F32, [_F32] * 3))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def div32(typingctx, a, b):
+    """``a / b`` in IEEE float32, without Numba's zero-divisor check."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fdiv(args[0], args[1])
+
+    return sig, codegen
+
+
+@intrinsic
+def half_to_f32(typingctx, bits):
+    """The IEEE binary16 number whose bit pattern is ``bits`` (uint16), as float32."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def bf16_to_f32(typingctx, bits):
+    """The bfloat16 number whose bit pattern is ``bits`` (uint16), as float32."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
+        return builder.bitcast(wide, _F32)
+
+    return sig, codegen
+
+
+@intrinsic
+def rsqrt14(typingctx, x):
+    """``vrsqrt14ss``: approximately ``1 / sqrt(x)`` (float32, AVX-512F)."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(_V4, [_V4, _V4, _V4, ir.IntType(8)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ss")
+        lane = builder.insert_element(ir.Constant(_V4, None), args[0], ir.Constant(_I32, 0))
+        out = builder.call(fn, [lane, lane, lane, ir.Constant(ir.IntType(8), -1)])
+        return builder.extract_element(out, ir.Constant(_I32, 0))
+
+    return sig, codegen
+
+
+@intrinsic
+def rsqrt14x16(typingctx, src, src_start, dst, dst_start):
+    """``vrsqrt14ps`` on ``src[src_start:src_start + 16]`` into ``dst[dst_start:...]``.
+
+    Both arrays are 1-D C-contiguous float32; the caller guarantees both ranges are inside
+    them (nothing is checked here).
+    """
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
+            and src.dtype == types.float32 and dst.dtype == types.float32):
+        return None
+    sig = types.void(src, types.intp, dst, types.intp)
+
+    def codegen(context, builder, signature, args):
+        src_arr = context.make_array(signature.args[0])(context, builder, args[0])
+        dst_arr = context.make_array(signature.args[2])(context, builder, args[2])
+        v16p = _V16.as_pointer()
+        load_ptr = builder.bitcast(builder.gep(src_arr.data, [args[1]]), v16p)
+        store_ptr = builder.bitcast(builder.gep(dst_arr.data, [args[3]]), v16p)
+        fnty = ir.FunctionType(_V16, [_V16, _V16, ir.IntType(16)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ps.512")
+        value = builder.load(load_ptr, align=4)
+        builder.store(builder.call(fn, [value, value, ir.Constant(_I16, -1)]), store_ptr, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def widen(x, half):
+    """A gradient element as float32: ``x`` itself (float32), or the 16-bit pattern ``x``
+    (uint16) read as binary16 when ``half`` is true and as bfloat16 otherwise."""
+    raise NotImplementedError("widen is only callable from Numba-compiled code")
+
+
+@overload(widen, jit_options=JIT)
+def _widen(x, half):
+    if x == types.float32:
+        return lambda x, half: x
+    if x == types.uint16:
+        return lambda x, half: half_to_f32(x) if half else bf16_to_f32(x)
+    return None

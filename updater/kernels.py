@@ -1,0 +1,319 @@
+r"""Adam and AdamW steps over flat float32 state, bit-exact with PyTorch 2.13's CPU optimizers.
+
+One step, for every element, with the gradient ``g`` as it arrives on the wire:
+
+.. math::
+
+    g &\leftarrow \mathrm{widen}(g_{wire}) \,[/\, N] \cdot c \qquad
+        \text{(fp32/bf16/fp16; } N \text{ when summed; } c \text{ the clip coefficient)} \\
+    g &\leftarrow g + \lambda\theta \qquad \text{(Adam with weight decay } \lambda) \\
+    \theta &\leftarrow \theta\,(1 - \gamma\lambda) \qquad \text{(AdamW)} \\
+    m &\leftarrow \mathrm{lerp}(m, g, 1 - \beta_1) \\
+    v &\leftarrow \beta_2 v + (1 - \beta_2)\, g^2 \\
+    \theta &\leftarrow \theta - \frac{\gamma}{1 - \beta_1^t}\,
+        \frac{m}{\sqrt{v} / \sqrt{1 - \beta_2^t} + \epsilon}
+
+What makes it *PyTorch's* step is the rounding. Every float64 constant is rounded to
+float32 where PyTorch rounds it (:func:`step_constants`), and each element sees the same
+float32 operations in the same order, with fused multiply-adds exactly where PyTorch's C++
+has them (GCC contracts ``a * b + c`` in the CPU kernels; ``updater/intrinsics.fma32``):
+
+==========================  ==========================================  =====================================
+operation                   single-tensor / foreach (ATen ops)          fused (``torch._fused_adam(w)_``)
+==========================  ==========================================  =====================================
+Adam weight decay           ``fma(θ, λ, g)`` (``add(alpha=)``)           same
+AdamW weight decay          ``θ · f32(1 − γλ)``                          same
+first moment                ``fma(w, g − m, m)``, ``w = f32(1 − β1)``;   same
+                            ``fma(w − 1, g − m, g)`` when ``|w| ≥ 0.5``
+second moment               ``fma(c·g, g, v·β2)``, ``c = f32(1 − β2)``   same in 8-lane blocks; in the last
+                                                                        ``n mod 8`` elements of each tensor
+                                                                        ``fma(v, β2, (c·g)·g)``
+root                        MKL ``vsSqrt`` (not correctly rounded,       IEEE ``sqrt``
+                            ``updater/mkl_sqrt.py``)
+bias correction 2           ``(1 − β2^t) ** 0.5`` (Python ``pow``)        ``std::sqrt(1 − β2^t)``
+update                      ``θ + (f32(−γ/(1 − β1^t)) · m) / (√v / f32(√bc2) + f32(ε))``
+==========================  ==========================================  =====================================
+
+foreach is single-tensor on the CPU: ``torch._foreach_*`` falls back to the same per-tensor
+ATen kernels, so one kernel serves both. The fused rows were read from the AVX2 build of
+``FusedAdamKernel.cpp`` in ``libtorch_cpu.so`` (PyTorch registers no AVX-512 build of it,
+so AVX2 runs on AVX-512 hosts too); the tests hold all of it against PyTorch.
+
+Kernels come in three layers: serial ``_span`` functions over one span (slices),  ``prange``
+drivers over a work list of disjoint spans (:func:`work_spans`), and the public
+:func:`adam_step`, which validates. The work list also carries each span's *form*, which
+for fused tells the body of a tensor from its tail.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from gradtap.errors import GradtapError
+from gradtap.jit import JIT, JIT_PARALLEL
+from updater import mkl_sqrt
+from updater.intrinsics import div32, fma32, widen
+
+IMPLEMENTATIONS = ("single_tensor", "foreach", "fused")
+CHUNK = 4096        # elements per work span: a span's p, g, m, v (64 KiB) stay in L2
+FUSED_LANES = 8     # Vectorized<float>::size() of the AVX2 build that runs torch._fused_adam_
+BODY, TAIL = 0, 1   # work-span forms (TAIL only in fused: the last n % 8 of a tensor)
+
+SQRT_MKL = "mkl"      # single-tensor roots from updater.mkl_sqrt (AVX-512F)
+SQRT_TORCH = "torch"  # single-tensor roots from torch.sqrt itself (any CPU; one more pass)
+SQRT_IEEE = "ieee"    # fused: the correctly rounded root, inside the one-pass kernel
+
+
+class StepConstants(NamedTuple):
+    """The float32 scalars of one step, each rounded from float64 where PyTorch rounds it."""
+
+    divide: bool               # the gradient is the sum over ranks: divide by ``world``
+    world: np.float32
+    clip: np.float32           # clip coefficient; exactly 1 when not clipping (g·1 = g)
+    use_l2: bool               # Adam with weight decay: g += λθ
+    l2: np.float32
+    decay: np.float32          # AdamW: f32(1 − γλ); exactly 1 otherwise
+    lerp_small: bool           # |1 − β1| < 0.5: lerp from m, else from g
+    lerp_weight: np.float32    # f32(1 − β1), or f32(1 − β1) − 1 when not small
+    beta2: np.float32
+    one_minus_beta2: np.float32
+    bias2_sqrt: np.float32
+    eps: np.float32
+    neg_step: np.float32       # f32(−γ / (1 − β1^t))
+
+
+def step_constants(implementation: str, *, decoupled: bool, lr: float, betas: tuple[float, float],
+                   eps: float, weight_decay: float, step: int, world: int | None = None,
+                   clip: float = 1.0) -> StepConstants:
+    """The constants of optimizer step ``step`` (1-based, after the increment), computed in
+    Python floats in PyTorch's order for ``implementation``.
+
+    ``world`` is the number of ranks when gradients arrive summed (``None``: pre-divided);
+    ``clip`` the float32 clip coefficient (``updater.clipping``); ``decoupled`` is AdamW.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise GradtapError(f"implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
+    beta1, beta2 = betas
+    t = float(step)                     # torch keeps the step as a float32 tensor
+    bias1 = 1 - beta1 ** t
+    bias2 = 1 - beta2 ** t
+    # _single_tensor_adam: bias_correction2 ** 0.5; _multi_tensor_adam: the same;
+    # FusedAdamKernel.cpp: std::sqrt(bias_correction2). pow(x, 0.5) and sqrt(x) can differ.
+    bias2_sqrt = math.sqrt(bias2) if implementation == "fused" else bias2 ** 0.5
+    w = np.float32(1 - beta1)
+    small = bool(abs(w) < np.float32(0.5))
+    return StepConstants(
+        divide=world is not None, world=np.float32(world or 1), clip=np.float32(clip),
+        use_l2=weight_decay != 0 and not decoupled, l2=np.float32(weight_decay),
+        decay=np.float32(1 - lr * weight_decay) if decoupled and weight_decay != 0 else np.float32(1),
+        lerp_small=small, lerp_weight=w if small else w - np.float32(1),
+        beta2=np.float32(beta2), one_minus_beta2=np.float32(1 - beta2),
+        bias2_sqrt=np.float32(bias2_sqrt), eps=np.float32(eps), neg_step=np.float32(-(lr / bias1)))
+
+
+def work_spans(sizes: list[int] | tuple[int, ...], implementation: str, chunk: int = CHUNK) -> np.ndarray:
+    """The work list of a bucket whose tensors have ``sizes`` elements, laid out densely in
+    that order: rows ``(lo, hi, form)``, disjoint, covering ``[0, sum(sizes))``.
+
+    Spans hold at most ``chunk`` elements. For fused each tensor's last ``n % 8`` elements
+    form their own ``TAIL`` span, and body spans never cross a tensor boundary.
+    """
+    rows: list[tuple[int, int, int]] = []
+    if implementation != "fused":
+        total = int(sum(sizes))
+        rows = [(lo, min(lo + chunk, total), BODY) for lo in range(0, total, chunk)]
+    else:
+        offset = 0
+        for n in sizes:
+            body = n - n % FUSED_LANES
+            rows += [(offset + lo, offset + min(lo + chunk, body), BODY) for lo in range(0, body, chunk)]
+            if body < n:
+                rows.append((offset + body, offset + n, TAIL))
+            offset += n
+    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+@njit(**JIT)
+def _grad(g, i, c, half):
+    x = widen(g[i], half)
+    if c.divide:
+        x = div32(x, c.world)
+    return x * c.clip
+
+
+@njit(**JIT)
+def _moments_span(p, g, m, v, c, half, tail):
+    """``m``, ``v`` of one span (``p`` is read only for Adam's weight decay).
+
+    Spans arrive as slices and are indexed from 0: an index that LLVM can prove
+    non-negative needs no wraparound select, which is what lets the loop vectorise.
+    """
+    for i in range(p.size):
+        gi = _grad(g, i, c, half)
+        if c.use_l2:
+            gi = fma32(p[i], c.l2, gi)
+        mi = m[i]
+        if c.lerp_small:
+            m[i] = fma32(c.lerp_weight, gi - mi, mi)
+        else:
+            m[i] = fma32(c.lerp_weight, gi - mi, gi)
+        if tail:
+            v[i] = fma32(v[i], c.beta2, (c.one_minus_beta2 * gi) * gi)
+        else:
+            v[i] = fma32(c.one_minus_beta2 * gi, gi, v[i] * c.beta2)
+
+
+@njit(**JIT)
+def _params_span(p, m, root, c):
+    """``θ`` of one span from ``m`` and ``root = sqrt(v)``."""
+    for i in range(p.size):
+        denom = div32(root[i], c.bias2_sqrt) + c.eps
+        p[i] = p[i] * c.decay + div32(c.neg_step * m[i], denom)
+
+
+@njit(**JIT)
+def _fused_span(p, g, m, v, c, half, tail):
+    """One pass of the fused step over one span: moments, IEEE root, parameters."""
+    for i in range(p.size):
+        gi = _grad(g, i, c, half)
+        if c.use_l2:
+            gi = fma32(p[i], c.l2, gi)
+        mi = m[i]
+        if c.lerp_small:
+            mi = fma32(c.lerp_weight, gi - mi, mi)
+        else:
+            mi = fma32(c.lerp_weight, gi - mi, gi)
+        if tail:
+            vi = fma32(v[i], c.beta2, (c.one_minus_beta2 * gi) * gi)
+        else:
+            vi = fma32(c.one_minus_beta2 * gi, gi, v[i] * c.beta2)
+        m[i] = mi
+        v[i] = vi
+        denom = div32(np.sqrt(vi), c.bias2_sqrt) + c.eps
+        p[i] = p[i] * c.decay + div32(c.neg_step * mi, denom)
+
+
+@njit(**JIT)
+def _widen_span(g, out, c, half):
+    for i in range(out.size):
+        out[i] = _grad(g, i, c, half)
+
+
+@njit(**JIT_PARALLEL)
+def _widen_all(g, out, work, c, half):
+    for w in prange(work.shape[0]):
+        lo, hi = work[w, 0], work[w, 1]
+        _widen_span(g[lo:hi], out[lo:hi], c, half)
+
+
+@njit(**JIT_PARALLEL)
+def _single_tensor_mkl(p, g, m, v, work, c, half):
+    for w in prange(work.shape[0]):
+        lo, hi = work[w, 0], work[w, 1]
+        root = np.empty(hi - lo, np.float32)
+        _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
+        mkl_sqrt.sqrt_span(v[lo:hi], root)
+        _params_span(p[lo:hi], m[lo:hi], root, c)
+
+
+@njit(**JIT_PARALLEL)
+def _moments_all(p, g, m, v, work, c, half):
+    for w in prange(work.shape[0]):
+        lo, hi = work[w, 0], work[w, 1]
+        _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
+
+
+@njit(**JIT_PARALLEL)
+def _params_all(p, m, root, work, c):
+    for w in prange(work.shape[0]):
+        lo, hi = work[w, 0], work[w, 1]
+        _params_span(p[lo:hi], m[lo:hi], root[lo:hi], c)
+
+
+@njit(**JIT_PARALLEL)
+def _fused(p, g, m, v, work, c, half):
+    for w in prange(work.shape[0]):
+        lo, hi = work[w, 0], work[w, 1]
+        _fused_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, work[w, 2] == TAIL)
+
+
+def _check(name: str, a: np.ndarray, n: int, dtype, writeable: bool = False) -> None:
+    if a.ndim != 1 or a.shape[0] != n or a.dtype != dtype or not a.flags.c_contiguous:
+        raise GradtapError(f"{name} is {a.dtype}{a.shape}; expected a C-contiguous 1-D "
+                           f"{np.dtype(dtype)} array of {n} elements")
+    if writeable and not a.flags.writeable:
+        raise GradtapError(f"{name} is read-only")
+
+
+def _wire_dtype(wire: str):
+    if wire not in ("fp32", "bf16", "fp16"):
+        raise GradtapError(f"wire dtype {wire!r} is not one of 'fp32', 'bf16', 'fp16'")
+    return np.float32 if wire == "fp32" else np.uint16
+
+
+def _check_work(work: np.ndarray, n: int) -> None:
+    if work.ndim != 2 or work.shape[1] != 3 or (work.size and (work[0, 0] != 0 or work[-1, 1] != n)):
+        raise GradtapError(f"the work list does not cover the bucket's {n} elements")
+
+
+def widen_gradient(g: np.ndarray, out: np.ndarray, work: np.ndarray, c: StepConstants, *,
+                   wire: str = "fp32") -> None:
+    """``out = widen(g) [/ world] * clip``: a wire gradient as the float32 ``.grad`` the
+    trainer sees (before clipping, pass ``c`` with ``clip=1``). Arrays as in
+    :func:`adam_step`."""
+    n = out.shape[0]
+    _check("widen_gradient: g", g, n, _wire_dtype(wire))
+    _check("widen_gradient: out", out, n, np.float32, writeable=True)
+    _check_work(work, n)
+    _widen_all(g, out, work, c, wire == "fp16")
+
+
+def adam_step(implementation: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray,
+              work: np.ndarray, c: StepConstants, *, wire: str = "fp32", sqrt: str) -> None:
+    """One Adam/AdamW step of a bucket, in place, with the rounding of ``implementation``.
+
+    Parameters
+    ----------
+    p, m, v:
+        The bucket's parameters, ``exp_avg`` and ``exp_avg_sq``: 1-D C-contiguous float32
+        arrays of ``n`` elements (the bucket's tensors laid out densely).
+    g:
+        The bucket's gradient on the wire: ``n`` float32 (``wire="fp32"``) or the ``n``
+        uint16 bit patterns of bf16/fp16 values.
+    work:
+        :func:`work_spans` of the bucket's tensor sizes for this implementation.
+    c:
+        :func:`step_constants` of this step.
+    sqrt:
+        ``SQRT_MKL`` or ``SQRT_TORCH``: where single-tensor roots come from; fused takes
+        only ``SQRT_IEEE``. ``SQRT_TORCH`` calls ``torch.sqrt`` on the whole bucket
+        between two passes; use it where ``updater.mkl_sqrt.reproduces_torch()`` is false.
+    """
+    n = p.shape[0]
+    _check("adam_step: g", g, n, _wire_dtype(wire))
+    for name, a in (("p", p), ("m", m), ("v", v)):
+        _check(f"adam_step: {name}", a, n, np.float32, writeable=True)
+    _check_work(work, n)
+    half = wire == "fp16"
+    if implementation == "fused":
+        if sqrt != SQRT_IEEE:
+            raise GradtapError(f"fused Adam takes the IEEE root (sqrt={SQRT_IEEE!r}), not {sqrt!r}")
+        _fused(p, g, m, v, work, c, half)
+    elif implementation not in IMPLEMENTATIONS:
+        raise GradtapError(f"implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
+    elif sqrt == SQRT_MKL:
+        if not mkl_sqrt.reproduces_torch():
+            raise GradtapError("the MKL square root is not reproduced on this host "
+                               "(updater.mkl_sqrt.reproduces_torch() is false); pass sqrt=SQRT_TORCH")
+        _single_tensor_mkl(p, g, m, v, work, c, half)
+    elif sqrt == SQRT_TORCH:
+        _moments_all(p, g, m, v, work, c, half)
+        root = torch.sqrt(torch.from_numpy(v)).numpy()
+        _params_all(p, m, root, work, c)
+    else:
+        raise GradtapError(f"sqrt {sqrt!r} is not one of {SQRT_MKL!r}, {SQRT_TORCH!r}")

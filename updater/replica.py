@@ -1,0 +1,242 @@
+"""The replica: the job's parameters and Adam state, stepped bucket by bucket as gradients arrive.
+
+One iteration, as the pipeline drives it::
+
+    replica.begin(iteration)                  # the next iteration, in order
+    replica.apply_bucket(b, grad_wire)        # every bucket once, in any order
+    replica.end()                             # the step is complete; iteration += 1
+
+Without clipping each bucket is stepped as soon as it arrives, so the update overlaps
+capture. With ``optimizer.clip_grad_norm`` the coefficient depends on the norm of the
+*whole* gradient, so a bucket is only widened to float32 and its norms taken on arrival;
+every bucket is stepped in :meth:`Replica.end`, once the last one is in
+(``updater/clipping.py``). Either way a bucket is applied whole or not at all: the caller
+hands over complete buckets, and sizes are checked.
+
+An iteration that cannot be completed (the merger found a hole) is :meth:`abort`-ed.
+Buckets already stepped cannot be taken back, and the replica is one step behind the
+trainer in any case, so it becomes *stale*: it refuses further iterations until
+:meth:`resync` loads a checkpoint the trainer provides.
+
+What it computes is ``torch.optim.Adam``/``AdamW`` of the job's implementation, bit for
+bit, on this host (``updater/kernels.py``; proved at construction by
+``updater/selfcheck.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradtap.errors import ConfigError, GradtapError
+from updater import kernels, selfcheck
+from updater.clipping import GradNorms
+from updater.state import (FlatLayout, FlatState, ModelKeys, from_checkpoint, model_keys,
+                           model_state_dict, optimizer_state_dict)
+from workload.buckets import Bucket
+from workload.layout import job_buckets, job_params
+from workload.schedule import learning_rate
+from workload.spec import WIRE_DTYPE_BYTES, JobSpec
+
+WIRE_NUMPY = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16), "fp16": np.dtype(np.uint16)}
+
+
+class Replica:
+    """The optimizer state of ``job`` on this host, initialised from ``checkpoint``.
+
+    ``checkpoint`` is a trainer checkpoint dict ``{"model": state_dict, "optimizer":
+    state_dict, "iteration": k}`` (``truth/start.pt``); :meth:`from_job` builds one from the
+    job's ``initial_state``. ``buckets`` is the wire layout (default: the job's).
+    """
+
+    def __init__(self, job: JobSpec, checkpoint: Mapping[str, Any], *, buckets: tuple[Bucket, ...] | None = None):
+        self.job = job
+        self.cfg = job.optimizer
+        self.wire = job.ddp.grad_dtype
+        self.layout = FlatLayout(job_params(job), job_buckets(job) if buckets is None else buckets)
+        self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg)
+        self.stale = False
+        self.root = selfcheck.root_source(self.cfg)
+        self._open: _Iteration | None = None
+        self._grad32: np.ndarray | None = None   # widened gradient of a clipped iteration
+
+    @classmethod
+    def from_job(cls, job: JobSpec, *, buckets: tuple[Bucket, ...] | None = None) -> "Replica":
+        """From ``job.initial_state``: its checkpoint file, or the model built under its seed
+        (``simulator.models.build``) with empty optimizer state at iteration 0."""
+        if job.initial_state.checkpoint is not None:
+            checkpoint = torch.load(job.initial_state.checkpoint, weights_only=True)
+        else:
+            checkpoint = seed_checkpoint(job, job.initial_state.seed or 0)
+        return cls(job, checkpoint, buckets=buckets)
+
+    @property
+    def iteration(self) -> int:
+        """The next iteration the replica expects."""
+        return self.state.iteration
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (torch's ``state[p]["step"]``)."""
+        return self.state.step
+
+    def begin(self, iteration: int) -> None:
+        """Open ``iteration``, which must be the next one (:attr:`iteration`)."""
+        if self.stale:
+            raise GradtapError(f"the replica is stale (iteration {self.state.iteration} was not applied); "
+                               "resync it from a trainer checkpoint first")
+        if self._open is not None:
+            raise GradtapError(f"iteration {self._open.iteration} is still open; end() or abort() it first")
+        if iteration != self.state.iteration:
+            raise GradtapError(f"begin({iteration}): the replica's next iteration is {self.state.iteration}")
+        lr = learning_rate(self.cfg, iteration)
+        self._open = _Iteration(iteration, lr, len(self.layout.buckets),
+                                GradNorms(len(self.layout.params)) if self.cfg.clip_grad_norm else None)
+
+    def apply_bucket(self, bucket: int, grad: np.ndarray) -> None:
+        """Hand over the complete reduced gradient of bucket ``bucket`` (an index in launch
+        order): a 1-D ``uint8`` array of its wire bytes, or a 1-D array of the wire dtype
+        (float32; bf16/fp16 as uint16 bit patterns) of ``numel`` elements."""
+        it = self._require_open()
+        if not 0 <= bucket < len(self.layout.buckets):
+            raise GradtapError(f"apply_bucket: bucket {bucket} is not one of the job's "
+                               f"{len(self.layout.buckets)} buckets")
+        if it.arrived[bucket]:
+            raise GradtapError(f"apply_bucket: bucket {bucket} of iteration {it.iteration} was already applied")
+        g = self._wire_array(bucket, grad)
+        c = self._constants(it, clip=1.0)
+        sl = self.layout.bucket(bucket)
+        work = self.layout.work(bucket, self.cfg.implementation)
+        if it.norms is None:
+            kernels.adam_step(self.cfg.implementation, self.state.param[sl], g, self.state.exp_avg[sl],
+                              self.state.exp_avg_sq[sl], work, c, wire=self.wire, sqrt=self.root)
+        else:
+            if self._grad32 is None:
+                self._grad32 = np.empty(self.layout.total, np.float32)
+            widened = self._grad32[sl]
+            kernels.widen_gradient(g, widened, work, c, wire=self.wire)
+            b = self.layout.buckets[bucket]
+            it.norms.add(b.params, [self._grad32[self.layout.param(i)] for i in b.params])
+        it.arrived[bucket] = True
+
+    def end(self) -> None:
+        """Complete the open iteration: every bucket must have arrived."""
+        it = self._require_open()
+        missing = [b for b, ok in enumerate(it.arrived) if not ok]
+        if missing:
+            raise GradtapError(f"end(): iteration {it.iteration} lacks buckets {missing[:8]}; a partial "
+                               "gradient is never applied (abort() the iteration instead)")
+        if it.norms is not None:
+            c = self._constants(it, clip=it.norms.coefficient(self.cfg.clip_grad_norm), summed=False)
+            for b in range(len(self.layout.buckets)):
+                sl = self.layout.bucket(b)
+                kernels.adam_step(self.cfg.implementation, self.state.param[sl], self._grad32[sl],
+                                  self.state.exp_avg[sl], self.state.exp_avg_sq[sl],
+                                  self.layout.work(b, self.cfg.implementation), c, wire="fp32",
+                                  sqrt=self.root)
+        self.state.step += 1
+        self.state.iteration += 1
+        self.state.lr = it.lr
+        self._open = None
+
+    def apply(self, iteration: int, grad: np.ndarray) -> None:
+        """One whole iteration from the flat gradient of all buckets in launch order (the
+        simulator's ``truth/iter_N/grad.npy``, or its bytes): ``begin``, every bucket, ``end``."""
+        itemsize = WIRE_NUMPY[self.wire].itemsize
+        flat = np.ascontiguousarray(grad).reshape(-1)
+        if flat.dtype != np.uint8 and flat.itemsize != itemsize:
+            raise GradtapError(f"apply: a {self.wire} gradient has {itemsize}-byte elements, not {flat.dtype}")
+        flat = flat.view(np.uint8)
+        if flat.size != self.layout.total * itemsize:
+            raise GradtapError(f"apply: the gradient has {flat.size} bytes; the job's buckets take "
+                               f"{self.layout.total * itemsize}")
+        self.begin(iteration)
+        for b in range(len(self.layout.buckets)):
+            sl = self.layout.bucket(b)
+            self.apply_bucket(b, flat[sl.start * itemsize:sl.stop * itemsize])
+        self.end()
+
+    def abort(self) -> None:
+        """Give up the open iteration: the replica becomes stale until :meth:`resync`."""
+        self._require_open()
+        self._open = None
+        self.stale = True
+
+    def resync(self, checkpoint: Mapping[str, Any]) -> None:
+        """Replace the whole state with a trainer checkpoint; clears :attr:`stale`."""
+        self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg)
+        self._open = None
+        self.stale = False
+
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        """``{"model", "optimizer", "iteration"}`` as the trainer's checkpoint holds them.
+
+        With ``copy=False`` the tensors share the replica's memory: cheaper, but the next
+        step changes them, so finish with them (e.g. a snapshot write) first.
+        """
+        if self._open is not None:
+            raise GradtapError(f"state_dict(): iteration {self._open.iteration} is half applied; "
+                               "take the state between iterations")
+        state = self.state.copy() if copy else self.state
+        return {"model": model_state_dict(self._keys, self.layout, state.param),
+                "optimizer": optimizer_state_dict(self.cfg, self.layout, state),
+                "iteration": state.iteration}
+
+    def _require_open(self) -> "_Iteration":
+        if self._open is None:
+            raise GradtapError("no iteration is open; call begin(iteration) first")
+        return self._open
+
+    def _constants(self, it: "_Iteration", clip: float, summed: bool = True) -> kernels.StepConstants:
+        """The step's constants; ``summed=False`` once the gradient is already divided."""
+        cfg = self.cfg
+        return kernels.step_constants(
+            cfg.implementation, decoupled=cfg.kind == "adamw", lr=it.lr, betas=tuple(cfg.betas),
+            eps=cfg.eps, weight_decay=cfg.weight_decay, step=self.state.step + 1,
+            world=None if self.job.ddp.predivide or not summed else self.job.world_size, clip=clip)
+
+    def _wire_array(self, bucket: int, grad: np.ndarray) -> np.ndarray:
+        numel = self.layout.buckets[bucket].numel
+        want = WIRE_NUMPY[self.wire]
+        if not isinstance(grad, np.ndarray) or grad.ndim != 1:
+            raise GradtapError(f"apply_bucket: bucket {bucket}'s gradient must be a 1-D numpy array")
+        if grad.dtype == np.uint8:
+            if grad.size != numel * want.itemsize:
+                raise GradtapError(f"apply_bucket: bucket {bucket} takes {numel * want.itemsize} bytes "
+                                   f"({numel} {self.wire} elements), got {grad.size}")
+            grad = np.ascontiguousarray(grad)
+            if grad.ctypes.data % want.itemsize:
+                grad = grad.copy()      # a view needs the element alignment
+            return grad.view(want)
+        if grad.dtype != want or grad.size != numel:
+            raise GradtapError(f"apply_bucket: bucket {bucket} takes {numel} elements of {want} "
+                               f"({self.wire} on the wire), got {grad.size} of {grad.dtype}")
+        return np.ascontiguousarray(grad)
+
+
+class _Iteration:
+    def __init__(self, iteration: int, lr: float, n_buckets: int, norms: GradNorms | None):
+        self.iteration = iteration
+        self.lr = lr
+        self.arrived = [False] * n_buckets
+        self.norms = norms
+
+
+def seed_checkpoint(job: JobSpec, seed: int) -> dict[str, Any]:
+    """The trainer's state before its first step: the model built under ``seed``, an empty
+    optimizer state with the learning rate of iteration 0, iteration 0."""
+    from simulator.models import build  # the model factory; torch-heavy, only for seeds
+    from updater.state import param_group
+
+    if job.model.factory is None:
+        raise ConfigError("initial_state: a seed needs model.factory to build the model; a job that "
+                          "lists its parameters must start from initial_state.checkpoint")
+    model = build(job.model.factory, job.model.kwargs, seed=seed)
+    n_params = len(job_params(job))
+    return {"model": model.state_dict(),
+            "optimizer": {"state": {}, "param_groups": [param_group(job.optimizer, n_params,
+                                                                    learning_rate(job.optimizer, 0))]},
+            "iteration": 0}

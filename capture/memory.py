@@ -1,0 +1,105 @@
+"""Memory primitives shared by the capture kernels: acquire loads, release stores, memcpy.
+
+Every ring gradtap touches is single-producer/single-consumer with free-running indices,
+the protocol of the kernel's own rings (``Documentation/core-api/circular-buffers.rst``,
+``net/xdp/xsk_queue.h``, the TPACKET block status word). Its ordering rule:
+
+- the producer writes the entries, then **store-releases** the producer index;
+- the consumer **load-acquires** the producer index, reads the entries, then
+  **store-releases** the consumer index;
+- the producer **load-acquires** the consumer index before it reuses an entry.
+
+``load_acquire`` and ``store_release`` emit LLVM ``load atomic … acquire`` /
+``store atomic … release`` on one aligned element of an array. On x86-64 (TSO) both
+compile to a plain ``mov`` plus a compiler barrier, which is exactly what is needed there:
+the hardware never reorders load→load, store→store or load→store, and the barrier stops
+LLVM from caching the index in a register, hoisting it out of a polling loop, or sinking
+the entry writes past the index store. On arm64 they become ``ldar``/``stlr``. Relaxed
+counters (frames, drops) are plain stores: each has one writer and is read only as a
+statistic, or after an acquire of a flag the writer released.
+
+Under ``NUMBA_DISABLE_JIT=1`` the same names are plain element reads and writes. Each is a
+separate NumPy call from the interpreter, so nothing is cached or reordered by a compiler;
+that path is for coverage runs on x86 only.
+"""
+
+from __future__ import annotations
+
+from numba import config, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from gradtap.jit import JIT
+
+if config.DISABLE_JIT:
+    def load_acquire(arr, index):
+        """``arr[index]`` with acquire ordering (plain read without the JIT)."""
+        return arr[index]
+
+    def store_release(arr, index, value):
+        """``arr[index] = value`` with release ordering (plain write without the JIT)."""
+        arr[index] = value
+
+    def copy_bytes(dst, dst_pos, src, src_pos, n):
+        """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]``."""
+        dst[dst_pos:dst_pos + n] = src[src_pos:src_pos + n]
+else:
+    def _element_pointer(context, builder, arrty, array, index, indexty):
+        ary = context.make_array(arrty)(context, builder, array)
+        index = context.cast(builder, index, indexty, types.intp)
+        return cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
+
+    @intrinsic
+    def _load_acquire(typingctx, arr, index):
+        if not isinstance(arr, types.Array) or not isinstance(arr.dtype, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            return builder.load_atomic(ptr, "acquire", align=arr.dtype.bitwidth // 8)
+        return arr.dtype(arr, index), codegen
+
+    @intrinsic
+    def _store_release(typingctx, arr, index, value):
+        if not isinstance(arr, types.Array) or not isinstance(arr.dtype, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            val = context.cast(builder, args[2], sig.args[2], arr.dtype)
+            builder.store_atomic(val, ptr, "release", align=arr.dtype.bitwidth // 8)
+            return context.get_dummy_value()
+        return types.none(arr, index, value), codegen
+
+    @njit(**JIT, inline="always")
+    def load_acquire(arr, index):
+        """``arr[index]`` (an aligned integer element) loaded with acquire ordering. The
+        caller checks the bounds."""
+        return _load_acquire(arr, index)
+
+    @njit(**JIT, inline="always")
+    def store_release(arr, index, value):
+        """``arr[index] = value`` stored with release ordering. The caller checks the bounds."""
+        _store_release(arr, index, value)
+
+    _libc_memcpy = types.ExternalFunction(
+        "memcpy", types.voidptr(types.uintp, types.uintp, types.uintp))
+
+    @njit(**JIT, inline="always")
+    def copy_bytes(dst, dst_pos, src, src_pos, n):
+        """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]`` by libc memcpy (Numba's slice
+        assignment is a byte loop). The caller checks the bounds."""
+        _libc_memcpy(dst.ctypes.data + dst_pos, src.ctypes.data + src_pos, n)
+
+
+@njit(**JIT)
+def acquire(arr, index):
+    """:func:`load_acquire` callable from Python (the consumer side of a ring)."""
+    return load_acquire(arr, index)
+
+
+@njit(**JIT)
+def release(arr, index, value):
+    """:func:`store_release` callable from Python."""
+    store_release(arr, index, value)
+

@@ -1,0 +1,86 @@
+"""Network namespaces for the capture tests: two namespaces joined by a veth pair.
+
+``<prefix>-tx`` holds ``tx0``, ``<prefix>-rx`` holds ``rx0``; IPv6 is off in both before the
+links come up, so the receiver sees only the frames a test sends (no router or neighbour
+solicitations). :func:`veth_lab` removes both namespaces even when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+
+from pyroute2 import NetNS, netns
+
+ETHERTYPE = 0x88B5      # IEEE 802 local experimental: frames no stack reacts to
+TX_MAC = bytes.fromhex("020000000a01")
+RX_MAC = bytes.fromhex("020000000b01")
+
+
+@contextmanager
+def in_netns(name: str):
+    netns.pushns(name)
+    try:
+        yield
+    finally:
+        netns.popns()
+
+
+def _sysctl(ns: str, path: str, value: str) -> None:
+    with in_netns(ns), open(f"/proc/sys/{path}", "w") as f:
+        f.write(value)
+
+
+class VethLab:
+    def __init__(self, prefix: str, mtu: int = 9000):
+        self.tx, self.rx = f"{prefix}-tx", f"{prefix}-rx"
+        self.mtu = mtu
+
+    def build(self) -> None:
+        for name in (self.tx, self.rx):
+            netns.create(name)
+            for conf in ("all", "default"):
+                _sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+        with NetNS(self.tx) as ns:
+            ns.link("add", ifname="tx0", kind="veth", peer={"ifname": "rx0", "net_ns_fd": self.rx})
+            ns.link("set", index=ns.link_lookup(ifname="tx0")[0], address=TX_MAC.hex(":"), mtu=self.mtu,
+                    state="up")
+        with NetNS(self.rx) as ns:
+            ns.link("set", index=ns.link_lookup(ifname="rx0")[0], address=RX_MAC.hex(":"), mtu=self.mtu,
+                    state="up")
+
+    def destroy(self) -> None:
+        for name in (self.tx, self.rx):
+            if name in netns.listnetns():
+                netns.remove(name)
+
+    def sender(self) -> socket.socket:
+        """A raw AF_PACKET socket on ``tx0``: ``send(frame)`` puts one frame on the veth."""
+        with in_netns(self.tx):
+            sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
+        sock.bind(("tx0", 0))
+        return sock
+
+    def xdp_state(self) -> dict:
+        """The IFLA_XDP attributes of ``rx0`` (empty apart from 'attached: None' when none)."""
+        with NetNS(self.rx) as ns:
+            link = ns.get_links(ns.link_lookup(ifname="rx0")[0])[0]
+            xdp = link.get_attr("IFLA_XDP")
+            return dict(xdp["attrs"]) if xdp else {}
+
+
+@contextmanager
+def veth_lab(tag: str, mtu: int = 9000):
+    lab = VethLab(f"gtc{os.getpid()}{tag}", mtu)
+    try:
+        lab.build()
+        yield lab
+    finally:
+        lab.destroy()
+
+
+def frame(seq: int, size: int) -> bytes:
+    """An Ethernet frame of ``size`` bytes to RX_MAC carrying ``seq`` and a pattern from it."""
+    body = seq.to_bytes(4, "big") + bytes((seq + k) & 0xFF for k in range(size - 18))
+    return RX_MAC + TX_MAC + ETHERTYPE.to_bytes(2, "big") + body

@@ -20,7 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # one error, one line, whatever the width
 
 
 @app.callback()

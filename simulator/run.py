@@ -28,7 +28,7 @@ from capture.frames import FrameBatch
 from capture.pcap import PcapngWriter, PcapWriter
 from gradtap.errors import ConfigError
 from simulator import models
-from simulator.allreduce import chunk_index, ring_partials
+from simulator.allreduce import chunk_index, plan_allreduce, ring_partials
 from simulator.background import Background
 from simulator.faults import FaultSpec, apply_mirror_faults
 from simulator.frames import Routes, encode_frames
@@ -144,17 +144,10 @@ class Simulation:
             return rows[n - 1].copy()
 
         init = job.initial_state
-        model = models.build(job.model.factory, job.model.kwargs, seed=init.seed or 0)
-        data = model.synthetic_data(batch_size=job.training.batch_size, seed=self.seed, **job.training.data_kwargs)
-        start_buckets = job_buckets(job, "initial") if first else buckets
-        trainer = Trainer(model, params, start_buckets, world_size=n, optimizer=job.optimizer,
-                          wire_dtype=job.ddp.grad_dtype, predivide=job.ddp.predivide, data=data,
-                          allreduce=allreduce)
-        if init.checkpoint is not None:
-            saved = torch.load(init.checkpoint, weights_only=False)
-            model.load_state_dict(saved["model"])
-            trainer.optimizer.load_state_dict(saved["optimizer"])
-            trainer.iteration = int(saved.get("iteration", 0))
+        checkpoint = torch.load(init.checkpoint, weights_only=False) if init.checkpoint is not None else None
+        trainer = build_trainer(job, job_buckets(job, "initial") if first else buckets, allreduce, self.seed,
+                                checkpoint)
+        model = trainer.model
         truth = TruthWriter(self.out / "truth", job, self.seed)
         captured = []
         started = time.perf_counter()
@@ -175,7 +168,8 @@ class Simulation:
                                     routes)
                 clock["t"] = t0 + self.timing.compute_gap_ns
                 result = trainer.step(buckets)
-                truth.iteration(it, result.reduced_buckets, model, trainer.optimizer)
+                truth.iteration(it, result.reduced_buckets, model, trainer.optimizer,
+                                (t0, clock["t"] + self.timing.step_latency_ns))
                 captured.append(it)
                 state.advance(plan)
             progress("done", self.iterations, self.iterations)
@@ -216,3 +210,30 @@ class Simulation:
             s.summary.roce_frames += int((pick < len(sel)).sum())
             for key, v in outcome.counts.items():
                 s.summary.faults[key] = s.summary.faults.get(key, 0) + v
+
+
+def build_trainer(job: JobSpec, buckets, allreduce, seed: int, checkpoint: dict | None = None) -> Trainer:
+    """The job's N-rank trainer: the model of the job's seed (or ``checkpoint``, a
+    ``{"model", "optimizer", "iteration"}`` dict such as a gradtap snapshot), its data shards
+    under ``seed``, and its optimizer."""
+    model = models.build(job.model.factory, job.model.kwargs, seed=job.initial_state.seed or 0)
+    data = model.synthetic_data(batch_size=job.training.batch_size, seed=seed, **job.training.data_kwargs)
+    trainer = Trainer(model, job_params(job), buckets, world_size=job.world_size, optimizer=job.optimizer,
+                      wire_dtype=job.ddp.grad_dtype, predivide=job.ddp.predivide, data=data, allreduce=allreduce,
+                      start_iteration=int(checkpoint.get("iteration", 0)) if checkpoint else 0)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+    return trainer
+
+
+def resume(job: JobSpec, checkpoint: dict, seed: int, until: int) -> Trainer:
+    """A trainer resumed from ``checkpoint`` and trained to iteration ``until`` (exclusive)
+    on the same data shards, with NCCL's ring arithmetic: what a real job does after
+    loading a gradtap snapshot."""
+    buckets = job_buckets(job)
+    trainer = build_trainer(job, buckets, plan_allreduce(build_plan(job, [b.numel for b in buckets])), seed,
+                            checkpoint)
+    while trainer.iteration < until:
+        trainer.step()
+    return trainer

@@ -12,7 +12,9 @@ Layout of ``truth/`` (documented in the README):
 - ``iter_NNNNNN/state.npz``: parameters, ``exp_avg``, ``exp_avg_sq`` (keys
   ``param/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``, float32) and ``step`` after
   that iteration's optimizer step (``numpy.load``).
-- ``manifest.json``: job name, seed, iterations, and the sha256 of every file above.
+- ``manifest.json``: job name, seed, iterations, each iteration's span on the simulated clock
+  (``span_ns``: first frame to the start of the next iteration, ns since the epoch), and the
+  sha256 of every file above.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class TruthWriter:
         self.job, self.seed = job, seed
         self.files: dict[str, str] = {}
         self.iterations: list[int] = []
+        self.spans: dict[int, tuple[int, int]] = {}
 
     def _record(self, path: Path) -> None:
         self.files[str(path.relative_to(self.root))] = _sha256(path)
@@ -84,7 +87,8 @@ class TruthWriter:
         torch.save(state, path)
         self._record(path)
 
-    def iteration(self, iteration: int, reduced: tuple[np.ndarray, ...], model, optimizer) -> None:
+    def iteration(self, iteration: int, reduced: tuple[np.ndarray, ...], model, optimizer,
+                  span_ns: tuple[int, int]) -> None:
         d = iteration_dir(self.root, iteration)
         d.mkdir(exist_ok=True)
         np.save(d / "grad.npy", np.concatenate(reduced))
@@ -92,7 +96,9 @@ class TruthWriter:
         self._record(d / "grad.npy")
         self._record(d / "state.npz")
         self.iterations.append(iteration)
+        self.spans[iteration] = span_ns
 
     def close(self) -> None:
-        manifest = {"job": self.job.name, "seed": self.seed, "iterations": self.iterations, "sha256": self.files}
+        manifest = {"job": self.job.name, "seed": self.seed, "iterations": self.iterations,
+                    "span_ns": {str(i): list(span) for i, span in self.spans.items()}, "sha256": self.files}
         (self.root / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -1,0 +1,107 @@
+"""Where the merger's buckets meet the replica: iteration numbering, fallback, snapshots, digests.
+
+The merger numbers iterations by their ordinal since the capture began; the replica by the
+trainer's iteration. ``first_iteration`` is the trainer iteration of ordinal 0, which is
+the iteration of the checkpoint the replica started from when the capture began with it. A
+merged iteration that is not the replica's next one means the appliance missed iterations:
+the replica cannot follow, which is a fallback like an unrecoverable iteration.
+
+After every applied iteration the sink can record a digest of the replica's state (sha256
+over each parameter's value, ``exp_avg`` and ``exp_avg_sq`` in parameter order, then the
+step) so that ``gradtap verify`` checks every iteration, not only the snapshots kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from gradtap.control import ControlPlane
+from merger.merger import IterationReport
+from updater.replica import Replica
+from updater.snapshot import Snapshots
+
+log = logging.getLogger(__name__)
+
+
+def state_digest(param: list[np.ndarray], exp_avg: list[np.ndarray], exp_avg_sq: list[np.ndarray], step: int) -> str:
+    """The digest both the replica and the ground truth are summarised by (float32 arrays)."""
+    h = hashlib.sha256()
+    for arrays in zip(param, exp_avg, exp_avg_sq):
+        for a in arrays:
+            h.update(np.ascontiguousarray(a, np.float32).tobytes())
+    h.update(np.int64(step).tobytes())
+    return h.hexdigest()
+
+
+def replica_digest(replica: Replica) -> str:
+    s, layout = replica.state, replica.layout
+    views = [[arr[layout.param(i)] for i in range(len(layout.params))] for arr in (s.param, s.exp_avg, s.exp_avg_sq)]
+    return state_digest(*views, replica.step)
+
+
+class ReplicaSink:
+    """Applies merged buckets to ``replica``; reports to ``control``; snapshots to ``snapshots``."""
+
+    def __init__(self, replica: Replica, control: ControlPlane, first_iteration: int, *,
+                 snapshots: Snapshots | None = None, report_path: Path | None = None, digests: bool = False):
+        self.replica, self.control, self.first = replica, control, first_iteration
+        self.snapshots = snapshots
+        self.report_path, self.digests = report_path, digests
+        self.applied: list[int] = []
+        self.lines: list[dict] = []
+
+    def bucket(self, ordinal: int, bucket: int, data: np.ndarray) -> None:
+        r = self.replica
+        if r.stale:
+            return
+        iteration = self.first + ordinal
+        if r._open is None:
+            if iteration != r.iteration:
+                self._fallback(ordinal, f"the streams delivered iteration {iteration} but the replica needs "
+                                        f"{r.iteration}: the appliance missed iterations")
+                return
+            r.begin(iteration)
+        r.apply_bucket(bucket, data)
+
+    def iteration_done(self, ordinal: int, report: IterationReport) -> None:
+        r = self.replica
+        iteration = self.first + ordinal
+        line = {"iteration": iteration, "recovered": report.recovered, "coverage": report.coverage,
+                "missing_blocks": report.missing_blocks,
+                "mismatches": [{"block": m.block, "groups": m.groups, "resolved": m.resolved}
+                               for m in report.mismatches]}
+        if report.mismatches:
+            self.control.event("duplicate_mismatch", iteration=iteration, blocks=line["mismatches"])
+        if not report.recovered:
+            self._fallback(ordinal, f"blocks no mirror stream delivered: {report.missing_blocks} (bucket: blocks)")
+        elif not r.stale and r._open is not None and r._open.iteration == iteration:
+            r.end()
+            self.applied.append(iteration)
+            if self.digests:
+                line["digest"] = replica_digest(r)
+            if self.snapshots is not None and self.snapshots.due(r.iteration):
+                line["snapshot"] = str(self.snapshots.write_replica(r))
+        line["stale"] = r.stale
+        self.lines.append(line)
+        if self.report_path is not None:
+            with self.report_path.open("a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        """Clean shutdown: a final snapshot of a replica that is current."""
+        r = self.replica
+        if self.snapshots is not None and not r.stale and r._open is None and self.applied:
+            self.snapshots.write_replica(r)
+
+    def _fallback(self, ordinal: int, reason: str) -> None:
+        r = self.replica
+        if r._open is not None:
+            r.abort()
+        else:
+            r.stale = True
+        self.control.fallback(self.first + ordinal, reason)

@@ -48,18 +48,28 @@ class ReplicaSink:
     """Applies merged buckets to ``replica``; reports to ``control``; snapshots to ``snapshots``."""
 
     def __init__(self, replica: Replica, control: ControlPlane, first_iteration: int, *,
-                 snapshots: Snapshots | None = None, report_path: Path | None = None, digests: bool = False):
+                 snapshots: Snapshots | None = None, report_path: Path | None = None, digests: bool = False,
+                 resync: list[dict] | None = None):
         self.replica, self.control, self.first = replica, control, first_iteration
         self.snapshots = snapshots
+        self.offers = {int(c["iteration"]): c for c in resync or []}
         self.report_path, self.digests = report_path, digests
         self.applied: list[int] = []
         self.lines: list[dict] = []
 
+    def offer(self, checkpoint: dict) -> None:
+        """A trainer checkpoint to resynchronise a stale replica from: it is used when the
+        streams reach the iteration it is ready for (``checkpoint["iteration"]``)."""
+        self.offers[int(checkpoint["iteration"])] = checkpoint
+
     def bucket(self, ordinal: int, bucket: int, data: np.ndarray) -> None:
         r = self.replica
+        iteration = self.first + ordinal
+        if r.stale and r._open is None and iteration in self.offers:
+            r.resync(self.offers.pop(iteration))
+            self.control.resynced(iteration, "trainer checkpoint")
         if r.stale:
             return
-        iteration = self.first + ordinal
         if r._open is None:
             if iteration != r.iteration:
                 self._fallback(ordinal, f"the streams delivered iteration {iteration} but the replica needs "

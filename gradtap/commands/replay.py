@@ -27,7 +27,8 @@ console = Console()
 
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, digests: bool = True,
-               batch_frames: int = 65536, show_progress: bool = True) -> tuple[ReplayResult, ReplicaSink]:
+               batch_frames: int = 65536, show_progress: bool = True,
+               resync: list[dict] | None = None) -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
     whose ``iteration`` is the capture's first iteration); results go to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -39,7 +40,7 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
                           keep=job.appliance.snapshot_keep)
     sink = ReplicaSink(replica, control, replica.iteration, snapshots=snapshots,
-                       report_path=out / "iterations.jsonl", digests=digests)
+                       report_path=out / "iterations.jsonl", digests=digests, resync=resync)
     columns = (TextColumn("{task.description:>14}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=console, transient=True, disable=not show_progress) as bar:
@@ -106,6 +107,8 @@ def replay_command(
     start: Path = typer.Option(None, "--start", help="trainer checkpoint the capture starts from (default: the "
                                                      "job's initial_state)"),
     digests: bool = typer.Option(True, help="record a digest of the replica after every iteration (for verify)"),
+    resync: list[Path] = typer.Option([], "--resync", help="trainer checkpoint(s) to resynchronise a stale replica "
+                                                           "from, when the streams reach its iteration"),
 ) -> None:
     """Capture → parse → merge → update over files: the appliance, offline."""
     job = load_job(job_path)
@@ -115,7 +118,8 @@ def replay_command(
                       "survive single mirror-link losses; expect unrecoverable iterations "
                       "(see `gradtap netconfig plan` for the probability)")
     checkpoint = _checkpoint(job, start)
-    result, sink = run_replay(job, streams, out, checkpoint, digests=digests)
+    result, sink = run_replay(job, streams, out, checkpoint, digests=digests,
+                              resync=[_checkpoint(job, path) for path in resync])
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
     console.print(f"replica {'[red]stale[/]' if sink.replica.stale else 'current'} at iteration "

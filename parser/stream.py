@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from capture.frames import FrameBatch
+from gradtap.errors import ConfigError
 from parser import events as ev
 from parser.assemble import NEED_ADVANCE, assemble
 from parser.decode import decode_batch
@@ -70,6 +71,10 @@ class StreamParser:
                  slots: int = DEFAULT_SLOTS, gap_ns: int = DEFAULT_GAP_NS):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
+        if self.mirror.encapsulation != "none":
+            raise ConfigError(f"mirrors[{self.mirror.name}].encapsulation: {self.mirror.encapsulation!r} needs "
+                              "GRE/ERSPAN decapsulation, which the parser does not do yet; mirror this port "
+                              "with a switch-local SPAN session (encapsulation: none)")
         self.tables = t = stream_tables(job, plan, self.mirror)
         self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
         self.imm_big_endian = nccl.era_facts(job.nccl).imm_big_endian

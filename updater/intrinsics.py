@@ -19,19 +19,23 @@ AVX-512 instruction sequence; to equal them bit for bit a kernel needs the same 
   intrinsic inside a loop, hence the 16-lane form.
 
 Only the ``rsqrt14`` pair needs AVX-512F (:func:`has_avx512f`); calling it on a CPU without
-it fails when the kernel is compiled, so callers check first.
+it fails when the kernel is compiled, so callers check first. Under ``NUMBA_DISABLE_JIT=1``
+the others are plain-Python twins (exact, slow) and the ``rsqrt14`` pair is unavailable.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
 from functools import lru_cache
 
+import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
-from numba import types
+from numba import config, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from gradtap.errors import GradtapError
 from gradtap.jit import JIT
 
 _F32 = ir.FloatType()
@@ -47,104 +51,159 @@ def has_avx512f() -> bool:
     return "+avx512f" in llvm_binding.get_host_cpu_features().flatten().split(",")
 
 
-@intrinsic
-def fma32(typingctx, a, b, c):
-    """``a * b + c`` rounded once (float32)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
+if config.DISABLE_JIT:
+    # Plain-Python twins, so the kernels also run with NUMBA_DISABLE_JIT=1 (coverage). The
+    # AVX-512 estimate has no twin: without the JIT the MKL root is not reproduced and the
+    # updater takes its roots from torch.sqrt (``updater.mkl_sqrt.reproduces_torch``).
 
-    def codegen(context, builder, signature, args):
-        fn = builder.module.declare_intrinsic("llvm.fma", [_F32], ir.FunctionType(_F32, [_F32] * 3))
-        return builder.call(fn, args)
+    def fma32(a, b, c):
+        """``a * b + c`` rounded once (float32)."""
+        a, b, c = np.float32(a), np.float32(b), np.float32(c)
+        if not (np.isfinite(a) and np.isfinite(b) and np.isfinite(c)):
+            return np.float32(float(a) * float(b) + float(c))
+        exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+        if exact == 0:
+            negative = (np.signbit(a) != np.signbit(b)) and np.signbit(c)
+            return np.float32(-0.0 if negative else 0.0)
+        return _round_f32(exact)
 
-    return sig, codegen
+    def div32(a, b):
+        """``a / b`` in IEEE float32."""
+        with np.errstate(all="ignore"):
+            return np.float32(a) / np.float32(b)
+
+    def half_to_f32(bits):
+        return np.array([bits], np.uint16).view(np.float16)[0].astype(np.float32)
+
+    def bf16_to_f32(bits):
+        return np.array([int(bits) << 16], np.uint32).view(np.float32)[0]
+
+    def rsqrt14(x):
+        raise GradtapError("vrsqrt14 has no plain-Python twin (NUMBA_DISABLE_JIT=1)")
+
+    def rsqrt14x16(src, src_start, dst, dst_start):
+        raise GradtapError("vrsqrt14 has no plain-Python twin (NUMBA_DISABLE_JIT=1)")
+
+    def widen(x, half):
+        """A gradient element as float32: ``x`` itself (float32), or the 16-bit pattern ``x``
+        (uint16) read as binary16 when ``half`` is true and as bfloat16 otherwise."""
+        if isinstance(x, np.float32):
+            return x
+        return half_to_f32(x) if half else bf16_to_f32(x)
+
+    def _round_f32(exact: Fraction) -> np.float32:
+        """The float32 nearest to ``exact`` (ties to even)."""
+        with np.errstate(over="ignore"):
+            guess = np.float32(float(exact))
+        if not np.isfinite(guess):
+            return guess
+        best = None
+        for cand in (np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))):
+            if not np.isfinite(cand):
+                continue
+            key = (abs(Fraction(float(cand)) - exact), int(np.array([cand]).view(np.uint32)[0]) & 1)
+            if best is None or key < best[0]:
+                best = (key, cand)
+        return best[1]
+else:
+    @intrinsic
+    def fma32(typingctx, a, b, c):
+        """``a * b + c`` rounded once (float32)."""
+        sig = types.float32(types.float32, types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            fn = builder.module.declare_intrinsic("llvm.fma", [_F32], ir.FunctionType(_F32, [_F32] * 3))
+            return builder.call(fn, args)
+
+        return sig, codegen
 
 
-@intrinsic
-def div32(typingctx, a, b):
-    """``a / b`` in IEEE float32, without Numba's zero-divisor check."""
-    sig = types.float32(types.float32, types.float32)
+    @intrinsic
+    def div32(typingctx, a, b):
+        """``a / b`` in IEEE float32, without Numba's zero-divisor check."""
+        sig = types.float32(types.float32, types.float32)
 
-    def codegen(context, builder, signature, args):
-        return builder.fdiv(args[0], args[1])
+        def codegen(context, builder, signature, args):
+            return builder.fdiv(args[0], args[1])
 
-    return sig, codegen
-
-
-@intrinsic
-def half_to_f32(typingctx, bits):
-    """The IEEE binary16 number whose bit pattern is ``bits`` (uint16), as float32."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
-
-    return sig, codegen
+        return sig, codegen
 
 
-@intrinsic
-def bf16_to_f32(typingctx, bits):
-    """The bfloat16 number whose bit pattern is ``bits`` (uint16), as float32."""
-    sig = types.float32(types.uint16)
+    @intrinsic
+    def half_to_f32(typingctx, bits):
+        """The IEEE binary16 number whose bit pattern is ``bits`` (uint16), as float32."""
+        sig = types.float32(types.uint16)
 
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
-        return builder.bitcast(wide, _F32)
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
 
-    return sig, codegen
-
-
-@intrinsic
-def rsqrt14(typingctx, x):
-    """``vrsqrt14ss``: approximately ``1 / sqrt(x)`` (float32, AVX-512F)."""
-    sig = types.float32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        fnty = ir.FunctionType(_V4, [_V4, _V4, _V4, ir.IntType(8)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ss")
-        lane = builder.insert_element(ir.Constant(_V4, None), args[0], ir.Constant(_I32, 0))
-        out = builder.call(fn, [lane, lane, lane, ir.Constant(ir.IntType(8), -1)])
-        return builder.extract_element(out, ir.Constant(_I32, 0))
-
-    return sig, codegen
+        return sig, codegen
 
 
-@intrinsic
-def rsqrt14x16(typingctx, src, src_start, dst, dst_start):
-    """``vrsqrt14ps`` on ``src[src_start:src_start + 16]`` into ``dst[dst_start:...]``.
+    @intrinsic
+    def bf16_to_f32(typingctx, bits):
+        """The bfloat16 number whose bit pattern is ``bits`` (uint16), as float32."""
+        sig = types.float32(types.uint16)
 
-    Both arrays are 1-D C-contiguous float32; the caller guarantees both ranges are inside
-    them (nothing is checked here).
-    """
-    if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
-            and src.dtype == types.float32 and dst.dtype == types.float32):
+        def codegen(context, builder, signature, args):
+            wide = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
+            return builder.bitcast(wide, _F32)
+
+        return sig, codegen
+
+
+    @intrinsic
+    def rsqrt14(typingctx, x):
+        """``vrsqrt14ss``: approximately ``1 / sqrt(x)`` (float32, AVX-512F)."""
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            fnty = ir.FunctionType(_V4, [_V4, _V4, _V4, ir.IntType(8)])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ss")
+            lane = builder.insert_element(ir.Constant(_V4, None), args[0], ir.Constant(_I32, 0))
+            out = builder.call(fn, [lane, lane, lane, ir.Constant(ir.IntType(8), -1)])
+            return builder.extract_element(out, ir.Constant(_I32, 0))
+
+        return sig, codegen
+
+
+    @intrinsic
+    def rsqrt14x16(typingctx, src, src_start, dst, dst_start):
+        """``vrsqrt14ps`` on ``src[src_start:src_start + 16]`` into ``dst[dst_start:...]``.
+
+        Both arrays are 1-D C-contiguous float32; the caller guarantees both ranges are inside
+        them (nothing is checked here).
+        """
+        if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
+                and src.dtype == types.float32 and dst.dtype == types.float32):
+            return None
+        sig = types.void(src, types.intp, dst, types.intp)
+
+        def codegen(context, builder, signature, args):
+            src_arr = context.make_array(signature.args[0])(context, builder, args[0])
+            dst_arr = context.make_array(signature.args[2])(context, builder, args[2])
+            v16p = _V16.as_pointer()
+            load_ptr = builder.bitcast(builder.gep(src_arr.data, [args[1]]), v16p)
+            store_ptr = builder.bitcast(builder.gep(dst_arr.data, [args[3]]), v16p)
+            fnty = ir.FunctionType(_V16, [_V16, _V16, ir.IntType(16)])
+            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ps.512")
+            value = builder.load(load_ptr, align=4)
+            builder.store(builder.call(fn, [value, value, ir.Constant(_I16, -1)]), store_ptr, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+
+    def widen(x, half):
+        """A gradient element as float32: ``x`` itself (float32), or the 16-bit pattern ``x``
+        (uint16) read as binary16 when ``half`` is true and as bfloat16 otherwise."""
+        raise NotImplementedError("widen is only callable from Numba-compiled code")
+
+
+    @overload(widen, jit_options=JIT)
+    def _widen(x, half):
+        if x == types.float32:
+            return lambda x, half: x
+        if x == types.uint16:
+            return lambda x, half: half_to_f32(x) if half else bf16_to_f32(x)
         return None
-    sig = types.void(src, types.intp, dst, types.intp)
-
-    def codegen(context, builder, signature, args):
-        src_arr = context.make_array(signature.args[0])(context, builder, args[0])
-        dst_arr = context.make_array(signature.args[2])(context, builder, args[2])
-        v16p = _V16.as_pointer()
-        load_ptr = builder.bitcast(builder.gep(src_arr.data, [args[1]]), v16p)
-        store_ptr = builder.bitcast(builder.gep(dst_arr.data, [args[3]]), v16p)
-        fnty = ir.FunctionType(_V16, [_V16, _V16, ir.IntType(16)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ps.512")
-        value = builder.load(load_ptr, align=4)
-        builder.store(builder.call(fn, [value, value, ir.Constant(_I16, -1)]), store_ptr, align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-def widen(x, half):
-    """A gradient element as float32: ``x`` itself (float32), or the 16-bit pattern ``x``
-    (uint16) read as binary16 when ``half`` is true and as bfloat16 otherwise."""
-    raise NotImplementedError("widen is only callable from Numba-compiled code")
-
-
-@overload(widen, jit_options=JIT)
-def _widen(x, half):
-    if x == types.float32:
-        return lambda x, half: x
-    if x == types.uint16:
-        return lambda x, half: half_to_f32(x) if half else bf16_to_f32(x)
-    return None

@@ -99,7 +99,8 @@ class Replica:
     def apply_bucket(self, bucket: int, grad: np.ndarray) -> None:
         """Hand over the complete reduced gradient of bucket ``bucket`` (an index in launch
         order): a 1-D ``uint8`` array of its wire bytes, or a 1-D array of the wire dtype
-        (float32; bf16/fp16 as uint16 bit patterns) of ``numel`` elements."""
+        (float32; bf16/fp16 as uint16 bit patterns, fp16 also as float16) of ``numel``
+        elements."""
         it = self._require_open()
         if not 0 <= bucket < len(self.layout.buckets):
             raise GradtapError(f"apply_bucket: bucket {bucket} is not one of the job's "
@@ -211,6 +212,8 @@ class Replica:
             if grad.ctypes.data % want.itemsize:
                 grad = grad.copy()      # a view needs the element alignment
             return grad.view(want)
+        if self.wire == "fp16" and grad.dtype == np.float16:
+            grad = grad.view(np.uint16)
         if grad.dtype != want or grad.size != numel:
             raise GradtapError(f"apply_bucket: bucket {bucket} takes {numel} elements of {want} "
                                f"({self.wire} on the wire), got {grad.size} of {grad.dtype}")

@@ -1,0 +1,48 @@
+"""The clip coefficient equals what torch.nn.utils.clip_grad_norm_ multiplies gradients by."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from gradtap.errors import GradtapError
+from updater.clipping import GradNorms
+
+SIZES = [1, 7, 40000, 1023, 70001, 16]
+
+
+def grads(seed):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 1)).astype(np.float32) for n in SIZES]
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 0.5, 1e6])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_coefficient_is_clip_grad_norms(max_norm, seed):
+    gs = grads(seed)
+    params = [torch.nn.Parameter(torch.zeros(len(g))) for g in gs]
+    for p, g in zip(params, gs):
+        p.grad = torch.from_numpy(g.copy())
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = GradNorms(len(gs))
+    order = np.random.default_rng(seed).permutation(len(gs))     # buckets arrive in any order
+    for chunk in np.array_split(order, 3):
+        norms.add(chunk.tolist(), [gs[i] for i in chunk])
+    coef = norms.coefficient(max_norm)
+    assert coef.dtype == np.float32 and (coef == 1) == (max_norm == 1e6)
+    for p, g in zip(params, gs):
+        assert np.array_equal(p.grad.numpy().view(np.uint32), (g * coef).view(np.uint32))
+
+
+def test_every_parameter_is_needed_once():
+    gs = grads(2)
+    norms = GradNorms(len(gs))
+    norms.add([0, 1], gs[:2])
+    assert norms.missing == [2, 3, 4, 5]
+    with pytest.raises(GradtapError, match="4 are missing"):
+        norms.coefficient(1.0)
+    with pytest.raises(GradtapError, match="already has a norm"):
+        norms.add([1], gs[1:2])
+    with pytest.raises(GradtapError, match="2 indices for 1"):
+        norms.add([2, 3], gs[2:3])

@@ -1,0 +1,173 @@
+"""The Adam/AdamW kernels equal torch.optim bit for bit: every implementation, Adam and AdamW,
+several hyperparameter sets, fp32/bf16/fp16 gradients, pre-divided or summed, 20+ steps,
+tensor sizes that are not multiples of any vector width."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from gradtap.errors import GradtapError
+from updater import kernels
+from updater.kernels import SQRT_IEEE, SQRT_MKL, SQRT_TORCH, adam_step, step_constants, work_spans
+
+SIZES = [1, 7, 15, 17, 1023, 4099, 16, 8, 9, 33]
+# (kind, lr, betas, eps, weight_decay): plain Adam; Adam with L2 decay; AdamW with
+# 1 - beta1 >= 0.5 (the lerp's other branch) and a tiny eps; AdamW with strong decay.
+HYPER = {
+    "adam": ("adam", 1e-3, (0.9, 0.999), 1e-8, 0.0),
+    "adam-l2": ("adam", 3e-4, (0.8, 0.95), 1e-6, 0.1),
+    "adamw-lowbeta": ("adamw", 1e-2, (0.3, 0.9), 1e-12, 0.05),
+    "adamw-decay": ("adamw", 5e-2, (0.95, 0.9999), 1e-8, 0.3),
+}
+TORCH_IMPL = {"single_tensor": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+ROOTS = {"single_tensor": SQRT_MKL, "foreach": SQRT_MKL, "fused": SQRT_IEEE}
+
+
+def wire_gradient(rng, n, wire):
+    """(wire array, the float32 gradient torch sees before any division)."""
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-20, 1, n)).astype(np.float32)
+    x[rng.random(n) < 0.05] = 0.0
+    t = torch.from_numpy(x)
+    if wire == "bf16":
+        low = t.to(torch.bfloat16)
+        return low.view(torch.int16).numpy().view(np.uint16).copy(), low.float().numpy()
+    if wire == "fp16":
+        low = t.to(torch.float16)
+        return low.numpy().view(np.uint16).copy(), low.float().numpy()
+    return x, x.copy()
+
+
+def run_both(implementation, hyper, wire="fp32", world=None, steps=20, sizes=SIZES, sqrt=None, seed=0):
+    """Run torch.optim and adam_step side by side; return (ours, torch's) as uint32 bits."""
+    kind, lr, betas, eps, wd = HYPER[hyper]
+    rng = np.random.default_rng(seed)
+    n = sum(sizes)
+    bounds = np.cumsum([0] + sizes)
+    start = rng.standard_normal(n).astype(np.float32)
+    tensors = [torch.nn.Parameter(torch.from_numpy(start[a:b].copy())) for a, b in zip(bounds, bounds[1:])]
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    optimizer = cls(tensors, lr=lr, betas=betas, eps=eps, weight_decay=wd, **TORCH_IMPL[implementation])
+    p, m, v = start.copy(), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    work = work_spans(sizes, implementation, chunk=1000)
+    for step in range(1, steps + 1):
+        g_wire, g32 = wire_gradient(rng, n, wire)
+        grad = torch.from_numpy(g32)
+        if world:
+            grad = grad.div_(world)
+        for t, a, b in zip(tensors, bounds, bounds[1:]):
+            t.grad = grad[a:b].clone()
+        optimizer.step()
+        c = step_constants(implementation, decoupled=kind == "adamw", lr=lr, betas=betas, eps=eps,
+                           weight_decay=wd, step=step, world=world)
+        adam_step(implementation, p, g_wire, m, v, work, c, wire=wire, sqrt=sqrt or ROOTS[implementation])
+    theirs = [np.concatenate([t.detach().numpy() for t in tensors]),
+              np.concatenate([optimizer.state[t]["exp_avg"].numpy() for t in tensors]),
+              np.concatenate([optimizer.state[t]["exp_avg_sq"].numpy() for t in tensors])]
+    return [a.view(np.uint32) for a in (p, m, v)], [a.view(np.uint32) for a in theirs]
+
+
+def assert_same(ours, theirs):
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, theirs):
+        differ = np.flatnonzero(a != b)
+        assert differ.size == 0, f"{name}: {differ.size} elements differ, first at {differ[:5]}"
+
+
+@pytest.mark.parametrize("implementation", ["single_tensor", "foreach", "fused"])
+@pytest.mark.parametrize("hyper", list(HYPER))
+@pytest.mark.parametrize("wire,world", [("fp32", None), ("fp32", 3), ("bf16", None), ("bf16", 4), ("fp16", None),
+                                        ("fp16", 3)])
+def test_equals_torch(implementation, hyper, wire, world):
+    assert_same(*run_both(implementation, hyper, wire, world))
+
+
+@pytest.mark.parametrize("implementation", ["single_tensor", "foreach"])
+@pytest.mark.parametrize("hyper", ["adam", "adamw-lowbeta"])
+def test_torch_root_path_equals_torch(implementation, hyper):
+    assert_same(*run_both(implementation, hyper, "bf16", 2, sqrt=SQRT_TORCH))
+
+
+def test_many_steps_and_default_chunking():
+    ours, theirs = run_both("single_tensor", "adamw-decay", steps=60, sizes=[70001, 3, 5000])
+    assert_same(ours, theirs)
+    ours, theirs = run_both("fused", "adam-l2", steps=60, sizes=[70001, 3, 5000])
+    assert_same(ours, theirs)
+
+
+def test_a_wrong_root_is_caught():
+    """The comparison can fail: fused's IEEE root is not single-tensor's MKL root."""
+    ours, theirs = run_both("single_tensor", "adam", steps=20, sqrt=SQRT_TORCH, sizes=[20000])
+    assert_same(ours, theirs)
+    kind, lr, betas, eps, wd = HYPER["adam"]
+    rng = np.random.default_rng(1)
+    n = 20000
+    m, v = (rng.random(n).astype(np.float32) for _ in range(2))
+    p = np.zeros(n, np.float32)       # so the root's last bit reaches the parameter
+    g = rng.standard_normal(n).astype(np.float32)
+    single = [a.copy() for a in (p, m, v)]
+    fused_like = [a.copy() for a in (p, m, v)]
+    c = step_constants("single_tensor", decoupled=False, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=3)
+    adam_step("single_tensor", single[0], g, single[1], single[2], work_spans([n], "single_tensor"), c, sqrt=SQRT_MKL)
+    adam_step("fused", fused_like[0], g, fused_like[1], fused_like[2], work_spans([n], "fused"), c, sqrt=SQRT_IEEE)
+    assert not np.array_equal(single[0], fused_like[0])
+
+
+def test_step_constants_round_where_torch_rounds():
+    c = step_constants("single_tensor", decoupled=True, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
+                       weight_decay=0.5, step=7, world=6, clip=0.25)
+    assert c.decay == np.float32(1 - 0.1 * 0.5) and c.neg_step == np.float32(-(0.1 / (1 - 0.9 ** 7.0)))
+    assert c.bias2_sqrt == np.float32((1 - 0.999 ** 7.0) ** 0.5) and c.world == 6 and c.divide
+    fused = step_constants("fused", decoupled=False, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
+                           weight_decay=0.5, step=7)
+    assert fused.bias2_sqrt == np.float32(math.sqrt(1 - 0.999 ** 7.0)) and fused.use_l2 and fused.decay == 1
+    assert not fused.divide and fused.clip == 1
+    low = step_constants("foreach", decoupled=False, lr=0.1, betas=(0.3, 0.9), eps=1e-8, weight_decay=0, step=1)
+    assert not low.lerp_small and low.lerp_weight == np.float32(0.7) - 1
+
+
+def test_work_spans():
+    rows = work_spans([20, 5, 16], "fused", chunk=8)
+    assert rows.tolist() == [[0, 8, 0], [8, 16, 0], [16, 20, 1], [20, 25, 1], [25, 33, 0], [33, 41, 0]]
+    rows = work_spans([20, 5, 16], "single_tensor", chunk=16)
+    assert rows.tolist() == [[0, 16, 0], [16, 32, 0], [32, 41, 0]]
+    assert work_spans([], "fused").shape == (0, 3)
+
+
+def test_validation():
+    n = 10
+    p, m, v, g = (np.zeros(n, np.float32) for _ in range(4))
+    work = work_spans([n], "fused")
+    c = step_constants("fused", decoupled=False, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, step=1)
+    with pytest.raises(GradtapError, match="g is float32"):
+        adam_step("fused", p, g[:9], m, v, work, c, sqrt=SQRT_IEEE)
+    with pytest.raises(GradtapError, match="uint16"):
+        adam_step("fused", p, g, m, v, work, c, wire="bf16", sqrt=SQRT_IEEE)
+    with pytest.raises(GradtapError, match="work list"):
+        adam_step("fused", p, g, m, v, work_spans([9], "fused"), c, sqrt=SQRT_IEEE)
+    with pytest.raises(GradtapError, match="IEEE root"):
+        adam_step("fused", p, g, m, v, work, c, sqrt=SQRT_MKL)
+    with pytest.raises(GradtapError, match="not one of"):
+        adam_step("lamb", p, g, m, v, work, c, sqrt=SQRT_MKL)
+    with pytest.raises(GradtapError, match="wire dtype"):
+        adam_step("fused", p, g, m, v, work, c, wire="fp8", sqrt=SQRT_IEEE)
+    ro = p.copy()
+    ro.flags.writeable = False
+    with pytest.raises(GradtapError, match="read-only"):
+        adam_step("fused", ro, g, m, v, work, c, sqrt=SQRT_IEEE)
+    with pytest.raises(GradtapError, match="C-contiguous"):
+        adam_step("fused", np.zeros(2 * n, np.float32)[::2], g, m, v, work, c, sqrt=SQRT_IEEE)
+
+
+def test_widen_gradient_is_the_trainers_grad():
+    rng = np.random.default_rng(3)
+    n = 1037
+    for wire in ("fp32", "bf16", "fp16"):
+        g_wire, g32 = wire_gradient(rng, n, wire)
+        out = np.empty(n, np.float32)
+        c = step_constants("fused", decoupled=False, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                           weight_decay=0, step=1, world=3)
+        kernels.widen_gradient(g_wire, out, work_spans([n], "fused"), c, wire=wire)
+        assert np.array_equal(out, torch.from_numpy(g32).div_(3).numpy())

@@ -1,0 +1,229 @@
+"""The replica equals the trainer's torch optimizer bit for bit, iteration after iteration, and
+its state dicts load into a fresh model and torch.optim.Adam; the bucket protocol refuses
+misuse; the simulator's ground truth is reproduced from its own gradients."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from gradtap.errors import ConfigError, GradtapError
+from simulator.models import build
+from simulator.training import make_optimizer
+from tests.simulator.test_simulate import make_job, simulate
+from tests.updater.naive_adam import TorchStep, random_reduced
+from updater.replica import Replica
+from workload.layout import job_buckets
+from workload.spec import load_job, parse_job
+
+RANKS = [{"ip": f"198.18.{i}.1", "mac": f"02:00:00:00:01:{i + 1:02x}"} for i in range(3)]
+
+
+def job(kind="adam", implementation="single_tensor", wire="fp32", predivide=True, clip=None,
+        schedule=None, factory=("simulator.models:mlp", {"sizes": [33, 129, 65, 17, 5]}), **opt):
+    optimizer = {"kind": kind, "implementation": implementation, "lr": 1e-3, **opt}
+    if clip is not None:
+        optimizer["clip_grad_norm"] = clip
+    if schedule is not None:
+        optimizer["schedule"] = schedule
+    return parse_job({
+        "name": "replica-test", "model": {"factory": factory[0], "kwargs": factory[1]},
+        "ddp": {"bucket_cap_mb": 0.004, "grad_dtype": wire, "predivide": predivide},
+        "optimizer": optimizer, "ring": {"ranks": RANKS},
+        "mirrors": [{"name": "m", "rank": 0, "direction": "egress"}],
+    })
+
+
+def assert_equal_state(replica: Replica, reference: TorchStep):
+    want = reference.arrays()
+    sd = replica.state_dict()
+    names = [p.name for p in replica.layout.params]
+    for key, value in want.items():
+        kind, name = key.split("/", 1)
+        got = sd["model"][name] if kind == "param" else sd["optimizer"]["state"][names.index(name)][kind]
+        differ = np.flatnonzero(got.numpy().view(np.uint32).ravel() != value.view(np.uint32).ravel())
+        assert differ.size == 0, f"{key}: {differ.size} elements differ, first {differ[:4]}"
+    assert replica.step == int(reference.optimizer.state[reference.params[0]]["step"])
+
+
+def drive(j, iterations=20, seed=0, shuffle=True, scale_exp=(-12, 1)):
+    replica, reference = Replica.from_job(j), TorchStep(j)
+    rng = np.random.default_rng(seed)
+    for it in range(iterations):
+        reduced = random_reduced(j, rng, scale_exp=scale_exp)
+        reference.step(it, reduced)
+        replica.begin(it)
+        for b in (rng.permutation(len(reduced)) if shuffle else range(len(reduced))):
+            replica.apply_bucket(int(b), reduced[b])
+        replica.end()
+    return replica, reference
+
+
+CASES = [
+    dict(),
+    dict(kind="adamw", weight_decay=0.1, implementation="foreach"),
+    dict(kind="adam", weight_decay=0.01, implementation="fused", wire="bf16"),
+    dict(kind="adamw", weight_decay=0.01, wire="fp16", predivide=False, betas=(0.5, 0.99)),
+    dict(kind="adamw", weight_decay=0.01, clip=1e-3, schedule={"kind": "warmup_cosine", "warmup_steps": 3,
+                                                                "total_steps": 15, "min_lr_ratio": 0.1}),
+    dict(kind="adam", implementation="fused", clip=1e-2, predivide=False, wire="bf16"),
+    dict(kind="adamw", implementation="foreach", clip=1e9, wire="fp16"),     # clip never binds
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_equals_the_trainers_optimizer(case):
+    replica, reference = drive(job(**case))
+    assert_equal_state(replica, reference)
+    assert replica.iteration == 20 and not replica.stale
+
+
+def test_apply_takes_a_flat_gradient_and_bytes():
+    j = job(wire="bf16")
+    replica, reference = Replica.from_job(j), TorchStep(j)
+    rng = np.random.default_rng(5)
+    for it in range(3):
+        reduced = random_reduced(j, rng)
+        reference.step(it, reduced)
+        flat = np.concatenate(reduced)
+        replica.apply(it, flat if it % 2 else flat.view(np.uint8))
+    assert_equal_state(replica, reference)
+
+
+def test_state_dicts_load_into_torch_and_train_on_identically():
+    j = job(kind="adamw", weight_decay=0.05)
+    replica, reference = drive(j, iterations=5)
+    model = build(j.model.factory, j.model.kwargs, seed=99)          # other weights, overwritten
+    optimizer = make_optimizer(list(model.parameters()), j.optimizer)
+    sd = replica.state_dict()
+    model.load_state_dict(sd["model"])
+    optimizer.load_state_dict(sd["optimizer"])
+    assert optimizer.state_dict()["param_groups"] == reference.optimizer.state_dict()["param_groups"]
+    resumed = TorchStep(j)
+    resumed.model, resumed.params, resumed.optimizer = model, list(model.parameters()), optimizer
+    rng = np.random.default_rng(11)
+    for it in range(5, 8):
+        reduced = random_reduced(j, rng)
+        resumed.step(it, reduced)
+        reference.step(it, reduced)
+        replica.apply(it, np.concatenate(reduced))
+    for key, value in reference.arrays().items():
+        assert np.array_equal(resumed.arrays()[key].view(np.uint32), value.view(np.uint32)), key
+    assert_equal_state(replica, reference)
+
+
+def test_tied_weights_appear_under_both_names():
+    tiny = ("simulator.models:gpt2", {"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 37, "block_size": 8})
+    j = job(factory=tiny)
+    replica, reference = drive(j, iterations=3)
+    assert_equal_state(replica, reference)
+    sd = replica.state_dict()["model"]
+    assert sd["lm_head.weight"].data_ptr() == sd["transformer.wte.weight"].data_ptr()
+    model = build(*tiny, seed=3)
+    model.load_state_dict(sd)
+    assert torch.equal(model.lm_head.weight, reference.model.lm_head.weight)
+
+
+def test_protocol_misuse_is_refused():
+    j = job()
+    replica = Replica.from_job(j)
+    reduced = random_reduced(j, np.random.default_rng(0))
+    with pytest.raises(GradtapError, match="no iteration is open"):
+        replica.apply_bucket(0, reduced[0])
+    with pytest.raises(GradtapError, match="next iteration is 0"):
+        replica.begin(1)
+    replica.begin(0)
+    with pytest.raises(GradtapError, match="still open"):
+        replica.begin(0)
+    with pytest.raises(GradtapError, match="not one of the job's"):
+        replica.apply_bucket(len(reduced), reduced[0])
+    with pytest.raises(GradtapError, match="takes"):
+        replica.apply_bucket(0, reduced[0][:-1])
+    with pytest.raises(GradtapError, match="takes"):
+        replica.apply_bucket(0, reduced[0].astype(np.float64))
+    with pytest.raises(GradtapError, match="bytes"):
+        replica.apply_bucket(0, reduced[0].view(np.uint8)[:-4])
+    replica.apply_bucket(0, reduced[0])
+    with pytest.raises(GradtapError, match="already applied"):
+        replica.apply_bucket(0, reduced[0])
+    with pytest.raises(GradtapError, match="half applied"):
+        replica.state_dict()
+    with pytest.raises(GradtapError, match="lacks buckets"):
+        replica.end()
+    with pytest.raises(GradtapError, match="the job's buckets take"):
+        Replica.from_job(j).apply(0, np.concatenate(reduced)[:-1])
+
+
+def test_abort_makes_stale_until_resync():
+    j = job(clip=1e-2)
+    replica, reference = drive(j, iterations=2)
+    rng = np.random.default_rng(7)
+    reduced = random_reduced(j, rng)
+    reference.step(2, reduced)               # the trainer goes on; the replica loses iteration 2
+    replica.begin(2)
+    replica.apply_bucket(1, reduced[1])
+    replica.abort()
+    assert replica.stale
+    with pytest.raises(GradtapError, match="stale"):
+        replica.begin(3)
+    replica.resync({"model": reference.model.state_dict(), "optimizer": reference.optimizer.state_dict(),
+                    "iteration": 3})
+    assert not replica.stale and replica.iteration == 3 and replica.step == 3
+    for it in range(3, 6):
+        reduced = random_reduced(j, rng)
+        reference.step(it, reduced)
+        replica.apply(it, np.concatenate(reduced))
+    assert_equal_state(replica, reference)
+
+
+def test_a_checkpoint_of_another_optimizer_or_model_is_refused():
+    j = job()
+    reference = TorchStep(j)
+    reference.step(0, random_reduced(j, np.random.default_rng(0)))
+    good = {"model": reference.model.state_dict(), "optimizer": reference.optimizer.state_dict(), "iteration": 1}
+    Replica(j, good)
+    with pytest.raises(ConfigError, match="betas"):
+        Replica(job(betas=(0.8, 0.999)), good)
+    with pytest.raises(ConfigError, match="weight_decay"):
+        Replica(job(weight_decay=0.1), good)
+    with pytest.raises(ConfigError, match=r"'layers.2.weight' is .*\(65, 129\).* says \(5, 129\)"):
+        Replica(job(factory=("simulator.models:mlp", {"sizes": [33, 129, 5]})), good)
+    with pytest.raises(ConfigError, match="lacks parameters"):
+        Replica(job(factory=("simulator.models:mlp", {"sizes": [33, 129, 65, 17, 5, 5]})), good)
+    bad = dict(good, model={**good["model"], "layers.0.weight": torch.zeros(3, 3)})
+    with pytest.raises(ConfigError, match="layers.0.weight"):
+        Replica(j, bad)
+    with pytest.raises(ConfigError, match="no 'optimizer'"):
+        Replica(j, {"model": good["model"]})
+    with pytest.raises(ConfigError, match="lists its parameters must start from initial_state.checkpoint"):
+        Replica.from_job(parse_job({**json.loads(j.model_dump_json(exclude_none=True)),
+                                    "model": {"params": [{"name": "w", "shape": [3]}]},
+                                    "ddp": {"layout": "initial"}}))
+
+
+@pytest.mark.parametrize("make", [lambda: make_job(), lambda: make_job(dtype="bf16", nqps=2),
+                                  lambda: load_job("configs/small.yaml")],
+                         ids=["small-mlp", "small-mlp-bf16", "configs/small.yaml"])
+def test_reproduces_the_simulators_ground_truth(tmp_path, make):
+    j = make()
+    simulate(tmp_path, j, iterations=3)
+    truth = tmp_path / "truth"
+    replica = Replica(j, torch.load(truth / "start.pt", weights_only=True))
+    layout = json.loads((truth / "layout.json").read_text())
+    assert [b["numel"] for b in layout["buckets"]] == [b.numel for b in job_buckets(j)]
+    names = [p.name for p in replica.layout.params]
+    for it in json.loads((truth / "manifest.json").read_text())["iterations"]:
+        d = truth / f"iter_{it:06d}"
+        replica.apply(it, np.load(d / "grad.npy"))
+        state = np.load(d / "state.npz")
+        sd = replica.state_dict(copy=False)
+        assert replica.step == int(state["step"])
+        for key in state.files:
+            if key == "step":
+                continue
+            kind, name = key.split("/", 1)
+            got = sd["model"][name] if kind == "param" else sd["optimizer"]["state"][names.index(name)][kind]
+            assert np.array_equal(got.numpy().view(np.uint32), state[key].view(np.uint32)), (it, key)

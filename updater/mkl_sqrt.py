@@ -37,7 +37,7 @@ import logging
 from functools import lru_cache
 
 import numpy as np
-from numba import njit
+from numba import config, njit
 
 from gradtap.errors import GradtapError
 from gradtap.jit import JIT
@@ -100,14 +100,19 @@ def _sqrt_all(x, out):
     sqrt_span(x, out)
 
 
+def available() -> bool:
+    """Whether :func:`sqrt` can run here: AVX-512F, and compiled (not ``NUMBA_DISABLE_JIT``)."""
+    return has_avx512f() and not config.DISABLE_JIT
+
+
 def sqrt(x: np.ndarray) -> np.ndarray:
     """MKL's float32 root of every element of the 1-D float32 array ``x``, as a new array.
 
-    Raises ``GradtapError`` on a CPU without AVX-512F (see :func:`reproduces_torch`).
+    Raises ``GradtapError`` where it cannot run (:func:`available`).
     """
-    if not has_avx512f():
-        raise GradtapError("updater.mkl_sqrt needs AVX-512F (vrsqrt14ps); this CPU lacks it, "
-                           "so the updater takes its roots from torch.sqrt instead")
+    if not available():
+        raise GradtapError("updater.mkl_sqrt needs AVX-512F (vrsqrt14ps) and the JIT; without them "
+                           "the updater takes its roots from torch.sqrt instead")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     out = np.empty_like(x)
     _sqrt_all(x, out)
@@ -133,12 +138,12 @@ def probe_inputs() -> np.ndarray:
 def reproduces_torch() -> bool:
     """Whether :func:`sqrt` equals ``torch.sqrt`` bit for bit on this host's probe set.
 
-    False on a CPU without AVX-512F. Takes about a tenth of a second; the answer is
-    cached for the process.
+    False where it cannot run (:func:`available`). Takes about a tenth of a second; the
+    answer is cached for the process.
     """
     import torch
 
-    if not has_avx512f():
+    if not available():
         return False
     x = probe_inputs()
     ours = sqrt(x).view(np.uint32)

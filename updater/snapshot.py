@@ -27,7 +27,8 @@ whose files are complete and match its manifest, and a process killed at any poi
 the previous snapshot untouched; its temporary directory is removed by the next writer.
 Only one writer per directory is allowed (an ``fcntl`` lock enforces it).
 
-Retention keeps the newest ``keep`` snapshots and never removes the one ``LATEST`` names.
+Retention keeps the ``keep`` most recently written snapshots, so the one ``LATEST`` names
+always stays (after a resync to an older checkpoint it can be an older iteration).
 """
 
 from __future__ import annotations
@@ -250,6 +251,17 @@ class Snapshots:
         _fsync_dir(self.directory)
 
     def _retain(self, latest_name: str) -> None:
-        for old in self.snapshots()[:-self.keep]:
+        """Keep the ``keep`` most recently written snapshots (LATEST is always one of them)."""
+        def written(path: Path) -> float:
+            try:
+                return float(json.loads((path / "manifest.json").read_text())["created_unix"])
+            except (OSError, ValueError, KeyError, TypeError):
+                return float("-inf")          # unreadable: the first to go
+
+        for old in sorted(self.snapshots(), key=written)[:-self.keep]:
             if old.name != latest_name:
-                shutil.rmtree(old)
+                # Out of the snapshot namespace first (atomic), so a kill mid-delete leaves
+                # a temporary directory for the next writer, never a half snapshot.
+                doomed = self.directory / f"{TMP_PREFIX}{old.name}-deleted-{os.getpid()}"
+                os.rename(old, doomed)
+                shutil.rmtree(doomed)

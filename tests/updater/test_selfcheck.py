@@ -1,0 +1,69 @@
+"""The start-up self-check picks the fast exact path on this host, refuses an inexact one, and
+the kernels equal torch without the JIT too (the plain-Python twins)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradtap.errors import GradtapError
+from updater import kernels, mkl_sqrt, selfcheck
+from workload.spec import OptimizerSpec
+
+
+def test_fast_roots_on_this_host():
+    for impl in ("single_tensor", "foreach"):
+        want = kernels.SQRT_MKL if mkl_sqrt.reproduces_torch() else kernels.SQRT_TORCH
+        assert selfcheck.root_source(OptimizerSpec(implementation=impl)) == want
+    assert selfcheck.root_source(OptimizerSpec(kind="adamw", implementation="fused",
+                                               weight_decay=0.1)) == kernels.SQRT_IEEE
+
+
+def test_an_inexact_kernel_is_refused(monkeypatch):
+    real = kernels.step_constants
+
+    def off_by_one_ulp(*args, **kwargs):
+        c = real(*args, **kwargs)
+        return c._replace(eps=np.nextafter(c.eps, np.float32(1)))
+
+    monkeypatch.setattr(kernels, "step_constants", off_by_one_ulp)
+    cfg = OptimizerSpec(kind="adam", eps=1e-3, implementation="foreach", lr=0.1)
+    assert not selfcheck.probe_matches(cfg, kernels.SQRT_TORCH)
+    selfcheck.root_source.cache_clear()
+    try:
+        with pytest.raises(GradtapError, match="cannot be replicated bit for bit on this host"):
+            selfcheck.root_source(cfg)
+    finally:
+        selfcheck.root_source.cache_clear()
+
+
+NO_JIT_SCRIPT = """
+import numba, numpy as np
+assert numba.config.DISABLE_JIT
+from tests.updater.test_kernels import assert_same, run_both
+from tests.updater.test_replica import assert_equal_state, drive, job
+from updater import kernels, mkl_sqrt
+assert not mkl_sqrt.reproduces_torch()
+for impl in ("single_tensor", "fused"):
+    assert_same(*run_both(impl, "adamw-lowbeta", "bf16", 3, steps=3, sizes=[1, 9, 17],
+                          sqrt=kernels.SQRT_TORCH if impl != "fused" else kernels.SQRT_IEEE))
+replica, reference = drive(job(kind="adamw", weight_decay=0.1, clip=1e-3,
+                               factory=("simulator.models:mlp", {"sizes": [5, 7, 3]})), iterations=3)
+assert replica.root == kernels.SQRT_TORCH
+assert_equal_state(replica, reference)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_kernels_equal_torch_without_the_jit():
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", NO_JIT_SCRIPT], cwd=root, capture_output=True, text=True,
+                         timeout=600, env=dict(os.environ, NUMBA_DISABLE_JIT="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["ok"]

@@ -172,6 +172,21 @@ class Replica:
         self._open = None
         self.stale = False
 
+    def relayout(self, buckets: tuple[Bucket, ...]) -> None:
+        """Take gradients in another bucket layout from the next iteration on (DDP rebuilds
+        its buckets after iteration 0): the state is moved into the new wire order."""
+        if self._open is not None:
+            raise GradtapError("relayout(): an iteration is open; change layouts between iterations")
+        new = FlatLayout(self.layout.params, buckets)
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            old = getattr(self.state, name)
+            moved = np.empty_like(old)
+            for i in range(len(new.params)):
+                moved[new.param(i)] = old[self.layout.param(i)]
+            setattr(self.state, name, moved)
+        self.layout = new
+        self._grad32 = None
+
     def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """``{"model", "optimizer", "iteration"}`` as the trainer's checkpoint holds them.
 

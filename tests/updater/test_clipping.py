@@ -46,3 +46,20 @@ def test_every_parameter_is_needed_once():
         norms.add([1], gs[1:2])
     with pytest.raises(GradtapError, match="2 indices for 1"):
         norms.add([2, 3], gs[2:3])
+
+
+def test_norms_depend_neither_on_threads_nor_on_alignment():
+    """What lets the replica take norms on its own buffers and thread count."""
+    g = grads(3)[4]                      # 70001 elements: a parallel reduction
+    before = torch.get_num_threads()
+    seen = set()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for offset in (0, 1, 3):
+                buf = np.zeros(g.size + 16, np.float32)
+                buf[offset:offset + g.size] = g
+                seen.add(float(torch._foreach_norm([torch.from_numpy(buf[offset:offset + g.size])], 2.0)[0]))
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 1

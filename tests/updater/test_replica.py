@@ -227,3 +227,23 @@ def test_reproduces_the_simulators_ground_truth(tmp_path, make):
             kind, name = key.split("/", 1)
             got = sd["model"][name] if kind == "param" else sd["optimizer"]["state"][names.index(name)][kind]
             assert np.array_equal(got.numpy().view(np.uint32), state[key].view(np.uint32)), (it, key)
+
+
+def test_relayout_follows_ddps_rebuild():
+    """Iteration 0 in DDP's initial layout, then the rebuilt one, as a trainer from a seed does."""
+    j = job(kind="adamw", weight_decay=0.1)
+    initial, rebuilt = job_buckets(j, "initial"), job_buckets(j)
+    assert [b.params for b in initial] != [b.params for b in rebuilt]
+    replica = Replica.from_job(j, buckets=initial)
+    reference = TorchStep(j, buckets=initial)
+    rng = np.random.default_rng(2)
+    reduced = random_reduced(j, rng, buckets=initial)
+    reference.step(0, reduced)
+    replica.apply(0, np.concatenate(reduced))
+    replica.relayout(rebuilt)
+    reference.buckets = rebuilt
+    for it in range(1, 4):
+        reduced = random_reduced(j, rng)
+        reference.step(it, reduced)
+        replica.apply(it, np.concatenate(reduced))
+    assert_equal_state(replica, reference)

@@ -1,0 +1,153 @@
+"""Adam step throughput: gradtap's kernels against torch.optim and this machine's memory limit.
+
+One AdamW step (weight decay 0.01, fp32 gradient, 100 M float32 parameters unless memory is
+short; the size is printed) reads parameter, gradient, ``exp_avg`` and ``exp_avg_sq`` and
+writes three of them back: 28 bytes per parameter, far more than the caches hold, so memory
+bandwidth is the limit. Measured in the same run, best of ``REPEATS`` with the contenders
+interleaved so that background load hits them alike:
+
+- ``proxy``: the same 28 bytes per parameter with trivial math (read p, g, m, v; write p, m,
+  v), a Numba ``prange`` loop: what this machine allows an Adam step, 1 and 2 threads;
+- gradtap fused (the fast path, bit-exact with ``torch.optim.AdamW(fused=True)``) and
+  gradtap single-tensor (bit-exact with ``foreach=False``/``foreach=True``, MKL's root
+  reproduced), 1 and 2 threads (``numba.set_num_threads``);
+- ``torch.optim.AdamW`` single-tensor, foreach and fused, on torch's intra-op threads;
+- memcpy's rate (``benchmarks._bandwidth``) turned into parameters per second at 28 bytes.
+
+Gparam/s = 1e9 parameters stepped per second. Targets (issue 4): fast path >= 0.85 x proxy
+and >= 1.2 x torch fused; single-tensor path >= 3 x torch single-tensor.
+Run: ``python -m benchmarks.adam [--params N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from benchmarks._bandwidth import memcpy_bandwidth
+from gradtap.jit import JIT_PARALLEL
+from updater import kernels, selfcheck
+from workload.spec import OptimizerSpec
+
+BYTES_PER_PARAM = 28
+DEFAULT_PARAMS = 100_000_000
+REPEATS = 3
+TARGETS = {"fast/proxy": 0.85, "fast/torch fused": 1.2, "single/torch single": 3.0}
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+@njit(**JIT_PARALLEL)
+def _proxy(p, g, m, v):
+    for i in prange(p.size):
+        gi = g[i]
+        m[i] += gi
+        v[i] += gi
+        p[i] += gi
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _size(requested: int) -> int:
+    # p, g, m, v plus torch's single-tensor temporaries (about three more arrays), with room.
+    fits = int(_available_bytes() * 0.6) // (4 * 7)
+    return min(requested, fits)
+
+
+class Ours:
+    def __init__(self, implementation: str, p, g, m, v, threads: int):
+        self.cfg = OptimizerSpec(kind="adamw", implementation=implementation, **HYPER)
+        self.root = selfcheck.root_source(self.cfg)
+        self.work = kernels.work_spans([p.size], implementation)
+        self.arrays, self.threads, self.step = (p, g, m, v), threads, 0
+
+    def __call__(self) -> None:
+        numba.set_num_threads(self.threads)
+        self.step += 1
+        p, g, m, v = self.arrays
+        c = kernels.step_constants(self.cfg.implementation, decoupled=True, step=self.step, **HYPER)
+        kernels.adam_step(self.cfg.implementation, p, g, m, v, self.work, c, sqrt=self.root)
+
+
+class Torch:
+    def __init__(self, implementation: str, p, g):
+        self.param = torch.nn.Parameter(torch.from_numpy(p))
+        self.param.grad = torch.from_numpy(g)
+        flag = {"single_tensor": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+        self.optimizer = torch.optim.AdamW([self.param], **HYPER, **flag[implementation])
+
+    def __call__(self) -> None:
+        self.optimizer.step()
+
+
+class Proxy:
+    def __init__(self, p, g, m, v, threads: int):
+        self.arrays, self.threads = (p, g, m, v), threads
+
+    def __call__(self) -> None:
+        numba.set_num_threads(self.threads)
+        _proxy(*self.arrays)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=DEFAULT_PARAMS)
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    args = parser.parse_args()
+    n = _size(args.params)
+    threads = min(2, os.cpu_count() or 1)
+    print(f"{n / 1e6:.0f} M float32 parameters ({n * BYTES_PER_PARAM / 1e9:.1f} GB of traffic per step), "
+          f"{os.cpu_count()} CPUs, torch {torch.__version__} on {torch.get_num_threads()} threads, "
+          f"numba {numba.__version__}" + ("" if n == args.params else f" (reduced from {args.params / 1e6:.0f} M "
+                                                                        "to fit in memory)"))
+    rng = np.random.default_rng(0)
+    p = rng.standard_normal(n, dtype=np.float32)
+    g = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)
+    m = np.zeros(n, np.float32)
+    v = np.zeros(n, np.float32)
+    contenders = {}
+    for t in range(1, threads + 1):
+        contenders[f"proxy, {t}T"] = Proxy(p, g, m, v, t)
+        contenders[f"gradtap fused (fast path), {t}T"] = Ours("fused", p, g, m, v, t)
+        contenders[f"gradtap single-tensor, {t}T"] = Ours("single_tensor", p, g, m, v, t)
+    for impl in ("single_tensor", "foreach", "fused"):
+        contenders[f"torch {impl}"] = Torch(impl, p, g)
+    best = {name: float("inf") for name in contenders}
+    for run in contenders.values():      # compile, fault pages in, allocate torch's state
+        run()
+    for _ in range(args.repeats):
+        for name, run in contenders.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
+    rate = {name: n / t / 1e9 for name, t in best.items()}
+    memcpy = {t: memcpy_bandwidth(t) for t in range(1, threads + 1)}
+    print(f"\n{'contender':38s} {'Gparam/s':>9s} {'GB/s':>7s}")
+    for name, r in rate.items():
+        print(f"{name:38s} {r:9.3f} {r * BYTES_PER_PARAM:7.1f}")
+    for t, bw in memcpy.items():
+        print(f"{f'memcpy, {t}T (2 x copy rate / 28 B)':38s} {2 * bw / BYTES_PER_PARAM:9.3f} {2 * bw:7.1f}")
+    top = f"{threads}T"
+    ratios = {
+        "fast/proxy": rate[f"gradtap fused (fast path), {top}"] / rate[f"proxy, {top}"],
+        "fast/torch fused": rate[f"gradtap fused (fast path), {top}"] / rate["torch fused"],
+        "single/torch single": rate[f"gradtap single-tensor, {top}"] / rate["torch single_tensor"],
+    }
+    print(f"\nratios at {top} (target):")
+    for name, r in ratios.items():
+        print(f"  {name:22s} {r:5.2f}  (>= {TARGETS[name]}) {'ok' if r >= TARGETS[name] else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

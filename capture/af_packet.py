@@ -31,7 +31,8 @@ from numba import njit
 
 from capture.memory import load_acquire, store_release
 from capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
-from capture.source import CaptureSource, in_netns, interface_index, require_root
+from capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
+    require_root
 from gradtap.errors import CaptureError
 from gradtap.jit import JIT
 
@@ -180,9 +181,26 @@ class AfPacketSource(CaptureSource):
         self._counts = np.zeros(4, np.int64)
         self._current = 0
 
+    @classmethod
+    def probe(cls) -> str | None:
+        problem = privilege_problem("af_packet capture")
+        if problem is None:
+            try:
+                socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0).close()
+            except OSError as exc:
+                return f"af_packet needs CONFIG_PACKET; socket(AF_PACKET) failed: {os.strerror(exc.errno)}"
+        return problem
+
     def open(self) -> None:
         require_root("af_packet capture")
         interface_index(self.interface, self.netns, self.name)
+        # The kernel allocates the whole ring at once and would rather invoke the OOM
+        # killer than refuse: keep it well inside what the host can give.
+        size, available = self.block_size * self.block_count, available_memory()
+        if size > available // 2:
+            raise CaptureError(f"af_packet: a ring of {self.block_count} x {self.block_size} bytes "
+                               f"({size >> 20} MiB) exceeds half of the available memory "
+                               f"({available >> 20} MiB); use fewer or smaller blocks")
         with in_netns(self.netns):
             # Protocol 0: no frames until bind, so none from other interfaces slip in first.
             self._sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, 0)
@@ -216,6 +234,10 @@ class AfPacketSource(CaptureSource):
             raise CaptureError(f"af_packet: cannot bind to {self.interface!r}: {os.strerror(exc.errno)}") from exc
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN | select.POLLERR)
+
+    def info(self) -> dict[str, object]:
+        return {"block_size": self.block_size, "block_count": self.block_count,
+                "block_timeout_ms": self.block_timeout_ms}
 
     def receive(self, ring: FrameRing, timeout: float) -> int:
         self.ring = ring

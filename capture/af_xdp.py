@@ -44,7 +44,8 @@ from pyroute2.netlink.exceptions import NetlinkError as PyrouteNetlinkError
 from capture import bpf
 from capture.memory import load_acquire, store_release
 from capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
-from capture.source import CaptureSource, in_netns, interface_index, require_root
+from capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
+    require_root
 from gradtap.errors import CaptureError
 from gradtap.jit import JIT
 
@@ -64,6 +65,7 @@ XDP_STATS = ("rx_dropped", "rx_invalid_descs", "tx_invalid_descs", "rx_ring_full
              "rx_fill_ring_empty_descs", "tx_ring_empty_descs")
 _DESC_BYTES = 16                      # struct xdp_desc: u64 addr, u32 len, u32 options
 _COMPLETION_ENTRIES = 64              # nothing is sent; the kernel still wants the ring
+_BUSY_RETRY_S = 2.0
 
 # Counters kept by _rx.
 _RECEIVED, _FRAGMENTS, _BAD_DESCS = range(3)
@@ -155,6 +157,13 @@ class _MappedRing:
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+def _no_af_xdp(exc: OSError) -> str:
+    if exc.errno in (errno.EAFNOSUPPORT, errno.EINVAL):
+        return (f"af_xdp needs Linux >= 4.18 with CONFIG_XDP_SOCKETS; this kernel refused socket(AF_XDP): "
+                f"{errno.errorcode[exc.errno]}; use the af_packet source instead")
+    return f"af_xdp: socket(AF_XDP) failed: {os.strerror(exc.errno)}"
+
+
 class AfXdpSource(CaptureSource):
     """Capture the frames of one receive queue of ``interface`` through an AF_XDP socket.
 
@@ -180,8 +189,8 @@ class AfXdpSource(CaptureSource):
     summary = "AF_XDP socket with a UMEM and an XDP redirect program (Linux >= 4.18)"
     COUNTERS = XDP_STATS + ("fragments", "bad_descs")
 
-    def __init__(self, interface: str, *, netns: str | None = None, queue: int = 0, frames: int = 4096,
-                 chunk_size: int = 4096, rx_size: int = 2048, mode: str = "auto", attach: str = "auto"):
+    def __init__(self, interface: str, *, netns: str | None = None, queue: int = 0, frames: int = 8192,
+                 chunk_size: int = 4096, rx_size: int = 4096, mode: str = "auto", attach: str = "auto"):
         super().__init__()
         for label, value in (("frames", frames), ("rx_size", rx_size)):
             if value < 64 or value & (value - 1):
@@ -209,9 +218,23 @@ class AfXdpSource(CaptureSource):
 
     # -- open ------------------------------------------------------------------------------
 
+    @classmethod
+    def probe(cls) -> str | None:
+        problem = privilege_problem("af_xdp capture")
+        if problem is None:
+            try:
+                socket.socket(AF_XDP, socket.SOCK_RAW, 0).close()
+            except OSError as exc:
+                return _no_af_xdp(exc)
+        return problem
+
     def open(self) -> None:
         require_root("af_xdp capture")
         self._ifindex = interface_index(self.interface, self.netns, self.name)
+        size, available = self.frames * self.chunk_size, available_memory()
+        if size > available // 2:
+            raise CaptureError(f"af_xdp: a UMEM of {self.frames} x {self.chunk_size} bytes ({size >> 20} MiB) "
+                               f"exceeds half of the available memory ({available >> 20} MiB); use fewer frames")
         try:
             with in_netns(self.netns):
                 self._socket()
@@ -226,11 +249,7 @@ class AfXdpSource(CaptureSource):
         try:
             self._sock = socket.socket(AF_XDP, socket.SOCK_RAW, 0)
         except OSError as exc:
-            if exc.errno in (errno.EAFNOSUPPORT, errno.EINVAL):
-                raise CaptureError(f"af_xdp needs Linux >= 4.18 with CONFIG_XDP_SOCKETS; this kernel refused "
-                                   f"socket(AF_XDP): {errno.errorcode[exc.errno]}; use the af_packet source "
-                                   f"instead") from exc
-            raise CaptureError(f"af_xdp: socket(AF_XDP) failed: {os.strerror(exc.errno)}") from exc
+            raise CaptureError(_no_af_xdp(exc)) from exc
         size = self.frames * self.chunk_size
         self._umem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._umem))
@@ -258,22 +277,33 @@ class AfXdpSource(CaptureSource):
 
     def _bind(self) -> None:
         modes = {"auto": (XDP_ZEROCOPY, XDP_COPY), "zerocopy": (XDP_ZEROCOPY,), "copy": (XDP_COPY,)}[self.mode]
-        failures = []
-        for flags in modes:
-            for sg in (XDP_USE_SG, 0):       # multi-buffer needs Linux >= 6.6
-                addr = ctypes.create_string_buffer(struct.pack("HHIII", AF_XDP, flags | sg, self._ifindex,
-                                                               self.queue, 0), 16)
-                if _libc.bind(self._sock.fileno(), addr, 16) == 0:
-                    opts = struct.unpack("I", self._sock.getsockopt(SOL_XDP, XDP_OPTIONS, 4))[0]
-                    self.bound_mode = "zerocopy" if opts & XDP_OPTIONS_ZEROCOPY else "copy"
-                    self.multibuffer = bool(sg)
-                    return
-                code = ctypes.get_errno()
-                failures.append(f"{'zero-copy' if flags == XDP_ZEROCOPY else 'copy'}"
-                                f"{' multi-buffer' if sg else ''}: {os.strerror(code)}")
-        hint = (f"queue {self.queue} may not exist on {self.interface!r}"
-                if any("Invalid argument" in f for f in failures) else "")
-        if self.mode == "zerocopy":
+        # A socket closed a moment ago gives its queue back from deferred kernel work
+        # (xp_release_deferred): EBUSY for a short while is retried, then reported.
+        deadline = time.monotonic() + _BUSY_RETRY_S
+        while True:
+            failures, codes = [], set()
+            for flags in modes:
+                for sg in (XDP_USE_SG, 0):       # multi-buffer needs Linux >= 6.6
+                    addr = ctypes.create_string_buffer(struct.pack("HHIII", AF_XDP, flags | sg, self._ifindex,
+                                                                   self.queue, 0), 16)
+                    if _libc.bind(self._sock.fileno(), addr, 16) == 0:
+                        opts = struct.unpack("I", self._sock.getsockopt(SOL_XDP, XDP_OPTIONS, 4))[0]
+                        self.bound_mode = "zerocopy" if opts & XDP_OPTIONS_ZEROCOPY else "copy"
+                        self.multibuffer = bool(sg)
+                        return
+                    code = ctypes.get_errno()
+                    codes.add(code)
+                    failures.append(f"{'zero-copy' if flags == XDP_ZEROCOPY else 'copy'}"
+                                    f"{' multi-buffer' if sg else ''}: {os.strerror(code)}")
+            if errno.EBUSY not in codes or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        hint = ""
+        if errno.EBUSY in codes:
+            hint = f"another AF_XDP socket is bound to queue {self.queue} of {self.interface!r}"
+        elif errno.EINVAL in codes:
+            hint = f"queue {self.queue} may not exist on {self.interface!r}"
+        if self.mode == "zerocopy" and errno.EOPNOTSUPP in codes:
             hint = f"the driver of {self.interface!r} has no AF_XDP zero-copy support; use mode copy or auto"
         raise CaptureError(f"af_xdp: cannot bind to {self.interface!r} queue {self.queue} "
                            f"({'; '.join(failures)}){'; ' + hint if hint else ''}")
@@ -309,6 +339,10 @@ class AfXdpSource(CaptureSource):
         if expected is not None:
             attrs.append(("IFLA_XDP_EXPECTED_FD", expected))
         self._ipr.link("set", index=self._ifindex, xdp={"attrs": attrs})
+
+    def info(self) -> dict[str, object]:
+        return {"mode": self.bound_mode, "attach": self.attach_mode, "multibuffer": self.multibuffer,
+                "queue": self.queue, "umem_bytes": self.frames * self.chunk_size}
 
     # -- receive ---------------------------------------------------------------------------
 

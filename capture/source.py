@@ -50,6 +50,12 @@ class CaptureSource(ABC):
         self.ring: FrameRing | None = None
         self.received = 0
 
+    @classmethod
+    def probe(cls) -> str | None:
+        """Why this source cannot run on this host (missing kernel feature or privilege), or
+        None if it can. Cheap, and leaves nothing behind; ``open`` still checks everything."""
+        return None
+
     @abstractmethod
     def open(self) -> None:
         """Acquire the kernel resources (sockets, maps, programs, files)."""
@@ -63,6 +69,15 @@ class CaptureSource(ABC):
     @abstractmethod
     def counters(self) -> dict[str, int]:
         """The source's own counters: ``received``, ``kernel_drops`` and ``COUNTERS``."""
+
+    @classmethod
+    def counter_names(cls) -> tuple[str, ...]:
+        """Names of :meth:`counters`, in the order a worker publishes them to the ring."""
+        return ("received", "kernel_drops") + cls.COUNTERS
+
+    def info(self) -> dict[str, object]:
+        """What :meth:`open` settled on (modes, sizes), for logs and the status view."""
+        return {}
 
     @abstractmethod
     def close(self) -> None:
@@ -97,11 +112,29 @@ class CaptureSource(ABC):
         self.close()
 
 
+def available_memory() -> int:
+    """MemAvailable from ``/proc/meminfo``, in bytes: kernel rings are allocated (and pinned)
+    whole, so a source checks its size against it before asking."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def privilege_problem(what: str) -> str | None:
+    """What is missing for a raw capture in this process, or None."""
+    if os.geteuid() != 0:
+        return (f"{what} needs CAP_NET_RAW and CAP_NET_ADMIN: run gradtap as root "
+                f"(or grant the capabilities: setcap cap_net_raw,cap_net_admin+ep)")
+    return None
+
+
 def require_root(what: str) -> None:
     """Raise if this process lacks the privileges a raw capture needs."""
-    if os.geteuid() != 0:
-        raise CaptureError(f"{what} needs CAP_NET_RAW and CAP_NET_ADMIN: run gradtap as root "
-                           f"(or grant the capabilities: setcap cap_net_raw,cap_net_admin+ep)")
+    problem = privilege_problem(what)
+    if problem:
+        raise CaptureError(problem)
 
 
 @contextmanager

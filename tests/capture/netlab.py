@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from contextlib import contextmanager
 
 from pyroute2 import NetNS, netns
@@ -84,3 +85,37 @@ def frame(seq: int, size: int) -> bytes:
     """An Ethernet frame of ``size`` bytes to RX_MAC carrying ``seq`` and a pattern from it."""
     body = seq.to_bytes(4, "big") + bytes((seq + k) & 0xFF for k in range(size - 18))
     return RX_MAC + TX_MAC + ETHERTYPE.to_bytes(2, "big") + body
+
+
+def vlan(frame_: bytes, tpid: int, tci: int) -> bytes:
+    """``frame_`` with an 802.1Q/802.1ad tag inserted after its MAC addresses."""
+    return frame_[:12] + tpid.to_bytes(2, "big") + tci.to_bytes(2, "big") + frame_[12:]
+
+
+def mixed_frames(count: int, max_size: int) -> list[bytes]:
+    """``count`` frames of sizes from 60 to ``max_size`` bytes, every seventh one tagged
+    (802.1Q, 802.1ad, or both: the kernel strips the outer tag, capture must restore it)."""
+    out = []
+    for i in range(count):
+        size = 60 + (i * 977) % (max_size - 60 - 8 + 1)
+        f = frame(i, size)
+        if i % 7 == 3:
+            f = vlan(f, 0x8100, 0x2000 | i % 4096)
+        elif i % 7 == 5:
+            f = vlan(vlan(f, 0x8100, 100), 0x88A8, 7)
+        out.append(f)
+    return out
+
+
+def collect(source, ring, count: int, seconds: float = 5.0) -> list[tuple[bytes, int, int]]:
+    """Let ``source`` receive until it has taken ``count`` frames (or ``seconds`` pass), then
+    return ``(bytes, wirelen, ts_ns)`` of every frame in the ring, copied out."""
+    deadline = time.monotonic() + seconds
+    while source.stats()["received"] < count and time.monotonic() < deadline:
+        source.receive(ring, 0.05)
+    out = []
+    while True:
+        batch = ring.read(4096, timeout=0)
+        if not len(batch):
+            return out
+        out += [(bytes(batch.frame(i)), int(batch.wirelens[i]), int(batch.ts_ns[i])) for i in range(len(batch))]

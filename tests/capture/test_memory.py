@@ -10,7 +10,6 @@ from numba import config, njit
 
 from capture.memory import acquire, copy_bytes, load_acquire, release, store_release
 
-pytestmark = pytest.mark.skipif(config.DISABLE_JIT, reason="inspects compiled code")
 
 
 @njit
@@ -30,6 +29,7 @@ def test_they_read_and_write_the_named_element(dtype):
     assert _handover(words, 2, dtype(top)) == top and words[2] == top
 
 
+@pytest.mark.skipif(config.DISABLE_JIT, reason="inspects compiled code")
 def test_the_compiled_code_holds_acquire_and_release_atomics():
     _handover(np.zeros(4, np.uint32), 1, np.uint32(1))
     ir = "".join(_handover.inspect_llvm().values())

@@ -61,7 +61,7 @@ def _available_bytes() -> int:
 
 def _size(requested: int) -> int:
     # p, g, m, v plus torch's single-tensor temporaries (about three more arrays), with room.
-    fits = int(_available_bytes() * 0.6) // (4 * 7)
+    fits = int(_available_bytes() * 0.4) // (4 * 7)
     return min(requested, fits)
 
 
@@ -107,10 +107,10 @@ def main() -> None:
     args = parser.parse_args()
     n = _size(args.params)
     threads = min(2, os.cpu_count() or 1)
+    reduced = "" if n == args.params else f" (reduced from {args.params / 1e6:.0f} M to fit in memory)"
     print(f"{n / 1e6:.0f} M float32 parameters ({n * BYTES_PER_PARAM / 1e9:.1f} GB of traffic per step), "
           f"{os.cpu_count()} CPUs, torch {torch.__version__} on {torch.get_num_threads()} threads, "
-          f"numba {numba.__version__}" + ("" if n == args.params else f" (reduced from {args.params / 1e6:.0f} M "
-                                                                        "to fit in memory)"))
+          f"numba {numba.__version__}{reduced}")
     rng = np.random.default_rng(0)
     p = rng.standard_normal(n, dtype=np.float32)
     g = rng.standard_normal(n, dtype=np.float32) * np.float32(1e-3)

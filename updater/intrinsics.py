@@ -98,7 +98,8 @@ if config.DISABLE_JIT:
         if not np.isfinite(guess):
             return guess
         best = None
-        for cand in (np.nextafter(guess, np.float32(-np.inf)), guess, np.nextafter(guess, np.float32(np.inf))):
+        below, above = np.nextafter(guess, np.float32(-np.inf)), np.nextafter(guess, np.float32(np.inf))
+        for cand in (below, guess, above):
             if not np.isfinite(cand):
                 continue
             key = (abs(Fraction(float(cand)) - exact), int(np.array([cand]).view(np.uint32)[0]) & 1)

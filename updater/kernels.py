@@ -18,28 +18,25 @@ float32 where PyTorch rounds it (:func:`step_constants`), and each element sees 
 float32 operations in the same order, with fused multiply-adds exactly where PyTorch's C++
 has them (GCC contracts ``a * b + c`` in the CPU kernels; ``updater/intrinsics.fma32``):
 
-==========================  ==========================================  =====================================
-operation                   single-tensor / foreach (ATen ops)          fused (``torch._fused_adam(w)_``)
-==========================  ==========================================  =====================================
-Adam weight decay           ``fma(θ, λ, g)`` (``add(alpha=)``)           same
-AdamW weight decay          ``θ · f32(1 − γλ)``                          same
-first moment                ``fma(w, g − m, m)``, ``w = f32(1 − β1)``;   same
-                            ``fma(w − 1, g − m, g)`` when ``|w| ≥ 0.5``
-second moment               ``fma(c·g, g, v·β2)``, ``c = f32(1 − β2)``   same in 8-lane blocks; in the last
-                                                                        ``n mod 8`` elements of each tensor
-                                                                        ``fma(v, β2, (c·g)·g)``
-root                        MKL ``vsSqrt`` (not correctly rounded,       IEEE ``sqrt``
-                            ``updater/mkl_sqrt.py``)
-bias correction 2           ``(1 − β2^t) ** 0.5`` (Python ``pow``)        ``std::sqrt(1 − β2^t)``
-update                      ``θ + (f32(−γ/(1 − β1^t)) · m) / (√v / f32(√bc2) + f32(ε))``
-==========================  ==========================================  =====================================
+- Adam weight decay: ``fma(θ, f32(λ), g)`` (``add(alpha=)``);
+- AdamW weight decay: ``θ · f32(1 − γλ)``;
+- first moment (``lerp_``): ``fma(w, g − m, m)`` with ``w = f32(1 − β1)``, or
+  ``fma(w − 1, g − m, g)`` when ``w ≥ 0.5``;
+- second moment (``mul_`` then ``addcmul_``): ``fma(c·g, g, v·f32(β2))`` with
+  ``c = f32(1 − β2)``; fused does the same in its 8-lane blocks but, in the last ``n mod 8``
+  elements of each tensor, ``fma(v, f32(β2), (c·g)·g)``;
+- root: MKL's ``vsSqrt`` for single-tensor (not correctly rounded, ``updater/mkl_sqrt.py``),
+  IEEE ``sqrt`` for fused;
+- bias correction 2: ``(1 − β2^t) ** 0.5`` (Python ``pow``) for single-tensor,
+  ``std::sqrt(1 − β2^t)`` for fused;
+- update: ``θ + (f32(−γ/(1 − β1^t)) · m) / (√v / f32(√bc2) + f32(ε))``.
 
 foreach is single-tensor on the CPU: ``torch._foreach_*`` falls back to the same per-tensor
-ATen kernels, so one kernel serves both. The fused rows were read from the AVX2 build of
+ATen kernels, so one kernel serves both. The fused details were read from the AVX2 build of
 ``FusedAdamKernel.cpp`` in ``libtorch_cpu.so`` (PyTorch registers no AVX-512 build of it,
 so AVX2 runs on AVX-512 hosts too); the tests hold all of it against PyTorch.
 
-Kernels come in three layers: serial ``_span`` functions over one span (slices),  ``prange``
+Kernels come in three layers: serial ``_span`` functions over one span (slices), ``prange``
 drivers over a work list of disjoint spans (:func:`work_spans`), and the public
 :func:`adam_step`, which validates. The work list also carries each span's *form*, which
 for fused tells the body of a tensor from its tail.

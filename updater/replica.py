@@ -34,12 +34,12 @@ import torch
 from gradtap.errors import ConfigError, GradtapError
 from updater import kernels, selfcheck
 from updater.clipping import GradNorms
-from updater.state import (FlatLayout, FlatState, ModelKeys, from_checkpoint, model_keys,
-                           model_state_dict, optimizer_state_dict)
+from updater.state import (FlatLayout, from_checkpoint, model_state_dict, optimizer_state_dict,
+                           param_group)
 from workload.buckets import Bucket
 from workload.layout import job_buckets, job_params
 from workload.schedule import learning_rate
-from workload.spec import WIRE_DTYPE_BYTES, JobSpec
+from workload.spec import JobSpec
 
 WIRE_NUMPY = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16), "fp16": np.dtype(np.uint16)}
 
@@ -52,7 +52,8 @@ class Replica:
     job's ``initial_state``. ``buckets`` is the wire layout (default: the job's).
     """
 
-    def __init__(self, job: JobSpec, checkpoint: Mapping[str, Any], *, buckets: tuple[Bucket, ...] | None = None):
+    def __init__(self, job: JobSpec, checkpoint: Mapping[str, Any], *,
+                 buckets: tuple[Bucket, ...] | None = None):
         self.job = job
         self.cfg = job.optimizer
         self.wire = job.ddp.grad_dtype
@@ -106,7 +107,8 @@ class Replica:
             raise GradtapError(f"apply_bucket: bucket {bucket} is not one of the job's "
                                f"{len(self.layout.buckets)} buckets")
         if it.arrived[bucket]:
-            raise GradtapError(f"apply_bucket: bucket {bucket} of iteration {it.iteration} was already applied")
+            raise GradtapError(f"apply_bucket: bucket {bucket} of iteration {it.iteration} "
+                               "was already applied")
         g = self._wire_array(bucket, grad)
         c = self._constants(it, clip=1.0)
         sl = self.layout.bucket(bucket)
@@ -149,7 +151,8 @@ class Replica:
         itemsize = WIRE_NUMPY[self.wire].itemsize
         flat = np.ascontiguousarray(grad).reshape(-1)
         if flat.dtype != np.uint8 and flat.itemsize != itemsize:
-            raise GradtapError(f"apply: a {self.wire} gradient has {itemsize}-byte elements, not {flat.dtype}")
+            raise GradtapError(f"apply: a {self.wire} gradient has {itemsize}-byte elements, "
+                               f"not {flat.dtype}")
         flat = flat.view(np.uint8)
         if flat.size != self.layout.total * itemsize:
             raise GradtapError(f"apply: the gradient has {flat.size} bytes; the job's buckets take "
@@ -247,7 +250,6 @@ def seed_checkpoint(job: JobSpec, seed: int) -> dict[str, Any]:
     """The trainer's state before its first step: the model built under ``seed``, an empty
     optimizer state with the learning rate of iteration 0, iteration 0."""
     from simulator.models import build  # the model factory; torch-heavy, only for seeds
-    from updater.state import param_group
 
     if job.model.factory is None:
         raise ConfigError("initial_state: a seed needs model.factory to build the model; a job that "

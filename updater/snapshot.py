@@ -124,7 +124,8 @@ def verify(path: str | Path) -> dict[str, Any]:
         except OSError as exc:
             raise GradtapError(f"{path}: {name} is unreadable ({exc.strerror})") from None
         if got != want:
-            raise GradtapError(f"{path}: {name} has sha256 {got[:16]}…, the manifest says {str(want)[:16]}…")
+            raise GradtapError(f"{path}: {name} has sha256 {got[:16]}…, "
+                               f"the manifest says {str(want)[:16]}…")
     return manifest
 
 

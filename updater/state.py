@@ -48,7 +48,8 @@ class FlatLayout:
         for b in self.buckets:
             sizes = [self.params[i].numel for i in b.params]
             if list(b.offsets) != np.cumsum([0] + sizes[:-1]).tolist() or b.numel != sum(sizes):
-                raise ConfigError(f"buckets[{b.index}]: offsets and numel do not lay its parameters out densely")
+                raise ConfigError(f"buckets[{b.index}]: offsets and numel do not lay its parameters "
+                                  "out densely")
             self.bucket_start.append(start)
             for i, off in zip(b.params, b.offsets):
                 self.param_start[i] = start + off

@@ -59,7 +59,8 @@ def test_fma_rounds_once():
     c = (-(a.astype(np.float64) * b) * (1 + rng.standard_normal(n) * 1e-6)).astype(np.float32)  # cancellation
     out = np.empty(n, np.float32)
     _fma_all(a, b, c, out)
-    want = [nearest_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))) for x, y, z in zip(a, b, c)]
+    want = [nearest_f32(Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z)))
+            for x, y, z in zip(a, b, c)]
     assert np.array_equal(out, np.array(want, np.float32))
     assert not np.array_equal(out, a * b + c)      # a separate multiply and add differ here
 
@@ -69,8 +70,8 @@ def test_div_is_ieee_without_zero_check():
     b = np.array([0, 0, 0, 7, np.inf], np.float32)
     out = np.empty(5, np.float32)
     _div_all(a, b, out)
-    assert out[0] == np.inf and out[1] == -np.inf and np.isnan(out[2]) and out[3] == np.float32(3) / np.float32(7)
-    assert np.isnan(out[4])
+    assert out[0] == np.inf and out[1] == -np.inf and np.isnan(out[2]) and np.isnan(out[4])
+    assert out[3] == np.float32(3) / np.float32(7)
 
 
 def test_widen_every_16_bit_pattern():

@@ -78,8 +78,8 @@ def assert_same(ours, theirs):
 
 @pytest.mark.parametrize("implementation", ["single_tensor", "foreach", "fused"])
 @pytest.mark.parametrize("hyper", list(HYPER))
-@pytest.mark.parametrize("wire,world", [("fp32", None), ("fp32", 3), ("bf16", None), ("bf16", 4), ("fp16", None),
-                                        ("fp16", 3)])
+@pytest.mark.parametrize("wire,world", [("fp32", None), ("fp32", 3), ("bf16", None), ("bf16", 4),
+                                        ("fp16", None), ("fp16", 3)])
 def test_equals_torch(implementation, hyper, wire, world):
     assert_same(*run_both(implementation, hyper, wire, world))
 
@@ -110,8 +110,10 @@ def test_a_wrong_root_is_caught():
     single = [a.copy() for a in (p, m, v)]
     fused_like = [a.copy() for a in (p, m, v)]
     c = step_constants("single_tensor", decoupled=False, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=3)
-    adam_step("single_tensor", single[0], g, single[1], single[2], work_spans([n], "single_tensor"), c, sqrt=SQRT_MKL)
-    adam_step("fused", fused_like[0], g, fused_like[1], fused_like[2], work_spans([n], "fused"), c, sqrt=SQRT_IEEE)
+    adam_step("single_tensor", single[0], g, single[1], single[2], work_spans([n], "single_tensor"), c,
+              sqrt=SQRT_MKL)
+    adam_step("fused", fused_like[0], g, fused_like[1], fused_like[2], work_spans([n], "fused"), c,
+              sqrt=SQRT_IEEE)
     assert not np.array_equal(single[0], fused_like[0])
 
 

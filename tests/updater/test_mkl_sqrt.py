@@ -21,8 +21,9 @@ def assert_bits_equal(x):
     ours = mkl_sqrt.sqrt(x).view(np.uint32)
     theirs = torch_sqrt(x).view(np.uint32)
     differ = np.flatnonzero(ours != theirs)
-    assert differ.size == 0, (f"{differ.size} of {x.size} differ; first x bits "
-                              f"{x.view(np.uint32)[differ[:4]]}: ours {ours[differ[:4]]}, torch {theirs[differ[:4]]}")
+    first = differ[:4]
+    assert differ.size == 0, (f"{differ.size} of {x.size} differ; first x bits {x.view(np.uint32)[first]}: "
+                              f"ours {ours[first]}, torch {theirs[first]}")
 
 
 def test_reproduces_torch_on_this_host():
@@ -67,8 +68,8 @@ def test_the_correctly_rounded_root_is_not_torchs():
 
 @pytest.mark.slow
 def test_every_non_negative_float32():
-    """All 2**31 non-negative bit patterns (finite, inf and NaN), in blocks of 2**26."""
-    block = 1 << 26
+    """All 2**31 non-negative bit patterns (finite, inf and NaN), in blocks of 2**24."""
+    block = 1 << 24
     for start in range(0, 1 << 31, block):
         x = np.arange(start, start + block, dtype=np.uint32).view(np.float32)
         ours = mkl_sqrt.sqrt(x)

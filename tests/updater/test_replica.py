@@ -116,7 +116,8 @@ def test_state_dicts_load_into_torch_and_train_on_identically():
 
 
 def test_tied_weights_appear_under_both_names():
-    tiny = ("simulator.models:gpt2", {"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 37, "block_size": 8})
+    tiny = ("simulator.models:gpt2",
+            {"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 37, "block_size": 8})
     j = job(factory=tiny)
     replica, reference = drive(j, iterations=3)
     assert_equal_state(replica, reference)
@@ -183,7 +184,8 @@ def test_a_checkpoint_of_another_optimizer_or_model_is_refused():
     j = job()
     reference = TorchStep(j)
     reference.step(0, random_reduced(j, np.random.default_rng(0)))
-    good = {"model": reference.model.state_dict(), "optimizer": reference.optimizer.state_dict(), "iteration": 1}
+    good = {"model": reference.model.state_dict(), "optimizer": reference.optimizer.state_dict(),
+            "iteration": 1}
     Replica(j, good)
     with pytest.raises(ConfigError, match="betas"):
         Replica(job(betas=(0.8, 0.999)), good)

@@ -197,8 +197,14 @@ class Snapshots:
                 raise ConfigError(f"{self.directory}: holds snapshots of job {other!r}, not {job!r}; "
                                   "give each job its own snapshot directory")
 
-    def close(self) -> None:
-        self._lock.close()
+    def close(self, replica=None) -> None:
+        """Release the directory; with ``replica``, first write its final snapshot (a clean
+        shutdown), unless it is stale, whose state is not the trainer's."""
+        try:
+            if replica is not None and not replica.stale:
+                self.write_replica(replica)
+        finally:
+            self._lock.close()
 
     def due(self, iteration: int) -> bool:
         """Whether a state ready for ``iteration`` falls on the ``every`` schedule."""
@@ -235,7 +241,14 @@ class Snapshots:
         return final
 
     def write_replica(self, replica) -> Path:
-        """Snapshot a :class:`updater.replica.Replica` between iterations (no copy)."""
+        """Snapshot a :class:`updater.replica.Replica` between iterations (no copy).
+
+        A stale replica is refused: its state is not the trainer's, and ``LATEST`` only ever
+        names states that are.
+        """
+        if replica.stale:
+            raise GradtapError(f"{self.directory}: the replica is stale (iteration {replica.iteration} "
+                               "was not applied); resync it before snapshotting")
         return self.write(replica.state_dict(copy=False), step=replica.step)
 
     def snapshots(self) -> list[Path]:

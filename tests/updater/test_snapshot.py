@@ -82,6 +82,21 @@ def test_verify_catches_damage_and_policy_is_validated(tmp_path):
         snapshot.latest(tmp_path / "x")
 
 
+def test_shutdown_writes_a_final_snapshot_but_never_a_stale_one(tmp_path):
+    j = job()
+    replica, _ = stepped(j, 3)
+    snapshot.Snapshots(tmp_path, j.name).close(replica)
+    assert snapshot.latest(tmp_path).name == "iteration-000003"
+    replica.begin(3)
+    replica.abort()
+    snaps = snapshot.Snapshots(tmp_path, j.name)
+    with pytest.raises(GradtapError, match="stale"):
+        snaps.write_replica(replica)
+    snaps.close(replica)                                              # shutdown: nothing written
+    assert snapshot.latest(tmp_path).name == "iteration-000003"
+    snapshot.Snapshots(tmp_path, j.name).close()                      # the lock was released
+
+
 def test_a_trainer_resumes_with_two_lines(tmp_path):
     j = job(kind="adamw", weight_decay=0.1, clip=1e-2)
     replica, reference = stepped(j, 4)

@@ -173,3 +173,28 @@ def test_widen_gradient_is_the_trainers_grad():
                            weight_decay=0, step=1, world=3)
         kernels.widen_gradient(g_wire, out, work_spans([n], "fused"), c, wire=wire)
         assert np.array_equal(out, torch.from_numpy(g32).div_(3).numpy())
+
+
+@pytest.mark.parametrize("implementation", ["single_tensor", "fused"])
+def test_results_do_not_depend_on_the_thread_count(implementation):
+    import numba
+
+    rng = np.random.default_rng(9)
+    sizes = [50001, 7, 30000]
+    n = sum(sizes)
+    start = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    g = rng.standard_normal(n).astype(np.float32)
+    c = step_constants(implementation, decoupled=True, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                       step=2)
+    results = []
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, before}):
+            numba.set_num_threads(threads)
+            p, m, v = (a.copy() for a in start)
+            v = np.abs(v)
+            adam_step(implementation, p, g, m, v, work_spans(sizes, implementation), c, sqrt=ROOTS[implementation])
+            results.append(np.concatenate([p, m, v]).view(np.uint32))
+    finally:
+        numba.set_num_threads(before)
+    assert all(np.array_equal(results[0], r) for r in results)

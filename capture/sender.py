@@ -99,25 +99,27 @@ class FrameSender:
             raise CaptureError(f"sender on {self.interface!r}: {exc.strerror}") from exc
         return self
 
-    def send(self, batch: FrameBatch, rate: float | None = None, burst: int = 32, stop=None) -> float:
-        """Send every frame of ``batch`` in order, ``burst`` frames per system call, at
-        ``rate`` frames per second (None: as fast as the kernel takes them). Returns the
-        seconds it took. ``stop`` (``is_set()``) ends it early."""
+    def send(self, batch: FrameBatch, rate: float | None = None, burst: int = 32, stop=None,
+             repeat: int = 1) -> float:
+        """Send every frame of ``batch`` in order, ``repeat`` times over, ``burst`` frames per
+        system call, at ``rate`` frames per second (None: as fast as the kernel takes them).
+        Returns the seconds it took. ``stop`` (``is_set()``) ends it early."""
         burst = max(1, min(burst, self.slots))
         start = time.perf_counter()
-        i = 0
-        while i < len(batch) and not (stop is not None and stop.is_set()):
+        total = len(batch) * repeat
+        k = 0
+        while k < total and not (stop is not None and stop.is_set()):
             if rate:
-                due = start + i / rate
-                ahead = due - time.perf_counter()
+                ahead = start + k / rate - time.perf_counter()
                 if ahead > 0:
                     time.sleep(ahead)
+            i = k % len(batch)
             self._current, done, refused = _fill(*self._views, self.frame_size, self.slots, self._current,
                                                  batch.data, batch.offsets, batch.caplens, i,
-                                                 min(burst, len(batch) - i))
+                                                 min(burst, len(batch) - i, total - k))
             self.refused += refused
             self._sock.send(b"")       # transmits every slot marked SEND_REQUEST
-            i += done
+            k += done
             self.sent += done
         return time.perf_counter() - start
 

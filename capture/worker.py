@@ -76,6 +76,9 @@ def _worker_main(spec: SourceSpec, ring: FrameRing, cpu: int | None, stop, conn,
             os.sched_setaffinity(0, {cpu})
         source = make_source(spec.source, *spec.args, **spec.options)
         source.open()
+        # The first pass loads the compiled kernels (tens of milliseconds from Numba's
+        # cache): do it before reporting ready, not while the first frames pile up.
+        source.receive(ring, 0.0)
         conn.send(("ready", {"pid": os.getpid(), **source.info()}))
         source.run(ring, stop, on_tick=_Throttle(stats_every, lambda: _publish(source, ring)))
         source.close()

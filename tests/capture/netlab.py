@@ -28,7 +28,7 @@ def in_netns(name: str):
         netns.popns()
 
 
-def _sysctl(ns: str, path: str, value: str) -> None:
+def sysctl(ns: str, path: str, value: str) -> None:
     with in_netns(ns), open(f"/proc/sys/{path}", "w") as f:
         f.write(value)
 
@@ -42,7 +42,7 @@ class VethLab:
         for name in (self.tx, self.rx):
             netns.create(name)
             for conf in ("all", "default"):
-                _sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
         with NetNS(self.tx) as ns:
             ns.link("add", ifname="tx0", kind="veth", peer={"ifname": "rx0", "net_ns_fd": self.rx})
             ns.link("set", index=ns.link_lookup(ifname="tx0")[0], address=TX_MAC.hex(":"), mtu=self.mtu,

@@ -65,12 +65,12 @@ class ReplicaSink:
     def bucket(self, ordinal: int, bucket: int, data: np.ndarray) -> None:
         r = self.replica
         iteration = self.first + ordinal
-        if r.stale and r._open is None and iteration in self.offers:
+        if r.stale and r.open_iteration is None and iteration in self.offers:
             r.resync(self.offers.pop(iteration))
             self.control.resynced(iteration, "trainer checkpoint")
         if r.stale:
             return
-        if r._open is None:
+        if r.open_iteration is None:
             if iteration != r.iteration:
                 self._fallback(ordinal, f"the streams delivered iteration {iteration} but the replica needs "
                                         f"{r.iteration}: the appliance missed iterations")
@@ -89,7 +89,7 @@ class ReplicaSink:
             self.control.event("duplicate_mismatch", iteration=iteration, blocks=line["mismatches"])
         if not report.recovered:
             self._fallback(ordinal, f"blocks no mirror stream delivered: {report.missing_blocks} (bucket: blocks)")
-        elif not r.stale and r._open is not None and r._open.iteration == iteration:
+        elif not r.stale and r.open_iteration == iteration:
             r.end()
             self.applied.append(iteration)
             if self.digests:
@@ -102,16 +102,10 @@ class ReplicaSink:
             with self.report_path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
 
-    def close(self) -> None:
-        """Clean shutdown: a final snapshot of a replica that is current."""
-        r = self.replica
-        if self.snapshots is not None and not r.stale and r._open is None and self.applied:
-            self.snapshots.write_replica(r)
-
     def _fallback(self, ordinal: int, reason: str) -> None:
         r = self.replica
-        if r._open is not None:
+        if r.open_iteration is not None:
             r.abort()
         else:
-            r.stale = True
+            r.stale = True    # nothing open to abort: the replica simply cannot go on
         self.control.fallback(self.first + ordinal, reason)

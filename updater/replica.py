@@ -84,6 +84,11 @@ class Replica:
         """Optimizer steps taken (torch's ``state[p]["step"]``)."""
         return self.state.step
 
+    @property
+    def open_iteration(self) -> int | None:
+        """The iteration begun and not yet ended or aborted, if any."""
+        return None if self._open is None else self._open.iteration
+
     def begin(self, iteration: int) -> None:
         """Open ``iteration``, which must be the next one (:attr:`iteration`)."""
         if self.stale:

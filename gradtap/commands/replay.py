@@ -42,14 +42,15 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     sink = ReplicaSink(replica, control, replica.iteration, snapshots=snapshots,
                        report_path=out / "iterations.jsonl", digests=digests, resync=resync)
     columns = (TextColumn("{task.description:>14}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    finished = False
     try:
         with Progress(*columns, console=console, transient=True, disable=not show_progress) as bar:
             tasks = {n: bar.add_task(n, total=p.stat().st_size) for n, p in pcaps.items()}
             result = replay(job, plan, pcaps, sink, batch_frames=batch_frames,
                             progress=lambda n, done, total: bar.update(tasks[n], completed=done))
-        sink.close()
+        finished = replica.open_iteration is None and bool(sink.applied)
     finally:
-        snapshots.close()
+        snapshots.close(replica if finished else None)   # a clean end writes a final snapshot
     (out / "replay.json").write_text(json.dumps({
         "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": result.wall_s,
         "frames": result.frames, "bytes": result.bytes, "events": result.counters,

@@ -128,55 +128,86 @@ def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
     return out
 
 
+class Pipeline:
+    """Every stream's parser, the merger and the sink, advanced one round at a time.
+
+    A round parses each stream's new frames in parallel threads (the Numba kernels release
+    the GIL), then updates the merger with what each stream retired and holds in flight,
+    and lets it hand off what is complete; the sink (the updater) runs on the caller's
+    thread while the parsers wait, so nothing reads a slot a parser is writing. Offline
+    replay and the live appliance drive the same rounds.
+    """
+
+    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink):
+        gap = job.appliance.iteration_gap_ns
+        self.parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in streams}
+        self.times = StageTimes(parse_s={name: 0.0 for name in streams})
+        self._sink = _TimedSink(sink, self.times)
+        self.merger = Merger(plan, list(streams), self._sink)
+        self.last_fed: dict[int, float] = {}        # iteration -> wall time of the last round carrying it
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
+
+    def round(self, batches: dict[str, FrameBatch]) -> None:
+        work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
+        results = list(self._pool.map(lambda nb: self._parse(*nb), work))
+        t = fed = time.perf_counter()
+        for name, retired in results:
+            slots = self.parsers[name].in_progress()
+            for i, *_ in slots:
+                self.last_fed[i] = fed
+            self.merger.update(name, retired, slots)
+        self.merger.advance()
+        self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
+
+    def finish(self) -> list[IterationReport]:
+        """End of input: every stream hands back what it holds, every pending iteration is due."""
+        t = time.perf_counter()
+        for name, p in self.parsers.items():
+            self.merger.update(name, p.flush(), [])
+        reports = self.merger.close()
+        self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
+        return reports
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {n: ev.as_dict(p.counters) for n, p in self.parsers.items()}
+
+    def timings(self) -> list[IterationTiming]:
+        return self._sink.timings(self.last_fed)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def _parse(self, name: str, batch: FrameBatch):
+        t = time.perf_counter()
+        retired = self.parsers[name].feed(batch)
+        self.times.parse_s[name] += time.perf_counter() - t
+        return name, retired
+
+
 def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
            progress: Progress = lambda *_: None) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``; never hangs (ends at EOF)."""
-    gap = job.appliance.iteration_gap_ns
-    parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in pcaps}
+    pipeline = Pipeline(job, plan, list(pcaps), sink)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
-    times = StageTimes(parse_s={name: 0.0 for name in pcaps})
-    timed_sink = _TimedSink(sink, times)
-    last_fed: dict[int, float] = {}            # iteration -> wall time of the last round carrying it
-    merger = Merger(plan, list(pcaps), timed_sink)
     started = time.perf_counter()
-
-    def parse(name: str, batch: FrameBatch):
-        t = time.perf_counter()
-        retired = parsers[name].feed(batch)
-        times.parse_s[name] += time.perf_counter() - t
-        return name, retired
-
     try:
-        with ThreadPoolExecutor(max_workers=len(pcaps)) as pool:
-            while True:
-                horizons = {n: s.horizon() for n, s in sources.items() if not s.done}
-                live = {n: h for n, h in horizons.items() if h is not None}
-                if not live:
-                    break
-                until = min(live.values())
-                work = [(n, sources[n].take(until)) for n in live]
-                results = list(pool.map(lambda nb: parse(*nb), [w for w in work if w[1] is not None]))
-                t = time.perf_counter()
-                fed = time.perf_counter()
-                for name, retired in results:
-                    slots = parsers[name].in_progress()
-                    for i, *_ in slots:
-                        last_fed[i] = fed
-                    merger.update(name, retired, slots)
-                    progress(name, sources[name].bytes, sources[name].file_bytes)
-                merger.advance()
-                times.merge_s += time.perf_counter() - t - timed_sink.pop_update_time()
-        for name, p in parsers.items():
-            merger.update(name, p.flush(), [])
-        t = time.perf_counter()
-        reports = merger.close()
-        times.merge_s += time.perf_counter() - t - timed_sink.pop_update_time()
+        while True:
+            horizons = {n: s.horizon() for n, s in sources.items() if not s.done}
+            live = {n: h for n, h in horizons.items() if h is not None}
+            if not live:
+                break
+            until = min(live.values())
+            pipeline.round({n: sources[n].take(until) for n in live})
+            for n in live:
+                progress(n, sources[n].bytes, sources[n].file_bytes)
+        reports = pipeline.finish()
     finally:
+        pipeline.close()
         for s in sources.values():
             s.close()
-    return ReplayResult(reports, {n: ev.as_dict(p.counters) for n, p in parsers.items()},
-                        {n: s.frames for n, s in sources.items()}, {n: s.bytes for n, s in sources.items()},
-                        times, time.perf_counter() - started, timed_sink.timings(last_fed))
+    return ReplayResult(reports, pipeline.counters(), {n: s.frames for n, s in sources.items()},
+                        {n: s.bytes for n, s in sources.items()}, pipeline.times, time.perf_counter() - started,
+                        pipeline.timings())
 
 
 class _TimedSink:

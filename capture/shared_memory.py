@@ -51,7 +51,10 @@ class SharedMemory:
 
     def __init__(self, fd: int, size: int, page_size: int, huge: bool):
         self.fd, self.size, self.page_size, self.huge = fd, size, page_size, huge
-        self.buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        # MAP_POPULATE: allocate (creator) or map (attacher) every page now, so the first
+        # lap of a capture does not stall on page faults while the kernel's ring fills.
+        self.buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
     @classmethod
     def create(cls, size: int, *, hugepages: HugePages = "auto", name: str = "gradtap") -> SharedMemory:

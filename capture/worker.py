@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from capture.registry import make_source, source_class
 from capture.ring import FrameRing
-from gradtap.errors import CaptureError
+from gradtap.errors import CaptureError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,24 @@ class SourceSpec:
 
     def __post_init__(self):
         source_class(self.source)      # an unknown name fails here, in the parent
+
+    @classmethod
+    def parse(cls, target: str, default: str = "af_xdp", **options) -> SourceSpec:
+        """A command-line capture target: ``[SOURCE:]IFACE[@NETNS]`` for live sources
+        (``eth2``, ``af_packet:eth2``, ``af_xdp:c0@cpu0``) or ``pcap:PATH`` for a file;
+        ``default`` is the source when none is named. ``options`` go to the source."""
+        source, sep, rest = target.partition(":")
+        if not sep:
+            source, rest = default, target
+        if source == "pcap":
+            if not rest:
+                raise ConfigError(f"capture target {target!r}: pcap needs a file (pcap:PATH)")
+            return cls("pcap", (rest,), options)
+        iface, _, namespace = rest.partition("@")
+        if not iface or "/" in iface or len(iface) > 15:
+            raise ConfigError(f"capture target {target!r}: {iface!r} is not an interface name "
+                              f"(expected [SOURCE:]IFACE[@NETNS], e.g. af_xdp:eth2 or af_packet:c0@cpu0)")
+        return cls(source, (iface,), {"netns": namespace or None, **options})
 
 
 class _Throttle:

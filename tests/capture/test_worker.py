@@ -53,6 +53,18 @@ def test_an_unknown_source_fails_in_the_parent():
         SourceSpec("netmap", ("eth0",))
 
 
+def test_command_line_targets():
+    assert SourceSpec.parse("eth2") == SourceSpec("af_xdp", ("eth2",), {"netns": None})
+    assert SourceSpec.parse("af_xdp:c0@cpu0", queue=1) == \
+        SourceSpec("af_xdp", ("c0",), {"netns": "cpu0", "queue": 1})
+    assert SourceSpec.parse("pcap:/tmp/x.pcap") == SourceSpec("pcap", ("/tmp/x.pcap",), {})
+    assert SourceSpec.parse("c0@ns", default="af_packet").source == "af_packet"
+    for bad, why in (("pcap:", "needs a file"), ("af_xdp:", "not an interface"),
+                     ("af_xdp:averyveryverylongname", "not an interface"), ("dpdk:eth0", "unknown")):
+        with pytest.raises(ConfigError, match=why):
+            SourceSpec.parse(bad)
+
+
 def test_an_open_error_comes_back_from_the_worker():
     with FrameRing.create(16, 256, hugepages="off") as ring:
         worker = CaptureWorker(SourceSpec("pcap", ("/nonexistent.pcap",)), ring)

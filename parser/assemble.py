@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from capture.memory import copy_bytes
 from gradtap.jit import JIT
 from parser import events as ev
 from parser.headers.aeth import SYNDROME_NAK
@@ -116,8 +117,8 @@ def _store(data, start, length, protocol, wire_off, grad, dest, nbytes):
     ``grad[dest : dest + nbytes]`` (the message's elements), never past ``nbytes``."""
     if protocol == SIMPLE:
         n = min(length, nbytes - wire_off)
-        for b in range(max(n, 0)):
-            grad[dest + wire_off + b] = data[start + b]
+        if n > 0:
+            copy_bytes(grad, dest + wire_off, data, start, n)
     elif protocol == LL:
         for j in range(length // 16):
             d = (wire_off // 16 + j) * 8

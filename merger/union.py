@@ -3,16 +3,44 @@
 Each stream holds its own copy of the gradient and which coverage blocks it got. For one
 bucket, a block is known if at least one stream covers it. Where several cover it their
 bytes must be identical (they are the same allreduce result, forwarded by different ranks);
-the comparison is complete (every byte of every doubly covered block) and vectorised. A
-disagreement is reported with the streams and the block, and the majority copy wins when
-there is one; a block whose copies tie is treated as not covered.
+the comparison is complete (every byte of every doubly covered block, each copy against
+the first stream covering the block, by libc ``memcmp``). A disagreement is reported with
+the streams and the block, and the majority copy wins when there is one; a block whose
+copies tie is treated as not covered.
+
+The merger asks every round whether each pending bucket is complete, so a
+:class:`BucketUnion` is lazy: a bucket with a block that no stream covers answers
+:attr:`BucketUnion.complete` from the coverage bitmaps alone, and the bytes are compared
+and merged once, when ``data``, ``covered`` or ``mismatches`` is first read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
+from numba import config, njit, types
+
+from gradtap.jit import JIT
+
+if config.DISABLE_JIT:
+    def _blocks_differ(a, b, start, nbytes, check):
+        return np.array([bool(c) and not np.array_equal(a[s:s + n], b[s:s + n])
+                         for s, n, c in zip(start, nbytes, check)], bool)
+else:
+    _libc_memcmp = types.ExternalFunction("memcmp", types.intc(types.uintp, types.uintp, types.uintp))
+
+    @njit(**JIT)
+    def _blocks_differ(a, b, start, nbytes, check):
+        """``bool[k]``: block j is checked and ``a`` and ``b`` differ in its bytes
+        ``[start[j], start[j] + nbytes[j])``. The caller checks the bounds."""
+        out = np.zeros(len(start), np.bool_)
+        pa, pb = a.ctypes.data, b.ctypes.data
+        for j in range(len(start)):
+            if check[j] and nbytes[j] > 0:
+                out[j] = _libc_memcmp(pa + start[j], pb + start[j], nbytes[j]) != 0
+        return out
 
 
 @dataclass(frozen=True)
@@ -23,19 +51,9 @@ class BlockMismatch:
 
 
 @dataclass(frozen=True)
-class BucketUnion:
-    data: np.ndarray          # uint8[bucket bytes]: the merged bucket (meaningful where covered)
-    covered: np.ndarray       # bool[blocks of the bucket]
-    mismatches: tuple[BlockMismatch, ...]
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.covered.all())
-
-
-@dataclass(frozen=True)
 class BucketBlocks:
-    """The coverage blocks of one bucket, as byte ranges relative to the bucket's start."""
+    """The coverage blocks of one bucket, as byte ranges relative to the bucket's start;
+    they tile the bucket in element order."""
 
     index: np.ndarray      # int64[k]: global block indices, in element order
     start: np.ndarray      # int64[k]: first byte within the bucket
@@ -48,36 +66,80 @@ class BucketBlocks:
         return cls(mine, (blocks["elem"][mine] - bucket_elem) * elem, blocks["nelem"][mine] * elem)
 
 
+class BucketUnion:
+    """The merged bucket (see the module docstring for when the work is done).
+
+    ``data``: ``uint8[bucket bytes]``, meaningful where covered; ``covered``: ``bool[k]``;
+    ``mismatches``: the disagreeing blocks. The copies it was built from must not change
+    before it is read (the merger reads it at once).
+    """
+
+    def __init__(self, blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], nbytes: int):
+        self._blocks, self._copies, self._nbytes = blocks, copies, nbytes
+
+    @property
+    def complete(self) -> bool:
+        # A block no stream covers settles it without reading a byte.
+        if not self._copies or not np.logical_or.reduce([c for _, _, c in self._copies]).all():
+            return False
+        return bool(self.covered.all())
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._merged[0]
+
+    @property
+    def covered(self) -> np.ndarray:
+        return self._merged[1]
+
+    @property
+    def mismatches(self) -> tuple[BlockMismatch, ...]:
+        return self._merged[2]
+
+    @cached_property
+    def _merged(self) -> tuple[np.ndarray, np.ndarray, tuple[BlockMismatch, ...]]:
+        blocks, copies = self._blocks, self._copies
+        k = len(blocks.index)
+        data = np.zeros(self._nbytes, np.uint8)
+        if not copies:
+            return data, np.zeros(k, bool), ()
+        cov = np.stack([c for _, _, c in copies])             # [streams, k]
+        count = cov.sum(axis=0)
+        chosen = np.argmax(cov, axis=0)                       # the first covering stream of each block
+        disagree = np.zeros(k, bool)
+        for s, (_, bucket, _) in enumerate(copies):
+            for other in np.unique(chosen[cov[s] & (chosen != s)]):
+                disagree |= _blocks_differ(bucket, copies[other][1], blocks.start, blocks.nbytes,
+                                           cov[s] & (chosen == other))
+        mismatches = []
+        for j in np.flatnonzero(disagree):
+            choice, mismatch = _vote(blocks, copies, cov[:, j], j)
+            mismatches.append(mismatch)
+            if choice is None:
+                count[j] = 0
+            else:
+                chosen[j] = choice
+        covered = count > 0
+        for s, (_, bucket, _) in enumerate(copies):
+            # Runs of consecutive blocks taken from one stream are contiguous bytes.
+            edges = np.flatnonzero(np.diff(np.r_[0, covered & (chosen == s), 0].astype(np.int8)))
+            for first, stop in zip(edges[::2], edges[1::2]):
+                lo, hi = blocks.start[first], blocks.start[stop - 1] + blocks.nbytes[stop - 1]
+                data[lo:hi] = bucket[lo:hi]
+        return data, covered, tuple(mismatches)
+
+
 def union(blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], nbytes: int) -> BucketUnion:
     """Merge ``copies``: ``(stream, bucket bytes uint8[nbytes], covered bool[k])`` per stream."""
     k = len(blocks.index)
-    data = np.zeros(nbytes, np.uint8)
-    if not copies:
-        return BucketUnion(data, np.zeros(k, bool), ())
-    cov = np.stack([c for _, _, c in copies])             # [streams, k]
-    count = cov.sum(axis=0)
-    chosen = np.argmax(cov, axis=0)                       # the first covering stream of each block
-    disagree = np.zeros(k, bool)
-    for s, (_, bucket, _) in enumerate(copies):
-        for other in np.unique(chosen[cov[s] & (chosen != s)]):
-            both = cov[s] & (chosen == other)
-            # Blocks tile the bucket in order, so a per-block sum of byte differences is one reduceat.
-            differ = np.add.reduceat(bucket != copies[other][1], blocks.start) > 0
-            disagree |= both & differ
-    mismatches = []
-    for j in np.flatnonzero(disagree):
-        choice, mismatch = _vote(blocks, copies, cov[:, j], j)
-        mismatches.append(mismatch)
-        if choice is None:
-            count[j] = 0
-        else:
-            chosen[j] = choice
-    covered = count > 0
-    for s, (_, bucket, _) in enumerate(copies):
-        take = covered & (chosen == s)
-        if take.any():
-            np.copyto(data, bucket, where=np.repeat(take, blocks.nbytes))
-    return BucketUnion(data, covered, tuple(mismatches))
+    if k and (blocks.start.min() < 0 or (blocks.start + blocks.nbytes).max() > nbytes):
+        raise ValueError(f"bucket blocks reach outside the bucket's {nbytes} bytes")
+    for name, bucket, covered in copies:
+        if bucket.dtype != np.uint8 or bucket.shape != (nbytes,) or not bucket.flags.c_contiguous \
+                or covered.shape != (k,):
+            raise ValueError(f"stream {name}: copy is {bucket.dtype}{bucket.shape} with coverage "
+                             f"{covered.shape}; the bucket needs contiguous uint8 ({nbytes},) and ({k},)")
+    return BucketUnion(blocks, copies, nbytes)
 
 
 def _vote(blocks, copies, covering, j) -> tuple[int | None, BlockMismatch]:

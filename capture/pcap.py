@@ -8,8 +8,11 @@ other blocks are skipped). Only LINKTYPE_ETHERNET is accepted.
 
 The reader maps the file (``mmap``) and walks its records in a Numba kernel that copies each
 frame into the batch's own contiguous buffer, so a :class:`FrameBatch` owns its bytes and
-stays valid after the file is closed. Batches are bounded by ``max_frames`` and
-``max_bytes``. A file is operator input: a malformed one raises :class:`CaptureError` naming
+stays valid after the file is closed. With ``copy=False`` nothing is copied: the batch's
+``data`` is the mapping itself (read-only) and its offsets point at the frames in the file,
+which saves a pass over memory for a consumer that reads each frame once (the replay), and
+the mapping lives as long as any batch refers to it. Batches are bounded by ``max_frames``
+and ``max_bytes``. A file is operator input: a malformed one raises :class:`CaptureError` naming
 the file, the byte offset and the fault. A record cut off by the end of the file (a capture
 that was still being written) is the exception: it is counted in ``truncated``, logged, and
 ends the reading.
@@ -88,18 +91,23 @@ def _u32(buf, pos, big):
 
 @njit(**JIT, inline="always")
 def _put(out, used, buf, src, caplen, offsets, caplens, wirelens, ts_ns, n, wirelen, ts):
-    _copy(out, used, buf, src, caplen)
-    offsets[n] = used
+    """Frame ``n``: copied to ``out[used:]``, or (``out`` empty: no copy) left in ``buf``."""
+    if len(out):
+        _copy(out, used, buf, src, caplen)
+        offsets[n] = used
+    else:
+        offsets[n] = src
     caplens[n] = caplen
     wirelens[n] = wirelen
     ts_ns[n] = ts
 
 
 @njit(**JIT)
-def _walk_pcap(buf, pos, end, big, frac_ns, n, used, out, offsets, caplens, wirelens, ts_ns):
-    """Copy classic pcap records from ``buf[pos:end]`` into ``out`` and the per-frame
-    arrays, starting at frame ``n`` and byte ``used``. Returns ``(n, used, pos, status)``;
-    on a fault ``pos`` is the offending record."""
+def _walk_pcap(buf, pos, end, big, frac_ns, n, used, budget, out, offsets, caplens, wirelens, ts_ns):
+    """Copy classic pcap records from ``buf[pos:end]`` into ``out`` (none if ``out`` is
+    empty) and the per-frame arrays, starting at frame ``n`` and byte ``used``, while the
+    frames' bytes stay within ``budget``. Returns ``(n, used, pos, status)``; on a fault
+    ``pos`` is the offending record."""
     while pos < end:
         if n == len(offsets):
             return n, used, pos, _FULL
@@ -110,7 +118,7 @@ def _walk_pcap(buf, pos, end, big, frac_ns, n, used, out, offsets, caplens, wire
             return n, used, pos, _BAD_CAPLEN
         if end - pos - PCAP_RECORD_LEN < caplen:
             return n, used, pos, _TRUNCATED
-        if used + caplen > len(out):
+        if used + caplen > budget:
             return n, used, pos, _FULL
         ts = _u32(buf, pos, big) * 1_000_000_000 + _u32(buf, pos + 4, big) * frac_ns
         _put(out, used, buf, pos + PCAP_RECORD_LEN, caplen, offsets, caplens, wirelens, ts_ns,
@@ -136,7 +144,7 @@ def _ts_to_ns(ts, iface):
 
 
 @njit(**JIT)
-def _walk_pcapng(buf, pos, end, big, ifaces, n, used, out, offsets, caplens, wirelens, ts_ns):
+def _walk_pcapng(buf, pos, end, big, ifaces, n, used, budget, out, offsets, caplens, wirelens, ts_ns):
     """Like ``_walk_pcap`` for pcapng blocks. ``ifaces`` is ``int64[k, 5]`` (the ``_IF_*``
     columns) for the current section. Stops with ``_BLOCK`` at an SHB or IDB, which the
     caller parses before resuming after it."""
@@ -185,7 +193,7 @@ def _walk_pcapng(buf, pos, end, big, ifaces, n, used, out, offsets, caplens, wir
             continue
         if caplen > MAX_CAPLEN or data + caplen > pos + blen - 4:
             return n, used, pos, _BAD_CAPLEN
-        if used + caplen > len(out):
+        if used + caplen > budget:
             return n, used, pos, _FULL
         _put(out, used, buf, data, caplen, offsets, caplens, wirelens, ts_ns, n, wirelen, ts)
         used += caplen
@@ -220,12 +228,15 @@ class PcapReader:
         At most this many frames per batch.
     max_bytes:
         At most this many captured bytes per batch (>= ``MAX_CAPLEN``).
+    copy:
+        Copy the frames into each batch's own buffer (default). ``False``: batches refer to
+        the file's mapping (read-only ``data``, valid for as long as the batch is).
 
     ``format`` is ``"pcap"`` or ``"pcapng"``; after iteration ``frames`` and ``bytes`` count
     what was read and ``truncated`` is 1 if the last record was cut off.
     """
 
-    def __init__(self, path, max_frames: int = 65536, max_bytes: int = 64 << 20):
+    def __init__(self, path, max_frames: int = 65536, max_bytes: int = 64 << 20, copy: bool = True):
         if max_frames < 1:
             raise ValueError(f"max_frames = {max_frames}; must be >= 1")
         if max_bytes < MAX_CAPLEN:
@@ -233,6 +244,7 @@ class PcapReader:
         self.path = os.fspath(path)
         self.max_frames = max_frames
         self.max_bytes = max_bytes
+        self.copy = copy
         self.format = detect_format(self.path)
         self.linktype = LINKTYPE_ETHERNET
         self.frames = 0
@@ -351,7 +363,8 @@ class PcapReader:
 
     def _next_batch(self) -> FrameBatch:
         remaining = self._end - self._pos
-        out = np.empty(min(self.max_bytes, remaining), np.uint8)
+        budget = min(self.max_bytes, remaining)
+        out = np.empty(budget if self.copy else 0, np.uint8)
         cap = min(self.max_frames, remaining // PCAP_RECORD_LEN + 1)
         offsets, ts_ns = np.empty(cap, np.int64), np.empty(cap, np.int64)
         caplens, wirelens = np.empty(cap, np.int32), np.empty(cap, np.int32)
@@ -360,10 +373,10 @@ class PcapReader:
         while True:
             if self.format == "pcap":
                 n, used, pos, status = _walk_pcap(self._buf, self._pos, self._end, self._big,
-                                                  self._frac_ns, n, used, *arrays)
+                                                  self._frac_ns, n, used, budget, *arrays)
             else:
                 n, used, pos, status = _walk_pcapng(self._buf, self._pos, self._end, self._big,
-                                                    self._ifaces, n, used, *arrays)
+                                                    self._ifaces, n, used, budget, *arrays)
             self._pos = pos
             if status != _BLOCK:
                 break
@@ -378,7 +391,7 @@ class PcapReader:
             raise self._fault(pos, status)
         self.frames += n
         self.bytes += used
-        return FrameBatch(out[:used], offsets[:n], caplens[:n], wirelens[:n], ts_ns[:n],
+        return FrameBatch(out[:used] if self.copy else self._buf, offsets[:n], caplens[:n], wirelens[:n], ts_ns[:n],
                           self.linktype)
 
     def _fault(self, pos: int, status: int) -> CaptureError:

@@ -1,12 +1,13 @@
 """Offline replay: capture files → parse → merge → update, the appliance's pipeline over pcaps.
 
-Each stream's file is read in bounded batches (``capture.pcap.PcapReader``). All streams
-advance together in time: every round takes from each stream the frames up to a common
-horizon (the earliest end of the streams' buffered batches), so no stream runs ahead of the
-others by more than one batch of the slowest; this matters because the merger's deadline
-looks at how far each stream has got. The streams of a round are parsed in parallel threads
-(the Numba kernels release the GIL); the merger and the updater then run on the main thread
-while the parsers wait, so nothing reads a slot a parser is writing.
+Each stream's file is read in bounded batches (``capture.pcap.PcapReader``), without copying
+the frames out of the file's mapping. All streams advance together in time: every round
+takes from each stream the frames up to a common horizon (the earliest end of the streams'
+buffered batches), so no stream runs ahead of the others by more than one batch of the
+slowest; this matters because the merger's deadline looks at how far each stream has got.
+The streams of a round are parsed in parallel threads (the Numba kernels release the GIL);
+the merger and the updater then run on the main thread while the parsers wait, so nothing
+reads a slot a parser is writing.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class _Source:
     """One stream's capture file, served in time slices."""
 
     def __init__(self, path: Path, batch_frames: int):
-        self.reader = PcapReader(path, max_frames=batch_frames)
+        self.reader = PcapReader(path, max_frames=batch_frames, copy=False)
         self.batches = iter(self.reader)
         self.pending: FrameBatch | None = None
         self.done = False

@@ -165,8 +165,8 @@ class AfPacketSource(CaptureSource):
     summary = "TPACKET_V3 memory-mapped ring (any Linux interface)"
     COUNTERS = ("tp_packets", "tp_drops", "tp_freeze_q_cnt", "blocks", "bad_blocks", "vlan_restored")
 
-    def __init__(self, interface: str, *, netns: str | None = None, block_size: int = 1 << 18,
-                 block_count: int = 128, block_timeout_ms: int = 2):
+    def __init__(self, interface: str, *, netns: str | None = None, block_size: int = 1 << 20,
+                 block_count: int = 32, block_timeout_ms: int = 2):
         super().__init__()
         if block_size < mmap.PAGESIZE or block_size & (block_size - 1):
             raise ValueError(f"block_size = {block_size}; must be a power of two >= {mmap.PAGESIZE}")

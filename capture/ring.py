@@ -52,9 +52,10 @@ _FRAMES, _BYTES, _RING_DROPS, _TRUNCATED, _CLOSED = 17, 18, 19, 20, 21
 _TAIL = 32                                    # byte 256: consumer's cache line
 _SOURCE = 64                                  # bytes 512..767: source counters
 
-# Backoff of a consumer waiting for frames: short first (a burst is about to land), then
-# capped so a quiet ring costs ~1000 wake-ups a second, not a core.
-_WAIT_MIN_S, _WAIT_MAX_S = 20e-6, 1e-3
+# Backoff of a consumer waiting for frames: short first (a producer publishes a pass every
+# few hundred microseconds under load), then capped so a quiet ring costs ~1000 wake-ups a
+# second, not a core. Each wake-up costs a few microseconds of CPU.
+_WAIT_MIN_S, _WAIT_MAX_S = 100e-6, 1e-3
 
 
 @njit(**JIT, inline="always")

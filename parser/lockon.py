@@ -15,12 +15,12 @@ begins is unknown. Two facts give it:
    ``gap_ns`` before the job's first one.
 
 A flow is *resolved* when one candidate is left, or when it has been watched for a whole
-period (its writes then repeat within the iteration and only the gap can tell). The stream
-locks at the first gap of a batch at whose end every data flow is resolved, and iteration 0
-starts there; nothing before it is used. A guess from too few writes could misplace a whole
-flow consistently (its flags, addresses and lengths would all agree with the wrong place),
-so there is no locking before that. Each flow then gets its base at its first write after
-the gap (:meth:`LockOn.place`).
+period (its writes then repeat within the iteration and only the gap can tell). A guess from
+too few writes could misplace a whole flow consistently (its flags, addresses and lengths
+would all agree with the wrong place), so the stream does not lock before every data flow is
+resolved; it then locks at the first gap it saw (``parser/stream.py`` keeps the frames since
+that gap until then), and numbers iterations by their ordinal since the capture began. Each
+flow gets its base at its first write after the gap (:meth:`LockOn.place`).
 """
 
 from __future__ import annotations
@@ -66,10 +66,12 @@ class LockOn:
     ref: dict[int, int] = field(default_factory=dict)               # flow -> first PSN seen
     span: dict[int, int] = field(default_factory=dict)              # flow -> PSNs watched past ref
     last_ts: int | None = None
+    seen_job: bool = False
     begun: int = 0              # iterations begun since the capture started (a partial first one counts)
 
     def observe(self, recs: np.ndarray) -> Lock | None:
-        """Look at one batch of records; the lock when it is found in this batch."""
+        """Narrow the candidates with one batch of records; the first iteration boundary in
+        it (a :class:`Lock` to take once :meth:`resolved`), if any."""
         t = self.tables
         flows = flow_of(recs, t)
         job = np.flatnonzero(flows >= 0)
@@ -77,23 +79,29 @@ class LockOn:
         for i in starts:
             self._narrow(int(flows[i]), int(recs["psn"][i]), int(recs["reth_len"][i]))
         ts = recs["ts_ns"][job]
+        if self.last_ts is None and len(recs):
+            # The capture was already listening at its first frame, job traffic or not.
+            self.last_ts = int(recs["ts_ns"][0])
         if len(job) == 0:
             return None
-        if self.last_ts is None:
-            # The capture was already listening at its first frame. If the job's first frame
-            # comes less than a gap later, the capture began inside an iteration: that
-            # partial iteration is the first one begun.
-            self.last_ts = int(recs["ts_ns"][0])
+        if not self.seen_job:
+            # If the job's first frame comes less than a gap after the capture began, the
+            # capture began inside an iteration: that partial iteration is the first begun.
+            self.seen_job = True
             self.begun += int(ts[0] - self.last_ts < self.gap_ns)
         prev = np.r_[self.last_ts, ts[:-1]]
         self.last_ts = int(ts[-1])
         gaps = np.flatnonzero(ts - prev >= self.gap_ns)
         begun_before = self.begun
         self.begun += len(gaps)
-        if len(gaps) == 0 or not all(self._resolved(f) for f in t.data_flows):
+        if len(gaps) == 0:
             return None
         first = job[gaps[0]]
         return Lock(index=int(first), ts_ns=int(recs["ts_ns"][first]), ordinal=begun_before)
+
+    def resolved(self) -> bool:
+        """Every data flow's alignment is known (see the module docstring)."""
+        return all(self._resolved(f) for f in self.tables.data_flows)
 
     def _resolved(self, f: int) -> bool:
         cands = self.candidates.get(f)

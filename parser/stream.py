@@ -65,10 +65,13 @@ class StreamParser:
         Iterations assembled at once (>= 2: the current one and the next).
     gap_ns:
         Minimum pause in the job's traffic that separates two iterations.
+    hold_bytes:
+        Frames kept (copied) since the first iteration boundary while lock-on waits for every
+        flow to be resolved; past it, that boundary is given up for a later one.
     """
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
-                 slots: int = DEFAULT_SLOTS, gap_ns: int = DEFAULT_GAP_NS):
+                 slots: int = DEFAULT_SLOTS, gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
         if self.mirror.encapsulation != "none":
@@ -85,7 +88,9 @@ class StreamParser:
         self.step_base = np.full(nconn, -1, np.int64)
         self.va_ref = np.full(nconn, -1, np.int64)
         self.va_step = np.zeros(nconn, np.int64)
-        self.grad = np.zeros((slots, t.grad_bytes), np.uint8)
+        # One array per slot: a retired slot's array is handed out as it is and the slot gets
+        # a fresh zeroed one, so retiring copies nothing.
+        self.grads = tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots))
         self.got = np.zeros((slots, len(plan.blocks)), np.int32)
         self.seen = np.zeros((slots, t.seen_bits), np.uint8)
         self.slot_start = np.full(slots, -1, np.int64)   # first frame time seen per slot
@@ -94,6 +99,9 @@ class StreamParser:
         self.counters = ev.new_counters()
         self.lockon = LockOn(t, plan.messages, gap_ns)
         self.lock_ts: int | None = None
+        self.hold_bytes = hold_bytes
+        self._pending = None          # the first boundary seen, while flows are not yet resolved
+        self._held: list[FrameBatch] = []   # compact copies of the frames since that boundary
 
     @property
     def locked(self) -> bool:
@@ -103,27 +111,49 @@ class StreamParser:
         """Parse one batch; returns the iterations it completed."""
         # Stage 2 counts every record under one event, stage 1's refusals included.
         recs, _ = decode_batch(batch, self.verify_icrc)
-        start = 0
-        if not self.locked:
-            lock = self.lockon.observe(recs)
-            stop = lock.index if lock else len(recs)
-            self._run(recs, 0, stop, batch.data)        # counted as before-lock/other
-            if lock is None:
+        if self.locked:
+            return self._assemble(recs, 0, batch.data)
+        boundary = self.lockon.observe(recs)
+        if self._pending is None:
+            stop = boundary.index if boundary else len(recs)
+            self._run(recs, 0, stop, batch.data)          # before any boundary: counted, not used
+            if boundary is None:
                 return []
-            self.lock_ts = lock.ts_ns
-            self.iteration = lock.ordinal
-            log.info("stream %s: locked on an iteration boundary at t=%d ns; the capture's iteration %d starts "
-                     "there%s", self.mirror.name, lock.ts_ns, lock.ordinal,
-                     "" if lock.ordinal == 0 else f" ({lock.ordinal} earlier iteration(s) could not be aligned)")
-            start = lock.index
+            self._pending, self._held = boundary, [_compact(batch, boundary.index)]
+        else:
+            self._held.append(_compact(batch, 0))
+        if not self.lockon.resolved():
+            if sum(b.data.nbytes for b in self._held) > self.hold_bytes:
+                self._give_up_pending()
+            return []
+        lock, held = self._pending, self._held
+        self._pending, self._held = None, []
+        self.lock_ts, self.iteration = lock.ts_ns, lock.ordinal
+        log.info("stream %s: locked on an iteration boundary at t=%d ns; the capture's iteration %d starts "
+                 "there%s", self.mirror.name, lock.ts_ns, lock.ordinal,
+                 "" if lock.ordinal == 0 else f" ({lock.ordinal} earlier iteration(s) could not be aligned)")
+        out = []
+        for b in held:
+            out += self._assemble(decode_batch(b, self.verify_icrc)[0], 0, b.data)
+        return out
+
+    def _assemble(self, recs, start, data) -> list[AssembledIteration]:
         self.lockon.place(recs, start, self.base_psn)
         out = []
         while True:
-            status, i = self._run(recs, start, len(recs), batch.data)
+            status, i = self._run(recs, start, len(recs), data)
             if status != NEED_ADVANCE:
                 return out
             out.append(self._retire())
             start = i
+
+    def _give_up_pending(self) -> None:
+        """Too much held while waiting to resolve: count it and wait for a later boundary."""
+        log.warning("stream %s: %d MB held since an iteration boundary without resolving every flow; waiting "
+                    "for the next boundary", self.mirror.name, self.hold_bytes >> 20)
+        for b in self._held:
+            self._run(decode_batch(b, self.verify_icrc)[0], 0, len(b.offsets), b.data)
+        self._pending, self._held = None, []
 
     def in_progress(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """``(iteration, start_ns, grad, got)`` of every slot holding data, oldest first.
@@ -133,16 +163,27 @@ class StreamParser:
         duplicate and is dropped), so a consumer may take covered blocks from here early.
         """
         out = []
-        for r in range(self.grad.shape[0]):
-            s = (self.slot0 + r) % self.grad.shape[0]
+        for r in range(len(self.grads)):
+            s = (self.slot0 + r) % len(self.grads)
             if self.slot_start[s] >= 0:
-                out.append((self.iteration + r, int(self.slot_start[s]), self.grad[s], self.got[s]))
+                out.append((self.iteration + r, int(self.slot_start[s]), self.grads[s], self.got[s]))
+        return out
+
+    def placed(self) -> dict[int, int]:
+        """Packets placed so far in every iteration held: iteration -> distinct packets (PSN
+        positions) seen. A count that grew between two calls means frames of that iteration
+        arrived in between (duplicates and refused frames do not count)."""
+        out = {}
+        for r in range(len(self.grads)):
+            s = (self.slot0 + r) % len(self.grads)
+            if self.slot_start[s] >= 0:
+                out[self.iteration + r] = int(np.count_nonzero(self.seen[s]))
         return out
 
     def flush(self) -> list[AssembledIteration]:
         """Hand back every iteration still held (end of input)."""
         out = []
-        for _ in range(self.grad.shape[0]):
+        for _ in range(len(self.grads)):
             if self.seen[self.slot0].any():
                 out.append(self._retire())
             else:
@@ -155,19 +196,21 @@ class StreamParser:
                         t.msg_start, t.msg_count, t.seen_base, t.conn, t.conn_steps, self.plan.messages,
                         self.bucket_offsets, t.protocol, t.elem, t.mtu, t.step_bytes, self.imm_big_endian,
                         self.base_psn, self.step_base, self.va_ref, self.va_step, self.slot0, self.slot_start,
-                        self.grad, self.got, self.seen, self.counters)
+                        self.grads, self.got, self.seen, self.counters)
 
     def _retire(self) -> AssembledIteration:
         s = self.slot0
         out = AssembledIteration(self.mirror.name, self.iteration, int(self.slot_start[s]),
-                                 self.grad[s].copy(), self.got[s].copy(), self.need)
+                                 self.grads[s], self.got[s].copy(), self.need)
+        self.grads = self.grads[:s] + (np.zeros(self.tables.grad_bytes, np.uint8),) + self.grads[s + 1:]
         self._advance()
         return out
 
     def _advance(self) -> None:
-        """Drop the oldest slot: every flow's base moves one period, connections' steps too."""
+        """Drop the oldest slot: every flow's base moves one period, connections' steps too.
+        Its gradient array is zero: a retired slot got a fresh one, and nothing is written
+        to a slot without marking it seen."""
         s = self.slot0
-        self.grad[s] = 0
         self.got[s] = 0
         self.seen[s] = 0
         self.slot_start[s] = -1
@@ -177,5 +220,18 @@ class StreamParser:
         known = self.step_base >= 0
         self.step_base[known] += t.conn_steps[known]
         self.va_step -= t.conn_steps
-        self.slot0 = (s + 1) % self.grad.shape[0]
+        self.slot0 = (s + 1) % len(self.grads)
         self.iteration += 1
+
+
+def _compact(batch: FrameBatch, start: int) -> FrameBatch:
+    """A copy of frames ``start:`` of ``batch`` that owns its bytes (a ring's batch is a view)."""
+    offsets, caplens = batch.offsets[start:], batch.caplens[start:]
+    if len(offsets) == 0:
+        return FrameBatch(np.zeros(0, np.uint8), offsets.copy(), caplens.copy(), batch.wirelens[start:].copy(),
+                          batch.ts_ns[start:].copy(), batch.linktype)
+    index = np.concatenate([np.arange(o, o + c) for o, c in zip(offsets, caplens)])
+    new_offsets = np.zeros(len(offsets), np.int64)
+    np.cumsum(caplens[:-1], out=new_offsets[1:])
+    return FrameBatch(batch.data[index], new_offsets, caplens.copy(), batch.wirelens[start:].copy(),
+                      batch.ts_ns[start:].copy(), batch.linktype)

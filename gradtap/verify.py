@@ -100,8 +100,9 @@ def verify(replay_dir: Path, truth: Path, params: tuple[ParamSpec, ...]) -> Veri
         raise GradtapError(f"{replay_dir}: no iterations.jsonl; is it the --out directory of `gradtap replay`?")
     for line in lines_path.read_text().splitlines():
         rec = json.loads(line)
-        if "digest" not in rec:
+        if not rec["recovered"] or rec["stale"]:
             result.stale.append(rec["iteration"])
+        if "digest" not in rec:
             continue
         want = truth_digest(_truth_state(truth, rec["iteration"]), params)
         result.digests_checked.append(rec["iteration"])

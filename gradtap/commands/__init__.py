@@ -3,7 +3,7 @@ when imported; this tuple is the explicit registry the CLI reads."""
 
 from importlib import import_module
 
-COMMAND_MODULES = ("demo", "simulate", "inspect", "replay", "netconfig")
+COMMAND_MODULES = ("demo", "simulate", "inspect", "replay", "run", "netconfig")
 
 for _name in COMMAND_MODULES:
     import_module(f"gradtap.commands.{_name}")

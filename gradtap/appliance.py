@@ -1,0 +1,197 @@
+"""The live appliance: capture workers → shared rings → parse → merge → update, until stopped.
+
+One capture worker process per mirror stream (``capture/worker.py``; pinned to its core)
+fills one shared-memory frame ring (huge pages when the host has them). The main process
+reads every ring in rounds and drives the same :class:`gradtap.replay.Pipeline` as offline
+replay: the parsers run in their own threads, pinned to their cores, the merger and the
+updater on the main thread. It writes snapshots as the job configures, and stops cleanly on
+SIGINT/SIGTERM (or :meth:`Appliance.stop`) with a final snapshot. A capture worker that dies
+stops the appliance with its error: the process exits non-zero and never hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from capture.ring import FrameRing
+from capture.worker import CaptureWorker, SourceSpec
+from gradtap.control import ControlPlane
+from gradtap.errors import CaptureError, ConfigError
+from gradtap.replay import Pipeline
+from gradtap.replica_sink import ReplicaSink
+from updater.replica import Replica
+from updater.snapshot import Snapshots
+from workload.layout import job_plan
+from workload.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunOptions:
+    ring_slots: int = 1 << 16
+    slot_size: int = 9216                 # a jumbo RoCE frame (MTU 4096 + headers) with room
+    hugepages: str = "auto"
+    capture_cpus: dict[str, int] = field(default_factory=dict)   # stream -> core
+    parse_cpus: list[int] = field(default_factory=list)          # cores for the parser threads
+    batch_frames: int = 8192
+    poll_s: float = 0.05
+    digests: bool = False                 # a state digest per iteration, for `gradtap verify`
+
+
+@dataclass
+class RunResult:
+    exit_code: int
+    reason: str
+    iterations: int
+    unrecoverable: int
+
+
+class Appliance:
+    """Capture ``streams`` (name → :class:`SourceSpec`) of ``job`` into a replica started from ``start``."""
+
+    def __init__(self, job: JobSpec, streams: dict[str, SourceSpec], out: Path, start: dict,
+                 options: RunOptions = RunOptions()):
+        unknown = set(streams) - {m.name for m in job.mirrors}
+        if unknown:
+            raise ConfigError(f"--stream: {sorted(unknown)} are not mirror streams of job {job.name!r}")
+        self.job, self.specs, self.out, self.options = job, streams, Path(out), options
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.replica = Replica(job, start)
+        self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
+        self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
+                                   keep=job.appliance.snapshot_keep)
+        self.sink = ReplicaSink(self.replica, self.control, self.replica.iteration, snapshots=self.snapshots,
+                                report_path=self.out / "iterations.jsonl", digests=options.digests)
+        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink)
+        self.rings: dict[str, FrameRing] = {}
+        self.workers: dict[str, CaptureWorker] = {}
+        self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
+        self.stopping = threading.Event()
+        self.ready = threading.Event()     # every capture worker is listening
+        self._lock = threading.Lock()      # snapshot() for metrics vs the loop
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def run(self) -> RunResult:
+        reason, code = "stopped", 0
+        try:
+            self._start_workers()
+            self._pin_parsers()
+            self.ready.set()
+            while not self.stopping.is_set():
+                if all(ring.finished for ring in self.rings.values()):
+                    reason = "every source ended"      # files; a live interface never ends
+                    break
+                dead = [n for n, w in self.workers.items() if not w.alive and not self.rings[n].finished]
+                if dead:
+                    reason, code = self._crashed(dead[0]), 3
+                    break
+                batches = {n: ring.read(self.options.batch_frames, self.options.poll_s, self.stopping)
+                           for n, ring in self.rings.items()}
+                with self._lock:
+                    self.pipeline.round(batches)
+            with self._lock:
+                self.pipeline.finish()
+        finally:
+            final = (code == 0 and not self.replica.stale and self.replica.open_iteration is None
+                     and bool(self.sink.applied))
+            self._shutdown(final)
+        lines = self.sink.lines
+        return RunResult(code, reason, len(lines), sum(not x["recovered"] for x in lines))
+
+    def snapshot(self) -> dict:
+        """The state the metrics and the status view show."""
+        with self._lock:
+            capture = self._final_capture if self._final_capture is not None else self._capture_stats()
+            lines = self.sink.lines
+            timings = self.pipeline.timings()
+            t = self.pipeline.times
+            return {"capture": capture, "events": self.pipeline.counters(),
+                    "recovered": sum(x["recovered"] for x in lines),
+                    "unrecoverable": sum(not x["recovered"] for x in lines),
+                    "replica_iteration": self.replica.iteration, "stale": self.replica.stale,
+                    "lag_s": timings[-1].lag_s if timings else 0.0,
+                    "stages": {"parse": sum(t.parse_s.values()), "merge": t.merge_s, "update": t.update_s}}
+
+    def _capture_stats(self) -> dict[str, dict]:
+        out = {}
+        for n, w in self.workers.items():
+            try:
+                out[n] = {**self.rings[n].stats(), **w.stats()}
+            except CaptureError:
+                out[n] = self.rings[n].stats()
+        return out
+
+    def _start_workers(self) -> None:
+        o = self.options
+        for name, spec in self.specs.items():
+            ring = FrameRing.create(o.ring_slots, o.slot_size, hugepages=o.hugepages, name=f"gradtap-{name}")
+            self.rings[name] = ring
+            log.info("stream %s: ring of %d slots x %d B on %s pages", name, o.ring_slots, o.slot_size,
+                     "huge" if ring.hugepages else "normal")
+            worker = CaptureWorker(spec, ring, cpu=o.capture_cpus.get(name), name=f"gradtap-capture-{name}")
+            self.workers[name] = worker
+            worker.start()
+
+    def _pin_parsers(self) -> None:
+        cpus = self.options.parse_cpus
+        if cpus:
+            # The parsers' pool threads are started lazily; pinning the process's main
+            # thread first makes every thread it starts inherit these cores.
+            os.sched_setaffinity(0, set(cpus))
+
+    def _crashed(self, name: str) -> str:
+        worker = self.workers[name]
+        try:
+            worker.stop(timeout=2.0)
+            why = f"exit code {worker.exitcode}"
+        except CaptureError as exc:
+            why = str(exc)
+        log.error("capture worker of stream %s died (%s): stopping", name, why)
+        self.control.event("stage_crashed", stage=f"capture:{name}", error=why)
+        return f"capture worker of stream {name} died: {why}"
+
+    def _shutdown(self, final_snapshot: bool) -> None:
+        for name, worker in self.workers.items():
+            try:
+                if worker.alive:
+                    worker.stop(timeout=5.0)
+            except CaptureError as exc:
+                log.error("stream %s: %s", name, exc)
+        self.pipeline.close()
+        self.snapshots.close(self.replica if final_snapshot else None)
+        with self._lock:
+            self._final_capture = self._capture_stats()
+            for ring in self.rings.values():
+                ring.close()
+
+
+def wait_for_stop(appliance: Appliance, signals: tuple[int, ...]) -> None:
+    """Make ``signals`` stop ``appliance`` cleanly (a second one is not needed: it never hangs)."""
+    import signal
+
+    def handler(signum, frame):
+        del frame
+        log.info("signal %d: stopping (final snapshot follows)", signum)
+        appliance.stop()
+
+    for s in signals:
+        signal.signal(s, handler)
+
+
+def status_loop(appliance: Appliance, render, every_s: float = 0.5) -> threading.Thread:
+    """Call ``render(snapshot)`` every ``every_s`` seconds until the appliance stops."""
+    def loop():
+        while not appliance.stopping.wait(every_s):
+            render(appliance.snapshot())
+    thread = threading.Thread(target=loop, name="gradtap-status", daemon=True)
+    thread.start()
+    return thread
+
+

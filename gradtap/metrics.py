@@ -1,0 +1,64 @@
+"""Prometheus metrics of a running appliance, read from its live state at each scrape.
+
+Served by the standard client library on ``--metrics-port`` (localhost by default). Every
+metric is computed from the appliance's own counters when scraped, so nothing is counted
+twice and nothing can drift:
+
+- ``gradtap_frames_total{stream}``, ``gradtap_bytes_total{stream}``: frames and bytes captured;
+- ``gradtap_drops_total{stream,reason}``: ``kernel`` (the socket), ``ring`` (ring full),
+  ``truncated`` (longer than a ring slot);
+- ``gradtap_decode_events_total{stream,event}``: the parser's events (``parser/events.py``);
+- ``gradtap_iterations_total{result}``: ``recovered`` / ``unrecoverable``;
+- ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``;
+- ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class ApplianceCollector:
+    """Turns ``snapshot()`` (a dict the appliance builds) into metric families."""
+
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        s = self.snapshot()
+        frames = CounterMetricFamily("gradtap_frames", "frames captured", labels=["stream"])
+        nbytes = CounterMetricFamily("gradtap_bytes", "bytes captured", labels=["stream"])
+        drops = CounterMetricFamily("gradtap_drops", "frames lost before parsing", labels=["stream", "reason"])
+        events = CounterMetricFamily("gradtap_decode_events", "frames by decode event", labels=["stream", "event"])
+        for stream, c in s["capture"].items():
+            frames.add_metric([stream], c.get("frames", 0))
+            nbytes.add_metric([stream], c.get("bytes", 0))
+            for reason, key in (("kernel", "kernel_drops"), ("ring", "ring_drops"), ("truncated", "truncated")):
+                drops.add_metric([stream, reason], c.get(key, 0))
+        for stream, counters in s["events"].items():
+            for event, n in counters.items():
+                events.add_metric([stream, event], n)
+        iterations = CounterMetricFamily("gradtap_iterations", "merged iterations", labels=["result"])
+        iterations.add_metric(["recovered"], s["recovered"])
+        iterations.add_metric(["unrecoverable"], s["unrecoverable"])
+        stages = CounterMetricFamily("gradtap_stage_seconds", "time per pipeline stage", labels=["stage"])
+        for stage, seconds in s["stages"].items():
+            stages.add_metric([stage], seconds)
+        yield from (frames, nbytes, drops, events, iterations, stages)
+        yield GaugeMetricFamily("gradtap_replica_iteration", "next iteration the replica expects",
+                                value=s["replica_iteration"])
+        yield GaugeMetricFamily("gradtap_replica_stale", "1 while the replica waits for a resync",
+                                value=int(s["stale"]))
+        yield GaugeMetricFamily("gradtap_replica_lag_seconds", "last iteration: its last frame to the update",
+                                value=s["lag_s"])
+
+
+def serve(snapshot: Callable[[], dict], port: int, address: str = "127.0.0.1") -> CollectorRegistry:
+    """Start the metrics HTTP server (a daemon thread) and return its registry."""
+    registry = CollectorRegistry()
+    registry.register(ApplianceCollector(snapshot))
+    start_http_server(port, addr=address, registry=registry)
+    return registry

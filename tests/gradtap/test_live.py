@@ -1,0 +1,165 @@
+"""The appliance live, on real kernel networking: the end-to-end test of `gradtap run`.
+
+A small cluster of network namespaces: one per GPU node, each with a veth into a Linux
+bridge (the leaf switch, in its own namespace), and a CPU node. ``netconfig.linux_mirror``
+mirrors what ranks 0, 1 and 2 send (tc clsact + u32 + mirred, through pyroute2) to three
+mirror veths into the CPU node, where the appliance captures them with ``af_xdp`` in one run
+and ``af_packet`` in another. The simulator's traffic is sent from the rank namespaces as
+real frames, in time order, at a bounded rate, with a pause between iterations as training
+has. The replica after every iteration must equal the ground truth bit for bit.
+
+Only namespaces this test creates carry traffic; everything is removed even on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from pyroute2 import NetNS, netns
+
+from capture.frames import FrameBatch
+from capture.pcap import read_pcap
+from capture.sender import FrameSender
+from capture.worker import SourceSpec
+from gradtap.appliance import Appliance, RunOptions
+from gradtap.verify import verify
+from netconfig.linux_mirror import apply_mirrors, teardown_mirrors
+from netconfig.vendors.linux import TcMirror
+from simulator.faults import FaultSpec
+from simulator.run import Simulation
+from tests.capture.netlab import ETHERTYPE, sysctl
+from workload.layout import job_params
+from workload.spec import parse_job
+
+pytestmark = [pytest.mark.privileged, pytest.mark.slow, pytest.mark.timeout(300),
+              pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces, tc and AF_XDP")]
+
+N, MIRRORED, MTU = 4, (0, 1, 2), 9000
+RATE = 20_000              # frames per second per rank: bounded, well under the veth ceiling
+GAP_NS = 20_000_000        # the job's iteration gap: longer than the sender's pacing pauses (bursts of 32)
+PAUSE_S = 0.1              # between iterations (the forward pass): longer than the gap
+
+
+def job_doc():
+    ranks = [{"ip": f"198.18.{i}.1", "mac": f"02:00:00:00:0d:{i + 1:02x}"} for i in range(N)]
+    return {"name": "live", "model": {"factory": "simulator.models:mlp", "kwargs": {"sizes": [64, 96, 10]}},
+            "ddp": {"bucket_cap_mb": 0.01}, "optimizer": {"kind": "adamw", "weight_decay": 0.01},
+            "nccl": {"protocol": "LL", "channels": 2, "mtu": 1024}, "ring": {"ranks": ranks},
+            "training": {"batch_size": 4}, "appliance": {"iteration_gap_ns": GAP_NS},
+            "mirrors": [{"name": f"r{r}", "rank": r, "direction": "egress"} for r in MIRRORED]}
+
+
+class Cluster:
+    """``sw``: bridge br0 with ports p0..p{N-1} and mirror ports m0..m2; ``n{i}``: eth0 of
+    rank i; ``cpu``: c0..c2, the peers of m0..m2."""
+
+    def __init__(self, tag: str):
+        prefix = f"gtl{os.getpid()}{tag}"
+        self.sw, self.cpu = f"{prefix}-sw", f"{prefix}-cpu"
+        self.nodes = [f"{prefix}-n{i}" for i in range(N)]
+        self.mirrors = [TcMirror(f"p{r}", "ingress", f"m{k}") for k, r in enumerate(MIRRORED)]
+
+    def __enter__(self):
+        try:
+            self._build()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _build(self) -> None:
+        for name in (self.sw, self.cpu, *self.nodes):
+            netns.create(name)
+            for conf in ("all", "default"):
+                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+        doc = job_doc()
+        with NetNS(self.sw) as sw:
+            sw.link("add", ifname="br0", kind="bridge")
+            bridge = sw.link_lookup(ifname="br0")[0]
+            for i, node in enumerate(self.nodes):
+                sw.link("add", ifname=f"p{i}", kind="veth", peer={"ifname": "eth0", "net_ns_fd": node})
+                sw.link("set", index=sw.link_lookup(ifname=f"p{i}")[0], master=bridge, mtu=MTU, state="up")
+            for k in range(len(MIRRORED)):
+                sw.link("add", ifname=f"m{k}", kind="veth", peer={"ifname": f"c{k}", "net_ns_fd": self.cpu})
+                sw.link("set", index=sw.link_lookup(ifname=f"m{k}")[0], mtu=MTU, state="up")
+            sw.link("set", index=bridge, mtu=MTU, state="up")
+        for i, node in enumerate(self.nodes):
+            with NetNS(node) as ns:
+                ns.link("set", index=ns.link_lookup(ifname="eth0")[0], address=doc["ring"]["ranks"][i]["mac"],
+                        mtu=MTU, state="up")
+        with NetNS(self.cpu) as ns:
+            for k in range(len(MIRRORED)):
+                ns.link("set", index=ns.link_lookup(ifname=f"c{k}")[0], mtu=MTU, state="up")
+        apply_mirrors(self.mirrors, netns=self.sw)
+
+    def __exit__(self, *exc):
+        try:
+            if self.sw in netns.listnetns():
+                teardown_mirrors(self.mirrors, netns=self.sw)
+        finally:
+            for name in (self.sw, self.cpu, *self.nodes):
+                if name in netns.listnetns():
+                    netns.remove(name)
+
+
+def iterations_of(batch: FrameBatch, gap_ns: int = 1_000_000) -> list[FrameBatch]:
+    """A rank's frames cut at the simulated pauses between iterations."""
+    cuts = np.flatnonzero(np.diff(batch.ts_ns) >= gap_ns) + 1
+    bounds = np.r_[0, cuts, len(batch.offsets)]
+    return [FrameBatch(batch.data, batch.offsets[a:b], batch.caplens[a:b], batch.wirelens[a:b], batch.ts_ns[a:b])
+            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+@pytest.mark.parametrize("source", ["af_xdp", "af_packet"])
+def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, source):
+    job = parse_job(job_doc())
+    sim = tmp_path / "sim"
+    Simulation(job, sim, iterations=3, seed=3, faults=FaultSpec()).run()
+    sends = {r: iterations_of(read_pcap(sim / "streams" / f"r{r}.pcap")) for r in MIRRORED}
+    rounds = max(len(v) for v in sends.values())
+    start = torch.load(sim / "truth" / "start.pt", weights_only=True)
+    with Cluster(source[3]) as cluster:
+        streams = {f"r{r}": SourceSpec(source, (f"c{k}",), {"netns": cluster.cpu}) for k, r in enumerate(MIRRORED)}
+        appliance = Appliance(job, streams, tmp_path / "run", start,
+                              RunOptions(ring_slots=1 << 14, slot_size=4352, hugepages="auto", digests=True))
+        result = {}
+        runner = threading.Thread(target=lambda: result.update(r=appliance.run()), daemon=True)
+        runner.start()
+        try:
+            assert appliance.ready.wait(120), "the capture workers did not start"
+            # Non-job frames first, so each stream sees the port before the job's first frame.
+            for r in MIRRORED:
+                with FrameSender("eth0", netns=cluster.nodes[r], slots=16) as tx:
+                    tx.send(FrameBatch.from_frames([b"\xff" * 6 + bytes.fromhex(job.ring.ranks[r].mac.replace(":", ""))
+                                                    + ETHERTYPE.to_bytes(2, "big") + bytes(60)]))
+            time.sleep(PAUSE_S)
+            for k in range(rounds):
+                for r in MIRRORED:
+                    if k < len(sends[r]):
+                        with FrameSender("eth0", netns=cluster.nodes[r], slots=256) as tx:
+                            tx.send(sends[r][k], rate=RATE)
+                time.sleep(PAUSE_S)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and appliance.replica.iteration < start["iteration"] + 3:
+                time.sleep(0.1)
+            time.sleep(0.2)
+        finally:
+            appliance.stop()
+            runner.join(timeout=60)
+        assert not runner.is_alive(), "the appliance did not stop"
+    assert result["r"].exit_code == 0, result["r"].reason
+    snap = appliance.snapshot()
+    for name, c in snap["capture"].items():
+        assert c.get("ring_drops", 0) == 0 and c.get("kernel_drops", 0) == 0, (name, c)
+    for name, events in snap["events"].items():
+        assert events.get("data.written", 0) > 0 and "data.before_lock" not in events, (name, events)
+    v = verify(tmp_path / "run", sim / "truth", job_params(job))
+    truth_iterations = json.loads((sim / "truth" / "manifest.json").read_text())["iterations"]
+    assert v.ok and not v.stale, v
+    assert v.digests_checked == truth_iterations

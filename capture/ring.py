@@ -32,7 +32,7 @@ import time
 import numpy as np
 from numba import njit
 
-from capture.frames import FrameBatch
+from capture.frames import LINKTYPE_ETHERNET, FrameBatch
 from capture.memory import acquire, copy_bytes, load_acquire, release, store_release
 from capture.shared_memory import HugePages, SharedMemory
 from gradtap.jit import JIT
@@ -200,7 +200,10 @@ class FrameRing:
 
     def push(self, batch: FrameBatch, *, drop: bool = True, start: int = 0) -> int:
         """Copy ``batch.frames[start:]`` into the ring. A full ring drops (and counts) the
-        rest if ``drop``, otherwise stops. Returns the index of the first frame not handled."""
+        rest if ``drop``, otherwise stops. Returns the index of the first frame not handled.
+        A ring holds Ethernet frames only (what the parser decodes)."""
+        if batch.linktype != LINKTYPE_ETHERNET:
+            raise ValueError(f"a frame ring holds Ethernet frames; batch link type is {batch.linktype}")
         return int(_push(self._hdr, self._caplens, self._wirelens, self._ts, self._data, self.slot_size,
                          batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns, start, drop))
 
@@ -224,6 +227,8 @@ class FrameRing:
         ring's end, so a batch is one run of slots); an empty batch when none came in time,
         ``stop`` (an object with ``is_set()``) was set, or the stream is ``finished``.
         """
+        if max_frames < 1:
+            raise ValueError(f"max_frames = {max_frames}; must be >= 1")
         self.release()
         tail = int(self._hdr[_TAIL])
         deadline = time.monotonic() + timeout

@@ -144,6 +144,13 @@ def test_batches_are_views_of_the_ring_that_the_decoder_takes():
         del out
 
 
+def test_misuse_is_refused(ring):
+    with pytest.raises(ValueError, match="max_frames"):
+        ring.read(0)
+    with pytest.raises(ValueError, match="Ethernet"):
+        ring.push(FrameBatch.from_frames([pattern(0, 64)], linktype=101))
+
+
 @pytest.mark.parametrize("slots,slot_size", [(1, 256), (16, 100), (16, 32)])
 def test_bad_geometry_is_refused(slots, slot_size):
     with pytest.raises(ValueError, match="slot"):

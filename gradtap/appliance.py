@@ -88,7 +88,8 @@ class Appliance:
                 if all(ring.finished for ring in self.rings.values()):
                     reason = "every source ended"      # files; a live interface never ends
                     break
-                dead = [n for n, w in self.workers.items() if not w.alive and not self.rings[n].finished]
+                # A worker that ended by itself (a file source) exits 0 and has closed its ring.
+                dead = [n for n, w in self.workers.items() if not w.alive and w.exitcode not in (0, None)]
                 if dead:
                     reason, code = self._crashed(dead[0]), 3
                     break

@@ -1,0 +1,100 @@
+"""`gradtap run` as a process and its metrics: clean ends, clear failures, honest counters."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import torch
+
+from capture.worker import SourceSpec
+from gradtap import metrics
+from gradtap.appliance import Appliance, RunOptions
+from gradtap.verify import verify
+from tests.simulator.test_simulate import make_job, simulate
+from workload.layout import job_params
+from workload.spec import dump_job
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_run_over_pcap_sources_serves_metrics_and_ends_cleanly(tmp_path):
+    job = make_job(3, "LL", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=3)
+    streams = {m.name: SourceSpec("pcap", (str(tmp_path / "sim" / "streams" / f"{m.name}.pcap"),), {})
+               for m in job.mirrors}
+    start = torch.load(tmp_path / "sim" / "truth" / "start.pt", weights_only=True)
+    appliance = Appliance(job, streams, tmp_path / "run", start,
+                          RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True))
+    port = free_port()
+    metrics.serve(appliance.snapshot, port)
+    result = appliance.run()
+    assert result.exit_code == 0 and result.reason == "every source ended" and result.unrecoverable == 0
+    assert verify(tmp_path / "run", tmp_path / "sim" / "truth", job_params(job)).ok
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    frames = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
+              for line in body.splitlines() if line.startswith("gradtap_frames_total{")}
+    assert set(frames) == {f'stream="{m.name}"' for m in job.mirrors} and all(v > 0 for v in frames.values())
+    assert 'gradtap_iterations_total{result="recovered"} 3.0' in body
+    assert 'gradtap_decode_events_total{event="data.written"' in body
+    assert "gradtap_replica_stale 0.0" in body
+
+
+def test_a_missing_interface_fails_fast_with_its_reason(tmp_path):
+    job = make_job(2, "LL", 1, "fp32")
+    (tmp_path / "job.yaml").write_text(dump_job(job))
+    env = {**os.environ, "COLUMNS": "400"}
+    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "run", str(tmp_path / "job.yaml"),
+                           "--stream", "m-egress=gradtap-no-such-if0", "--out", str(tmp_path / "out"),
+                           "--metrics-port", "0", "--no-status", "--hugepages", "off", "--ring-slots", "64",
+                           "--slot-size", "2048"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "gradtap-no-such-if0" in done.stderr
+
+
+def test_unknown_stream_names_are_refused(tmp_path):
+    from gradtap.errors import ConfigError
+    job = make_job(2, "LL", 1, "fp32")
+    with pytest.raises(ConfigError, match="not mirror streams"):
+        Appliance(job, {"nope": SourceSpec("pcap", ("x",), {})}, tmp_path, {})
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a network namespace and AF_PACKET")
+def test_a_crashed_capture_worker_stops_the_appliance_with_an_error(tmp_path):
+    import signal
+    import threading
+    from pyroute2 import NetNS, netns
+
+    ns = f"gtrun{os.getpid()}"
+    netns.create(ns)
+    try:
+        with NetNS(ns) as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        job = make_job(2, "LL", 1, "fp32")
+        streams = {"m-egress": SourceSpec("af_packet", ("lo",), {"netns": ns})}
+        from updater.replica import seed_checkpoint
+        appliance = Appliance(job, streams, tmp_path, seed_checkpoint(job, 0),
+                              RunOptions(ring_slots=256, slot_size=2048, hugepages="off"))
+        result = {}
+        runner = threading.Thread(target=lambda: result.update(r=appliance.run()), daemon=True)
+        runner.start()
+        assert appliance.ready.wait(120)
+        os.kill(appliance.workers["m-egress"].pid, signal.SIGKILL)
+        runner.join(timeout=30)
+        assert not runner.is_alive(), "the appliance hung after its capture worker died"
+        assert result["r"].exit_code != 0 and "m-egress" in result["r"].reason
+        events = (tmp_path / "events.jsonl").read_text()
+        assert '"stage_crashed"' in events
+    finally:
+        netns.remove(ns)

@@ -8,6 +8,7 @@ solicitations). :func:`veth_lab` removes both namespaces even when the test fail
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from contextlib import contextmanager
@@ -71,8 +72,18 @@ class VethLab:
             return dict(xdp["attrs"]) if xdp else {}
 
 
+def remove_stale() -> None:
+    """Remove namespaces of earlier capture-test runs that were killed before their own
+    clean-up could run (names ``gtc<pid>…``/``gtm<pid>…`` whose process is gone)."""
+    for name in netns.listnetns():
+        match = re.match(r"gt[cm](\d+)", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            netns.remove(name)
+
+
 @contextmanager
 def veth_lab(tag: str, mtu: int = 9000):
+    remove_stale()
     lab = VethLab(f"gtc{os.getpid()}{tag}", mtu)
     try:
         lab.build()

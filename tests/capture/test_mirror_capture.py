@@ -17,7 +17,7 @@ from capture.sender import FrameSender
 from capture.worker import CaptureWorker, SourceSpec
 from netconfig.linux_mirror import apply_mirrors, teardown_mirrors
 from netconfig.vendors.linux import TcMirror
-from tests.capture.netlab import ETHERTYPE, sysctl
+from tests.capture.netlab import ETHERTYPE, remove_stale, sysctl
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces, tc and AF_XDP")]
@@ -38,6 +38,7 @@ class MirrorLab:
         self.sw, self.cpu, self.nodes = f"{prefix}-sw", f"{prefix}-cpu", [f"{prefix}-n0", f"{prefix}-n1"]
 
     def __enter__(self):
+        remove_stale()
         try:
             self._build()
         except BaseException:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import socket
 import struct
 import time
@@ -67,6 +68,10 @@ class Lab:
         self.tx, self.rx = f"gtbench{os.getpid()}-tx", f"gtbench{os.getpid()}-rx"
 
     def __enter__(self):
+        for name in netns.listnetns():        # left by a benchmark that was killed
+            match = re.match(r"gtbench(\d+)-", name)
+            if match and not os.path.exists(f"/proc/{match.group(1)}"):
+                netns.remove(name)
         for name in (self.tx, self.rx):
             netns.create(name)
             with in_netns(name):

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba
-import numpy as np
 from pyroute2 import NetNS, netns
 
 from capture.af_packet import PACKET_STATISTICS, SOL_PACKET

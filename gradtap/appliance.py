@@ -78,6 +78,11 @@ class Appliance:
     def stop(self) -> None:
         self.stopping.set()
 
+    def offer(self, checkpoint: dict) -> None:
+        """A trainer checkpoint to resynchronise from (the control endpoint's POST /resync)."""
+        with self._lock:
+            self.sink.offer(checkpoint)
+
     def run(self) -> RunResult:
         reason, code = "stopped", 0
         try:

@@ -67,3 +67,67 @@ class ControlPlane:
         except OSError as exc:   # URLError, timeouts, refused connections
             log.warning("control endpoint %s did not take the fallback event: %s", self.endpoint, exc)
             self.event("fallback_post_failed", endpoint=self.endpoint, error=str(exc))
+
+
+class ControlServer:
+    """The appliance's own control endpoint (localhost by default).
+
+    ``POST /resync`` with ``{"checkpoint": "/path/to/trainer-checkpoint.pt"}`` hands a trainer
+    checkpoint (``{"model", "optimizer", "iteration"}``, as ``torch.save``d by the trainer or a
+    gradtap snapshot's ``model.pt``/``optimizer.pt`` pair given as its directory) to ``offer``:
+    a stale replica resynchronises from it when the streams reach its iteration.
+    ``GET /status`` returns ``status()`` as JSON. ``gradtap resync`` is the client.
+    """
+
+    def __init__(self, offer, status, port: int, address: str = "127.0.0.1"):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                if self.path != "/status":
+                    return self._reply(404, {"error": f"no {self.path}; try GET /status or POST /resync"})
+                self._reply(200, status())
+
+            def do_POST(self):  # noqa: N802
+                if self.path != "/resync":
+                    return self._reply(404, {"error": f"no {self.path}; try POST /resync"})
+                try:
+                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                    checkpoint = load_checkpoint(Path(body["checkpoint"]))
+                except (ValueError, KeyError, OSError, RuntimeError) as exc:
+                    return self._reply(400, {"error": f"cannot use that checkpoint: {exc}"})
+                offer(checkpoint)
+                self._reply(202, {"accepted": True, "iteration": int(checkpoint["iteration"])})
+
+            def _reply(self, code: int, payload: dict) -> None:
+                data = json.dumps(payload, default=str).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer((address, port), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="gradtap-control", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def load_checkpoint(path: Path) -> dict:
+    """A trainer checkpoint file, or a gradtap snapshot directory, as a checkpoint dict."""
+    import torch
+
+    from updater import snapshot
+    if path.is_dir():
+        return snapshot.load(path)
+    checkpoint = torch.load(path, weights_only=True)
+    if not {"model", "optimizer", "iteration"} <= set(checkpoint):
+        raise ValueError(f"{path} is not a checkpoint with model, optimizer and iteration")
+    return checkpoint

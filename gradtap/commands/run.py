@@ -16,6 +16,7 @@ from capture.worker import SourceSpec
 from gradtap import metrics
 from gradtap.appliance import Appliance, RunOptions, status_loop, wait_for_stop
 from gradtap.cli import app
+from gradtap.control import ControlServer, load_checkpoint
 from gradtap.commands.replay import _checkpoint
 from gradtap.errors import ConfigError
 from workload.spec import load_job
@@ -68,6 +69,8 @@ def run_command(
                                                      "initial_state)"),
     metrics_port: int = typer.Option(9464, "--metrics-port", help="Prometheus metrics port (0: off)"),
     metrics_address: str = typer.Option("127.0.0.1", "--metrics-address"),
+    control_port: int = typer.Option(9465, "--control-port", help="the appliance's control endpoint "
+                                                                  "(POST /resync, GET /status; 0: off)"),
     capture_cpus: str = typer.Option("", "--capture-cpus", help="cores for the capture workers, one per stream"),
     parse_cpus: str = typer.Option("", "--parse-cpus", help="cores for parsing, merging and updating"),
     ring_slots: int = typer.Option(1 << 16, "--ring-slots", min=2),
@@ -87,6 +90,8 @@ def run_command(
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:
         metrics.serve(appliance.snapshot, metrics_port, metrics_address)
+    control = ControlServer(appliance.offer, appliance.snapshot, control_port, metrics_address) \
+        if control_port else None
     if status if status is not None else console.is_terminal:
         live = Live(console=console, auto_refresh=False)
         live.start()
@@ -98,7 +103,29 @@ def run_command(
     finally:
         if live is not None:
             live.stop()
+        if control is not None:
+            control.close()
     console.print(f"gradtap run: {result.reason}; {result.iterations} iteration(s) merged, "
                   f"{result.unrecoverable} unrecoverable; replica at iteration {appliance.replica.iteration}"
                   f"{' (stale)' if appliance.replica.stale else ''}")
     sys.exit(result.exit_code)
+
+
+@app.command("resync")
+def resync_command(
+    checkpoint: Path = typer.Argument(..., exists=True, help="a trainer checkpoint file, or a snapshot directory"),
+    appliance: str = typer.Option("http://127.0.0.1:9465", "--appliance", help="the running appliance's "
+                                                                               "control endpoint"),
+) -> None:
+    """Hand a trainer checkpoint to a running appliance whose replica is stale."""
+    import json
+    import urllib.request
+    load_checkpoint(checkpoint)             # refuse a bad file here rather than in the appliance
+    request = urllib.request.Request(f"{appliance.rstrip('/')}/resync", method="POST",
+                                     data=json.dumps({"checkpoint": str(checkpoint.resolve())}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            console.print(json.loads(response.read()))
+    except OSError as exc:
+        raise ConfigError(f"--appliance {appliance}: no gradtap appliance answered ({exc})") from None

@@ -98,3 +98,30 @@ def test_a_crashed_capture_worker_stops_the_appliance_with_an_error(tmp_path):
         assert '"stage_crashed"' in events
     finally:
         netns.remove(ns)
+
+
+def test_gradtap_resync_hands_a_checkpoint_to_the_control_endpoint(tmp_path):
+    from gradtap.control import ControlServer
+    from updater.replica import seed_checkpoint
+
+    job = make_job(2, "LL", 1, "fp32")
+    checkpoint = dict(seed_checkpoint(job, 0), iteration=7)
+    torch.save(checkpoint, tmp_path / "ckpt.pt")
+    (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
+    offered = []
+    server = ControlServer(offered.append, lambda: {"replica_iteration": 3}, free_port())
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        run = [sys.executable, "-c", "from gradtap.cli import main; main()", "resync"]
+        env = {**os.environ, "COLUMNS": "400"}
+        done = subprocess.run(run + [str(tmp_path / "ckpt.pt"), "--appliance", url], capture_output=True,
+                              text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        assert [int(c["iteration"]) for c in offered] == [7]
+        bad = subprocess.run(run + [str(tmp_path / "bad.pt"), "--appliance", url], capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert bad.returncode != 0 and len(offered) == 1
+        status = urllib.request.urlopen(f"{url}/status", timeout=5).read()
+        assert b'"replica_iteration": 3' in status
+    finally:
+        server.close()

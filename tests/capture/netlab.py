@@ -130,3 +130,50 @@ def collect(source, ring, count: int, seconds: float = 5.0) -> list[tuple[bytes,
         if not len(batch):
             return out
         out += [(bytes(batch.frame(i)), int(batch.wirelens[i]), int(batch.ts_ns[i])) for i in range(len(batch))]
+
+
+class BridgeLab:
+    """A leaf switch made of namespaces: ``<prefix>-sw`` holds bridge br0 with ports
+    p0..p{n-1} and mirror ports m0..m{k-1}; node i (``<prefix>-n{i}``) has eth0 into p{i} with
+    MAC ``macs[i]``; the CPU node (``<prefix>-cpu``) has c0..c{k-1}, the peers of the mirror
+    ports. IPv6 is off everywhere. Every namespace is removed on exit, even after a failure."""
+
+    def __init__(self, prefix: str, macs: list[str], mirror_ports: int, mtu: int = 9000):
+        self.sw, self.cpu = f"{prefix}-sw", f"{prefix}-cpu"
+        self.nodes = [f"{prefix}-n{i}" for i in range(len(macs))]
+        self.macs, self.mirror_ports, self.mtu = macs, mirror_ports, mtu
+
+    def __enter__(self):
+        try:
+            self._build()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _build(self) -> None:
+        for name in (self.sw, self.cpu, *self.nodes):
+            netns.create(name)
+            for conf in ("all", "default"):
+                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+        with NetNS(self.sw) as sw:
+            sw.link("add", ifname="br0", kind="bridge")
+            bridge = sw.link_lookup(ifname="br0")[0]
+            for i, node in enumerate(self.nodes):
+                sw.link("add", ifname=f"p{i}", kind="veth", peer={"ifname": "eth0", "net_ns_fd": node})
+                sw.link("set", index=sw.link_lookup(ifname=f"p{i}")[0], master=bridge, mtu=self.mtu, state="up")
+            for k in range(self.mirror_ports):
+                sw.link("add", ifname=f"m{k}", kind="veth", peer={"ifname": f"c{k}", "net_ns_fd": self.cpu})
+                sw.link("set", index=sw.link_lookup(ifname=f"m{k}")[0], mtu=self.mtu, state="up")
+            sw.link("set", index=bridge, mtu=self.mtu, state="up")
+        for node, mac in zip(self.nodes, self.macs):
+            with NetNS(node) as ns:
+                ns.link("set", index=ns.link_lookup(ifname="eth0")[0], address=mac, mtu=self.mtu, state="up")
+        with NetNS(self.cpu) as ns:
+            for k in range(self.mirror_ports):
+                ns.link("set", index=ns.link_lookup(ifname=f"c{k}")[0], mtu=self.mtu, state="up")
+
+    def __exit__(self, *exc):
+        for name in (self.sw, self.cpu, *self.nodes):
+            if name in netns.listnetns():
+                netns.remove(name)

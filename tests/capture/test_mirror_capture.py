@@ -9,7 +9,6 @@ import os
 import time
 
 import pytest
-from pyroute2 import NetNS, netns
 
 from capture.frames import FrameBatch
 from capture.ring import FrameRing
@@ -17,7 +16,7 @@ from capture.sender import FrameSender
 from capture.worker import CaptureWorker, SourceSpec
 from netconfig.linux_mirror import apply_mirrors, teardown_mirrors
 from netconfig.vendors.linux import TcMirror
-from tests.capture.netlab import ETHERTYPE, remove_stale, sysctl
+from tests.capture.netlab import ETHERTYPE, BridgeLab, remove_stale
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces, tc and AF_XDP")]
@@ -29,47 +28,11 @@ def mac(i: int) -> bytes:
     return bytes([2, 0, 0, 0, 0x0C, i + 1])
 
 
-class MirrorLab:
-    """``sw`` (bridge br0 with ports p0, p1, and mirror port m0), nodes ``n0`` and ``n1``
-    (eth0 into p0 and p1), and ``cpu`` (c0, the peer of m0)."""
+class MirrorLab(BridgeLab):
+    """Nodes ``n0`` and ``n1`` on the bridge, one mirror port m0 into the CPU node (c0)."""
 
     def __init__(self, tag: str):
-        prefix = f"gtm{os.getpid()}{tag}"
-        self.sw, self.cpu, self.nodes = f"{prefix}-sw", f"{prefix}-cpu", [f"{prefix}-n0", f"{prefix}-n1"]
-
-    def __enter__(self):
-        remove_stale()
-        try:
-            self._build()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def _build(self) -> None:
-        for name in (self.sw, self.cpu, *self.nodes):
-            netns.create(name)
-            for conf in ("all", "default"):
-                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
-        with NetNS(self.sw) as sw:
-            sw.link("add", ifname="br0", kind="bridge")
-            bridge = sw.link_lookup(ifname="br0")[0]
-            for i, node in enumerate(self.nodes):
-                sw.link("add", ifname=f"p{i}", kind="veth", peer={"ifname": "eth0", "net_ns_fd": node})
-                sw.link("set", index=sw.link_lookup(ifname=f"p{i}")[0], master=bridge, mtu=MTU, state="up")
-            sw.link("add", ifname="m0", kind="veth", peer={"ifname": "c0", "net_ns_fd": self.cpu})
-            sw.link("set", index=sw.link_lookup(ifname="m0")[0], mtu=MTU, state="up")
-            sw.link("set", index=bridge, mtu=MTU, state="up")
-        for i, node in enumerate(self.nodes):
-            with NetNS(node) as ns:
-                ns.link("set", index=ns.link_lookup(ifname="eth0")[0], address=mac(i).hex(":"), mtu=MTU, state="up")
-        with NetNS(self.cpu) as ns:
-            ns.link("set", index=ns.link_lookup(ifname="c0")[0], mtu=MTU, state="up")
-
-    def __exit__(self, *exc):
-        for name in (self.sw, self.cpu, *self.nodes):
-            if name in netns.listnetns():
-                netns.remove(name)
+        super().__init__(f"gtm{os.getpid()}{tag}", [mac(0).hex(":"), mac(1).hex(":")], 1, MTU)
 
 
 def frames_from(node: int, count: int) -> list[bytes]:

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from pyroute2 import NetNS, netns
+from pyroute2 import netns
 
 from capture.frames import FrameBatch
 from capture.pcap import read_pcap
@@ -33,7 +33,7 @@ from netconfig.linux_mirror import apply_mirrors, teardown_mirrors
 from netconfig.vendors.linux import TcMirror
 from simulator.faults import FaultSpec
 from simulator.run import Simulation
-from tests.capture.netlab import ETHERTYPE, sysctl
+from tests.capture.netlab import ETHERTYPE, BridgeLab
 from workload.layout import job_params
 from workload.spec import parse_job
 
@@ -55,47 +55,17 @@ def job_doc():
             "mirrors": [{"name": f"r{r}", "rank": r, "direction": "egress"} for r in MIRRORED]}
 
 
-class Cluster:
-    """``sw``: bridge br0 with ports p0..p{N-1} and mirror ports m0..m2; ``n{i}``: eth0 of
-    rank i; ``cpu``: c0..c2, the peers of m0..m2."""
+class Cluster(BridgeLab):
+    """One namespace per rank on the bridge, mirror ports m0..m2 into the CPU node (c0..c2),
+    and tc mirroring of what ranks 0, 1 and 2 send to them, applied and torn down here."""
 
     def __init__(self, tag: str):
-        prefix = f"gtl{os.getpid()}{tag}"
-        self.sw, self.cpu = f"{prefix}-sw", f"{prefix}-cpu"
-        self.nodes = [f"{prefix}-n{i}" for i in range(N)]
+        super().__init__(f"gtl{os.getpid()}{tag}", [r["mac"] for r in job_doc()["ring"]["ranks"]], len(MIRRORED),
+                         MTU)
         self.mirrors = [TcMirror(f"p{r}", "ingress", f"m{k}") for k, r in enumerate(MIRRORED)]
 
-    def __enter__(self):
-        try:
-            self._build()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
     def _build(self) -> None:
-        for name in (self.sw, self.cpu, *self.nodes):
-            netns.create(name)
-            for conf in ("all", "default"):
-                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
-        doc = job_doc()
-        with NetNS(self.sw) as sw:
-            sw.link("add", ifname="br0", kind="bridge")
-            bridge = sw.link_lookup(ifname="br0")[0]
-            for i, node in enumerate(self.nodes):
-                sw.link("add", ifname=f"p{i}", kind="veth", peer={"ifname": "eth0", "net_ns_fd": node})
-                sw.link("set", index=sw.link_lookup(ifname=f"p{i}")[0], master=bridge, mtu=MTU, state="up")
-            for k in range(len(MIRRORED)):
-                sw.link("add", ifname=f"m{k}", kind="veth", peer={"ifname": f"c{k}", "net_ns_fd": self.cpu})
-                sw.link("set", index=sw.link_lookup(ifname=f"m{k}")[0], mtu=MTU, state="up")
-            sw.link("set", index=bridge, mtu=MTU, state="up")
-        for i, node in enumerate(self.nodes):
-            with NetNS(node) as ns:
-                ns.link("set", index=ns.link_lookup(ifname="eth0")[0], address=doc["ring"]["ranks"][i]["mac"],
-                        mtu=MTU, state="up")
-        with NetNS(self.cpu) as ns:
-            for k in range(len(MIRRORED)):
-                ns.link("set", index=ns.link_lookup(ifname=f"c{k}")[0], mtu=MTU, state="up")
+        super()._build()
         apply_mirrors(self.mirrors, netns=self.sw)
 
     def __exit__(self, *exc):
@@ -103,9 +73,7 @@ class Cluster:
             if self.sw in netns.listnetns():
                 teardown_mirrors(self.mirrors, netns=self.sw)
         finally:
-            for name in (self.sw, self.cpu, *self.nodes):
-                if name in netns.listnetns():
-                    netns.remove(name)
+            super().__exit__(*exc)
 
 
 def iterations_of(batch: FrameBatch, gap_ns: int = 1_000_000) -> list[FrameBatch]:

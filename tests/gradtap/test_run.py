@@ -125,3 +125,39 @@ def test_gradtap_resync_hands_a_checkpoint_to_the_control_endpoint(tmp_path):
         assert b'"replica_iteration": 3' in status
     finally:
         server.close()
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a network namespace and AF_PACKET")
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_gradtap_run_stops_cleanly_on_a_signal(tmp_path, signum):
+    import signal
+    import time
+    from pyroute2 import NetNS, netns
+
+    ns = f"gtsig{os.getpid()}"
+    netns.create(ns)
+    try:
+        with NetNS(ns) as ipr:
+            ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
+        job = make_job(2, "LL", 1, "fp32")
+        (tmp_path / "job.yaml").write_text(dump_job(job))
+        proc = subprocess.Popen([sys.executable, "-c", "from gradtap.cli import main; main()", "run",
+                                 str(tmp_path / "job.yaml"), "--stream", "m-egress=lo", "--netns", ns,
+                                 "--out", str(tmp_path / "out"), "--metrics-port", "0", "--control-port", "0",
+                                 "--no-status", "--hugepages", "off", "--ring-slots", "256", "--slot-size", "2048"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not (tmp_path / "out" / "snapshots").exists():
+                time.sleep(0.2)
+            time.sleep(3)                      # the capture worker is up and listening
+            proc.send_signal(getattr(signal, signum))
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+        assert "gradtap run: stopped" in err
+    finally:
+        netns.remove(ns)

@@ -166,19 +166,19 @@ def _classify_other(rec):
 @njit(**JIT)
 def assemble(recs, start, data, qpn, src_ip, dst_ip, is_data, period, msg_start, msg_count, seen_base, conn,
              conn_steps, msgs, bucket_offsets, protocol, elem, mtu, step_bytes, imm_big_endian,
-             base_psn, step_base, va_ref, va_step, slot0, slot_ts, grad, got, seen, counters):
+             base_psn, step_base, va_ref, va_step, slot0, slot_ts, grads, got, seen, counters):
     """Process ``recs[start:]``; returns ``(status, next_index)``. See the module docstring.
 
     ``base_psn[f]`` is the PSN of flow f's first packet in the oldest slot's iteration;
     ``step_base[c]`` the absolute FIFO step of connection c at that iteration's start
     (-1 until a flag teaches it); ``va_ref[c]``/``va_step[c]`` a RETH address and the
-    relative step it was seen at (-1 until the first). ``grad[W, bytes]``, ``got[W, blocks]``
-    (bitmask of the block units received)
-    and ``seen[W, bits]`` are the slots; slot ``(slot0 + r) % W`` holds iteration r, whose
+    relative step it was seen at (-1 until the first). ``grads`` (a tuple of W equal
+    ``uint8[bytes]`` arrays), ``got[W, blocks]`` (bitmask of the block units received) and
+    ``seen[W, bits]`` are the slots; slot ``(slot0 + r) % W`` holds iteration r, whose
     earliest data frame time goes to ``slot_ts``.
     """
-    nslots = grad.shape[0]
-    grad_bytes = grad.shape[1]
+    nslots = len(grads)
+    grad_bytes = grads[0].shape[0]
     for i in range(start, recs.shape[0]):
         rec = recs[i]
         if rec.event != ev.DECODE_OK:
@@ -287,7 +287,7 @@ def assemble(recs, start, data, qpn, src_ip, dst_ip, is_data, period, msg_start,
         if nbytes > 0 and (dest < 0 or dest + nbytes > grad_bytes):
             counters[ev.DATA_OUT_OF_WINDOW] += 1
             continue
-        _store(data, rec.payload_off, rec.payload_len, protocol, wire_off, grad[slot], dest, nbytes)
+        _store(data, rec.payload_off, rec.payload_len, protocol, wire_off, grads[slot], dest, nbytes)
         if m.block >= 0:
             if protocol == LL128:
                 # Mark the 128-byte lines this packet carries, slice by slice.

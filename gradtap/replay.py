@@ -84,8 +84,9 @@ class StageTimes:
 @dataclass
 class IterationTiming:
     """Where one iteration's time went. Stage seconds are the pipeline's work between the
-    previous iteration's completion and this one's; ``lag_s`` is the wall time from the last
-    round that fed this iteration's frames to its replica update."""
+    previous iteration's completion and this one's; ``lag_s`` is the replica lag: the wall
+    time from the start of the last round that carried a frame of this iteration (its last
+    packet, as far as a round can tell) to the sink having applied it (``iteration_done``)."""
 
     iteration: int
     parse_s: float
@@ -145,18 +146,23 @@ class Pipeline:
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
         self._sink = _TimedSink(sink, self.times)
         self.merger = Merger(plan, list(streams), self._sink)
-        self.last_fed: dict[int, float] = {}        # iteration -> wall time of the last round carrying it
+        self.last_fed: dict[int, float] = {}        # iteration -> start of the last round carrying its frames
+        self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
 
     def round(self, batches: dict[str, FrameBatch]) -> None:
+        started = time.perf_counter()
         work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
         results = list(self._pool.map(lambda nb: self._parse(*nb), work))
-        t = fed = time.perf_counter()
+        t = time.perf_counter()
         for name, retired in results:
-            slots = self.parsers[name].in_progress()
-            for i, *_ in slots:
-                self.last_fed[i] = fed
-            self.merger.update(name, retired, slots)
+            parser = self.parsers[name]
+            placed = parser.placed()
+            for i, n in placed.items():
+                if n != self._placed[name].get(i):
+                    self.last_fed[i] = started
+            self._placed[name] = placed
+            self.merger.update(name, retired, parser.in_progress())
         self.merger.advance()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
 

@@ -18,9 +18,12 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 from capture.frames import FrameBatch
+from capture.memory import copy_bytes
 from gradtap.errors import ConfigError
+from gradtap.jit import JIT
 from parser import events as ev
 from parser.assemble import NEED_ADVANCE, assemble
 from parser.decode import decode_batch
@@ -230,8 +233,16 @@ def _compact(batch: FrameBatch, start: int) -> FrameBatch:
     if len(offsets) == 0:
         return FrameBatch(np.zeros(0, np.uint8), offsets.copy(), caplens.copy(), batch.wirelens[start:].copy(),
                           batch.ts_ns[start:].copy(), batch.linktype)
-    index = np.concatenate([np.arange(o, o + c) for o, c in zip(offsets, caplens)])
     new_offsets = np.zeros(len(offsets), np.int64)
     np.cumsum(caplens[:-1], out=new_offsets[1:])
-    return FrameBatch(batch.data[index], new_offsets, caplens.copy(), batch.wirelens[start:].copy(),
+    data = np.empty(int(new_offsets[-1]) + int(caplens[-1]), np.uint8)
+    _gather(data, new_offsets, batch.data, offsets, caplens)
+    return FrameBatch(data, new_offsets, caplens.copy(), batch.wirelens[start:].copy(),
                       batch.ts_ns[start:].copy(), batch.linktype)
+
+
+@njit(**JIT)
+def _gather(out, out_offsets, data, offsets, caplens):
+    """Frame i of ``data`` to ``out[out_offsets[i]:]`` (bounds checked by FrameBatch and the caller)."""
+    for i in range(len(offsets)):
+        copy_bytes(out, out_offsets[i], data, offsets[i], caplens[i])

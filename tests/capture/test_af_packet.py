@@ -19,11 +19,12 @@ from capture.ring import FrameRing
 from gradtap.errors import CaptureError
 from parser.decode import decode_batch
 from tests.capture.netlab import collect, frame, mixed_frames, veth_lab
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(60),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces and raw sockets")]
 
-CAPTURE_4K = Path("/work/shared/captures/iter_40000_p2p_iter10_3.pcapng")   # RoCE MTU 4096 frames
+CAPTURE_4K = GOLDEN_CAPTURES / "iter_40000_p2p_iter10_3.pcapng"   # RoCE MTU 4096 frames
 
 
 @pytest.fixture

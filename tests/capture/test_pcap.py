@@ -16,8 +16,9 @@ from capture.frames import FrameBatch
 from capture.pcap import MAX_CAPLEN, PcapngWriter, PcapReader, PcapWriter, detect_format, \
     read_pcap
 from gradtap.errors import CaptureError
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
-CAPTURES = sorted(Path("/work/shared/captures").glob("*.pcapng"))
+CAPTURES = sorted(GOLDEN_CAPTURES.glob("*.pcapng"))
 FRAME_COUNTS = {"allreduce+p2p.pcapng": 837, "allreduce_addstep.pcapng": 404,
                 "iter_40000_p2p_iter10.pcapng": 1417, "iter_40000_p2p_iter10_3.pcapng": 665,
                 "rdma32.pcapng": 175}

@@ -13,8 +13,9 @@ from capture.pcap import read_pcap
 from capture.pcap_source import PcapSource
 from capture.ring import FrameRing
 from gradtap.errors import CaptureError
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
-CAPTURE = Path("/work/shared/captures/iter_40000_p2p_iter10_3.pcapng")
+CAPTURE = GOLDEN_CAPTURES / "iter_40000_p2p_iter10_3.pcapng"
 
 
 def test_a_file_goes_through_a_small_ring_whole_and_in_order():

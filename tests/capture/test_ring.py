@@ -19,8 +19,9 @@ from capture.pcap import read_pcap
 from capture.ring import FrameRing
 from gradtap.errors import CaptureError
 from parser.decode import decode_batch
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
-CAPTURE = Path("/work/shared/captures/rdma32.pcapng")
+CAPTURE = GOLDEN_CAPTURES / "rdma32.pcapng"
 
 
 def frames_of(batch: FrameBatch) -> list[bytes]:

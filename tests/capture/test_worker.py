@@ -17,11 +17,12 @@ from capture.ring import FrameRing
 from capture.worker import CaptureWorker, SourceSpec
 from gradtap.errors import CaptureError, ConfigError
 from tests.capture.netlab import frame, veth_lab
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 pytestmark = pytest.mark.timeout(120)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces and raw sockets")
 
-CAPTURE = Path("/work/shared/captures/iter_40000_p2p_iter10_3.pcapng")
+CAPTURE = GOLDEN_CAPTURES / "iter_40000_p2p_iter10_3.pcapng"
 
 
 def drain(ring: FrameRing, count: int, seconds: float = 20) -> list[bytes]:

@@ -41,9 +41,10 @@ from parser.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
 from parser.headers.opcodes import CNP
 from tests import naive
 from tests.simulator.test_simulate import make_job, simulate
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 ROOT = Path(__file__).resolve().parents[2]
-CAPTURES = Path("/work/shared/captures")
+CAPTURES = GOLDEN_CAPTURES
 ROCE_FRAMES = {"allreduce+p2p.pcapng": 150, "allreduce_addstep.pcapng": 156,
                "iter_40000_p2p_iter10.pcapng": 1417, "iter_40000_p2p_iter10_3.pcapng": 665,
                "rdma32.pcapng": 123}

@@ -18,8 +18,9 @@ from parser.headers import aeth, atomiceth, bth, cnp, deth, eth, ieth, immdt, ip
     opcodes, reth, udp
 from parser.headers.layout import Bits, Layout
 from parser.icrc import locate_icrc
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
-CAPTURES = sorted(Path("/work/shared/captures").glob("*.pcapng"))
+CAPTURES = sorted(GOLDEN_CAPTURES.glob("*.pcapng"))
 MAC1, MAC2 = bytes.fromhex("020000000001"), bytes.fromhex("020000000002")
 V4A, V4B = (socket.inet_pton(socket.AF_INET, a) for a in ("10.0.0.1", "10.0.0.2"))
 V6A, V6B = (socket.inet_pton(socket.AF_INET6, a) for a in ("fe80::1", "fe80::2"))

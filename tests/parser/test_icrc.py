@@ -19,8 +19,9 @@ from capture.pcap import read_pcap
 from parser.headers import bth, ipv4, ipv6, opcodes, udp
 from parser.icrc import ICRC_LEN, compute_icrc, crc32_update, icrc_frame, icrc_ok, locate_icrc
 from tests.parser.naive_icrc import naive_icrc
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
-CAPTURES = Path("/work/shared/captures")
+CAPTURES = GOLDEN_CAPTURES
 # RoCEv2 frames per file, from the captures' README.
 ROCE_FRAMES = {"allreduce+p2p.pcapng": 150, "allreduce_addstep.pcapng": 156,
                "iter_40000_p2p_iter10.pcapng": 1417, "iter_40000_p2p_iter10_3.pcapng": 665,
@@ -153,9 +154,10 @@ import numba
 from pathlib import Path
 from capture.pcap import read_pcap
 from parser.icrc import icrc_ok, locate_icrc
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 assert numba.config.DISABLE_JIT
 good = bad = 0
-for path in sorted(Path("/work/shared/captures").glob("*.pcapng")):
+for path in sorted(GOLDEN_CAPTURES.glob("*.pcapng")):
     batch = read_pcap(path)
     for i in range(len(batch)):
         try:

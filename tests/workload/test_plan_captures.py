@@ -30,8 +30,9 @@ from simulator.allreduce import chunk_index, ring_partials
 from tests import naive
 from workload.spec import parse_job
 from workload.wire_plan import CTS, DATA, NO_VA, PHASE_AG, PHASE_RS, PSN_MOD, build_plan
+from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
-CAPTURES = Path(__file__).resolve().parents[3] / "shared" / "captures"
+CAPTURES = GOLDEN_CAPTURES
 COUNT = 5000                     # int32 elements per allreduce call
 RANKS = 2
 MTU = 1024

@@ -148,6 +148,7 @@ class Pipeline:
         self.merger = Merger(plan, list(streams), self._sink)
         self.last_fed: dict[int, float] = {}        # iteration -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
+        self._retired: dict[int, list[tuple[str, np.ndarray]]] = {}   # iteration -> gradients the merger holds
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
 
     def round(self, batches: dict[str, FrameBatch]) -> None:
@@ -162,8 +163,11 @@ class Pipeline:
                 if n != self._placed[name].get(i):
                     self.last_fed[i] = started
             self._placed[name] = placed
+            for a in retired:
+                self._retired.setdefault(a.index, []).append((name, a.grad))
             self.merger.update(name, retired, parser.in_progress())
         self.merger.advance()
+        self._recycle()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
 
     def finish(self) -> list[IterationReport]:
@@ -174,6 +178,14 @@ class Pipeline:
         reports = self.merger.close()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
         return reports
+
+    def _recycle(self) -> None:
+        """Hand the gradient arrays of iterations the merger has finished (or never took) back
+        to their parsers: the merger dropped its copies and the sink got merged buckets of its
+        own, so nothing refers to them any more."""
+        for g in [g for g in self._retired if g < self.merger.next]:
+            for name, grad in self._retired.pop(g):
+                self.parsers[name].recycle(grad)
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {n: ev.as_dict(p.counters) for n, p in self.parsers.items()}

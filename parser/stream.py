@@ -92,8 +92,9 @@ class StreamParser:
         self.va_ref = np.full(nconn, -1, np.int64)
         self.va_step = np.zeros(nconn, np.int64)
         # One array per slot: a retired slot's array is handed out as it is and the slot gets
-        # a fresh zeroed one, so retiring copies nothing.
+        # a zeroed one (recycled, see recycle(), or fresh), so retiring copies nothing.
         self.grads = tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots))
+        self._spare: list[np.ndarray] = []
         self.got = np.zeros((slots, len(plan.blocks)), np.int32)
         self.seen = np.zeros((slots, t.seen_bits), np.uint8)
         self.slot_start = np.full(slots, -1, np.int64)   # first frame time seen per slot
@@ -183,6 +184,18 @@ class StreamParser:
                 out[self.iteration + r] = int(np.count_nonzero(self.seen[s]))
         return out
 
+    def recycle(self, grad: np.ndarray) -> None:
+        """Give back the ``grad`` of an iteration this parser retired, once nothing refers to it
+        or to any view of it any more: a later retirement zeroes and reuses it instead of
+        allocating fresh memory (which must be faulted in and zeroed by the kernel, slower
+        than a memset of pages already mapped). At most ``slots`` arrays are kept."""
+        if grad.shape != (self.tables.grad_bytes,) or grad.dtype != np.uint8 or not grad.flags.c_contiguous \
+                or not grad.flags.writeable:
+            raise ValueError(f"recycle: not a gradient array of stream {self.mirror.name} "
+                             f"({grad.dtype}{grad.shape}, needs uint8 ({self.tables.grad_bytes},))")
+        if len(self._spare) < len(self.grads) and all(grad is not g for g in (*self.grads, *self._spare)):
+            self._spare.append(grad)
+
     def flush(self) -> list[AssembledIteration]:
         """Hand back every iteration still held (end of input)."""
         out = []
@@ -205,7 +218,12 @@ class StreamParser:
         s = self.slot0
         out = AssembledIteration(self.mirror.name, self.iteration, int(self.slot_start[s]),
                                  self.grads[s], self.got[s].copy(), self.need)
-        self.grads = self.grads[:s] + (np.zeros(self.tables.grad_bytes, np.uint8),) + self.grads[s + 1:]
+        if self._spare:
+            fresh = self._spare.pop()
+            fresh.fill(0)
+        else:
+            fresh = np.zeros(self.tables.grad_bytes, np.uint8)
+        self.grads = self.grads[:s] + (fresh,) + self.grads[s + 1:]
         self._advance()
         return out
 

@@ -41,14 +41,22 @@ class _Source:
         self.frames = 0
         self.bytes = 0
         self.file_bytes = path.stat().st_size
+        self._read = 0                               # frames in the last batch read
 
     def horizon(self) -> int | None:
-        """Time of the last buffered frame (None at end of file)."""
+        """Time of the last buffered frame (None at end of file). What is left of a batch is
+        topped up with the next one when it is under half a batch: the streams' batches end
+        at slightly different times, and those remainders would otherwise make rounds of a
+        few frames each."""
+        left = 0 if self.pending is None else len(self.pending.offsets)
+        if 2 * left < self._read or left == 0:
+            more = next(self.batches, None)
+            if more is not None:
+                self._read = len(more.offsets)
+                self.pending = more if left == 0 else _join(self.pending, more)
         if self.pending is None or len(self.pending.offsets) == 0:
-            self.pending = next(self.batches, None)
-            if self.pending is None:
-                self.done = True
-                return None
+            self.done = True
+            return None
         return int(self.pending.ts_ns[-1])
 
     def take(self, until: int) -> FrameBatch | None:
@@ -69,6 +77,15 @@ class _Source:
 def _slice(b: FrameBatch, lo: int, hi: int) -> FrameBatch:
     return FrameBatch(data=b.data, offsets=b.offsets[lo:hi], caplens=b.caplens[lo:hi], wirelens=b.wirelens[lo:hi],
                       ts_ns=b.ts_ns[lo:hi], linktype=b.linktype)
+
+
+def _join(a: FrameBatch, b: FrameBatch) -> FrameBatch:
+    """``a``'s frames then ``b``'s; batches of one file mapping share their data, so only the
+    frame arrays are joined."""
+    if a.data is not b.data:
+        return FrameBatch.concat([a, b], a.linktype)
+    return FrameBatch(a.data, *(np.concatenate([getattr(a, k), getattr(b, k)])
+                                for k in ("offsets", "caplens", "wirelens", "ts_ns")), a.linktype)
 
 
 @dataclass

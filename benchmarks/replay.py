@@ -1,0 +1,188 @@
+"""Offline replay of the GPT-2-small-like 8-rank job: processing time per iteration, its
+memory-bound minimum, mirrored Gbps per core, and replica lag (issue 4).
+
+The job is ``configs/gpt2-small.yaml`` (124 M fp32 parameters in DDP's 25 MiB buckets, NCCL
+Simple over IPv4 with 2 channels, MTU 4096, AdamW with clipping, 3 mirror streams: the
+egress ports of ranks 0, 1 and 2). It is simulated once for ``--iterations`` captured
+iterations and cached in ``--cache`` (about 0.9 GB and 216 k frames per stream per
+iteration). The captures are read once beforehand so that the replay finds them in the page
+cache. Then the whole offline appliance runs on them, best of ``--repeats``:
+``gradtap.commands.replay.run_replay`` (``PcapReader`` → ``StreamParser`` per stream in its
+own thread → ``Merger`` → ``ReplicaSink`` → ``Replica``), reading ``--batch-frames`` frames
+per stream at a time (8192 by default, as ``gradtap run`` reads its rings), without
+per-iteration digests or periodic snapshots (hashing and disk writes, not processing). The first run's final
+snapshot is checked against the simulator's ground truth (``gradtap.verify``), so the
+figures are those of a replica that is right bit for bit.
+
+Figures:
+
+- **processing time per iteration**: the replay's wall time over the iterations replayed
+  (lock-on included), and each iteration's share of parse (thread-seconds, summed over the
+  streams), merge and update;
+- **memory-bound minimum**: the bytes an iteration must touch at least, over the memory
+  traffic rate measured in the same run. Bytes: every captured frame read once; each
+  stream's allgather share written into its gradient buffer and read once more by the
+  duplicate cross-check; the merged gradient written once; 28 B per parameter for the Adam
+  step (read parameter, gradient and both moments, write three back; the widening and norm
+  that clipping adds are not counted). Traffic rate: twice the 2-thread memcpy rate of
+  ``benchmarks._bandwidth`` (memcpy reads and writes every byte it copies), the higher of
+  the measurements before and after the replays;
+- **sustained Gbps of mirrored traffic per core**: captured frame bits over the replay's wall
+  time, per CPU this process may run on;
+- **replica lag**: per iteration, from the start of the last pipeline round that carried a
+  frame of it to the replica having applied it (``ReplayResult.timings``, ``lag_s``). With
+  clipping the whole Adam step waits for the last bucket, so the lag holds a full step.
+
+Target (issue 4): replica lag under one iteration of the simulated training, whose length is
+``truth/manifest.json``'s ``span_ns``. The simulator's iteration is as short as the wire
+allows (about 75 ms: 0.9 GB per port at 100 Gb/s and hardly any compute), far shorter than
+a real one, so the lag is also compared with a realistic iteration of GPT-2 small on 8
+GPUs, :data:`REALISTIC_ITERATION_S`: nanoGPT's recipe trains it for 600,000 iterations
+(``train.py``, ``max_iters``) in about 4 days on one 8xA100-40GB node (its README), 0.58 s
+each. Keeping up in real time means processing an iteration within that time too.
+
+Run: ``python -m benchmarks.replay [--iterations N] [--batch-frames N] [--cache DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numba
+import torch
+
+from benchmarks._bandwidth import memcpy_bandwidth
+from gradtap.commands.replay import run_replay
+from gradtap.replay import ReplayResult
+from gradtap.verify import verify
+from workload.layout import job_params, job_plan
+from workload.spec import JobSpec, load_job
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "gpt2-small.yaml"
+REALISTIC_ITERATION_S = 0.58
+ADAM_BYTES_PER_PARAM = 28
+
+
+def capture(cache: Path, iterations: int) -> Path:
+    """The simulated job (``job.yaml``, ``streams/``, ``truth/``), made once, then reused."""
+    from simulator.faults import FaultSpec
+    from simulator.run import Simulation
+
+    out = cache / f"gpt2-small-{iterations}it"
+    if out.exists():
+        return out
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    print(f"simulating {iterations} iteration(s) of {CONFIG.name} into {out} (once; a few minutes)")
+    Simulation(load_job(CONFIG), partial, iterations=iterations, seed=0, faults=FaultSpec()).run()
+    partial.rename(out)
+    return out
+
+
+def warm(paths: list[Path]) -> tuple[int, int]:
+    """Read ``paths`` once (into the page cache); their total size and the memory available."""
+    buf = bytearray(64 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return sum(p.stat().st_size for p in paths), int(info["MemAvailable"].split()[0]) * 1024
+
+
+def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None) -> ReplayResult:
+    """One replay; with ``params`` (the job's) its final snapshot is checked against the truth."""
+    pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
+    start = torch.load(sim / "truth" / "start.pt", weights_only=True)
+    with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-") as tmp:
+        result, sink = run_replay(job, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames,
+                                  show_progress=False)
+        if sink.replica.stale or not all(r.recovered for r in result.reports):
+            raise SystemExit(f"the replay did not apply every iteration: {sink.lines}")
+        if params is not None:
+            v = verify(Path(tmp), sim / "truth", params)
+            if not v.ok:
+                raise SystemExit(f"the replica differs from the ground truth: {v.differences[:3]}")
+            print(f"replica after iteration {v.snapshots_checked} == ground truth, bit for bit")
+    return result
+
+
+def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float) -> None:
+    plan = job_plan(job)
+    grad_bytes = plan.total_elems * plan.elem_size
+    nparams = sum(p.numel for p in params)
+    iterations = len(result.reports)
+    frame_bytes = sum(result.bytes.values())
+    shares = sum(cov for r in result.reports for cov in r.coverage.values()) * grad_bytes
+    touched = frame_bytes + 2 * shares + iterations * (grad_bytes + ADAM_BYTES_PER_PARAM * nparams)
+    traffic = 2 * memcpy * 1e9
+    per_iteration = result.wall_s / iterations
+    minimum = touched / iterations / traffic
+    cores = len(os.sched_getaffinity(0))
+    spans = json.loads((sim / "truth" / "manifest.json").read_text())["span_ns"]
+    simulated = min(end - begin for begin, end in spans.values()) / 1e9
+
+    print(f"\n{iterations} iteration(s) of {len(result.bytes)} streams: {sum(result.frames.values()):,} frames, "
+          f"{frame_bytes / 1e9:.2f} GB; gradient {grad_bytes / 1e6:.0f} MB ({nparams / 1e6:.1f} M parameters)")
+    print(f"{'iter':>4s} {'parse s (thread-s)':>19s} {'merge s':>8s} {'update s':>9s} {'lag s':>7s}")
+    for t in result.timings:
+        print(f"{t.iteration:4d} {t.parse_s:19.2f} {t.merge_s:8.2f} {t.update_s:9.2f} {t.lag_s:7.3f}")
+    print(f"\nprocessing time per iteration      {per_iteration:8.2f} s   (replay wall {result.wall_s:.2f} s)")
+    print(f"bytes touched per iteration (min)  {touched / iterations / 1e9:8.2f} GB  (frames "
+          f"{frame_bytes / iterations / 1e9:.2f}, stream copies written + compared "
+          f"{2 * shares / iterations / 1e9:.2f}, merged {grad_bytes / 1e9:.2f}, Adam "
+          f"{ADAM_BYTES_PER_PARAM * nparams / 1e9:.2f})")
+    print(f"memory traffic rate                {traffic / 1e9:8.2f} GB/s (2 x memcpy {memcpy:.2f} GB/s, 2 threads)")
+    print(f"memory-bound minimum per iteration {minimum:8.3f} s   -> processing / minimum = {per_iteration / minimum:.1f} x")
+    print(f"mirrored traffic                   {frame_bytes * 8 / result.wall_s / 1e9:8.2f} Gbps = "
+          f"{frame_bytes * 8 / result.wall_s / 1e9 / cores:.2f} Gbps per core ({cores} cores)")
+    lag = max(t.lag_s for t in result.timings)
+    for name, seconds in (("simulated training iteration (span_ns)", simulated),
+                          ("realistic GPU iteration (nanoGPT, 8xA100)", REALISTIC_ITERATION_S)):
+        print(f"\nagainst a {name} of {seconds:.3f} s:")
+        print(f"  replica lag (worst iteration)    {lag:8.3f} s   target < 1 iteration: "
+              f"{'met' if lag < seconds else 'NOT met'}")
+        print(f"  processing time per iteration    {per_iteration / seconds:8.2f} x the iteration "
+              f"({'keeps up' if per_iteration < seconds else 'falls behind'} in real time)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--batch-frames", type=int, default=8192, help="frames per stream per read (as `gradtap run`)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "gradtap-bench")
+    args = parser.parse_args()
+    args.cache.mkdir(parents=True, exist_ok=True)
+    sim = capture(args.cache, args.iterations)
+    job = load_job(sim / "job.yaml")
+    # No periodic snapshots: only the clean-shutdown one, written after the replay's clock stops.
+    job = job.model_copy(update={"appliance": job.appliance.model_copy(update={"snapshot_every": 1 << 30})})
+    size, available = warm(sorted((sim / "streams").glob("*.pcap")))
+    print(f"{sim}: captures {size / 1e9:.2f} GB, memory available {available / 1e9:.1f} GB"
+          f"{'' if size < available else ' (the captures do not fit in the page cache: reads hit the disk)'}; "
+          f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, {numba.get_num_threads()} Numba threads")
+    params = job_params(job)
+    memcpy = memcpy_bandwidth(2)
+    best = None
+    for k in range(args.repeats):
+        started = time.perf_counter()
+        result = replay_once(sim, job, args.batch_frames, params if k == 0 else None)
+        print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot "
+              f"{time.perf_counter() - started:.1f} s)")
+        if best is None or result.wall_s < best.wall_s:
+            best = result
+    memcpy = max(memcpy, memcpy_bandwidth(2))
+    report(best, job, params, sim, memcpy)
+
+
+if __name__ == "__main__":
+    main()

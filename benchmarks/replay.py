@@ -31,7 +31,8 @@ Figures:
   time, per CPU this process may run on;
 - **replica lag**: per iteration, from the start of the last pipeline round that carried a
   frame of it to the replica having applied it (``ReplayResult.timings``, ``lag_s``). With
-  clipping the whole Adam step waits for the last bucket, so the lag holds a full step.
+  clipping the whole Adam step waits for the last bucket, so the lag holds a full step:
+  its memory-bound time is printed as the lag's floor.
 
 Target (issue 4): replica lag under one iteration of the simulated training, whose length is
 ``truth/manifest.json``'s ``span_ns``. The simulator's iteration is as short as the wire
@@ -145,6 +146,10 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
     print(f"mirrored traffic                   {frame_bytes * 8 / result.wall_s / 1e9:8.2f} Gbps = "
           f"{frame_bytes * 8 / result.wall_s / 1e9 / cores:.2f} Gbps per core ({cores} cores)")
     lag = max(t.lag_s for t in result.timings)
+    if job.optimizer.clip_grad_norm:
+        floor = ADAM_BYTES_PER_PARAM * nparams / traffic
+        print(f"replica lag floor                  {floor:8.3f} s   (clipping: the whole Adam step follows the last "
+              f"bucket; 28 B/param at the traffic rate)")
     for name, seconds in (("simulated training iteration (span_ns)", simulated),
                           ("realistic GPU iteration (nanoGPT, 8xA100)", REALISTIC_ITERATION_S)):
         print(f"\nagainst a {name} of {seconds:.3f} s:")

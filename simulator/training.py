@@ -49,7 +49,7 @@ import torch
 from gradtap.errors import ConfigError, GradtapError, PlanError
 from simulator.data import Batch, batch_loss
 from workload.buckets import Bucket, ParamLike
-from workload.schedule import learning_rate, lr_factor  # noqa: F401  (re-exported)
+from workload.schedule import learning_rate
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # numpy has no bfloat16: bf16 buffers travel as their raw 16-bit patterns.

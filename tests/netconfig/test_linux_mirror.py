@@ -16,7 +16,6 @@ import select
 import socket
 import time
 from collections import Counter
-from contextlib import contextmanager
 
 import pytest
 from pyroute2 import NetNS, netns, protocols
@@ -26,6 +25,7 @@ from netconfig.linux_mirror import PARENT, _Link, apply_mirrors, plan_mirrors, t
 from netconfig.planner import plan_topology
 from netconfig.topology import parse_topology
 from netconfig.vendors.linux import TcMirror
+from tests.capture.netlab import in_netns
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(20),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")]
@@ -37,15 +37,6 @@ PREFIX = f"gtnc{os.getpid()}"
 
 def mac(i: int) -> bytes:
     return bytes([2, 0, 0, 0, 0, i + 1])
-
-
-@contextmanager
-def in_netns(name: str):
-    netns.pushns(name)
-    try:
-        yield
-    finally:
-        netns.popns()
 
 
 def packet_socket(ns: str, ifname: str, ethertype: int) -> socket.socket:

@@ -10,8 +10,9 @@ import torch
 from gradtap.errors import ConfigError, GradtapError
 from simulator import models
 from simulator.data import batch_loss
-from simulator.training import (WIRE_DTYPES, WIRE_NUMPY, Trainer, from_wire_array, learning_rate,
-                                lr_factor, make_optimizer, to_wire_array)
+from simulator.training import (WIRE_DTYPES, WIRE_NUMPY, Trainer, from_wire_array, make_optimizer,
+                                to_wire_array)
+from workload.schedule import learning_rate, lr_factor
 from tests.simulator import naive_ddp
 from workload.buckets import ddp_buckets, layout_at
 from workload.spec import OptimizerSpec, Schedule

@@ -31,9 +31,9 @@ import torch
 from numba import njit, prange
 
 from benchmarks._bandwidth import memcpy_bandwidth
-from gradtap.jit import JIT_PARALLEL
-from updater import kernels, selfcheck
-from workload.spec import OptimizerSpec
+from gradtap.core.jit import JIT_PARALLEL
+from gradtap.updater import kernels, selfcheck
+from gradtap.workload.spec import OptimizerSpec
 
 BYTES_PER_PARAM = 28
 DEFAULT_PARAMS = 100_000_000

@@ -3,9 +3,9 @@
 The lab: two network namespaces joined by a veth pair (MTU 9000). A sender process in one
 (pinned to CPU 0) replays real NCCL RoCEv2 frames of the 4 KiB class (RDMA WRITEs at MTU
 4096, 3.2-4.2 KB, from ``iter_40000_p2p_iter10_3.pcapng``) through a paced TX ring
-(:class:`capture.sender.FrameSender`); in the other, a capture worker (pinned to CPU 1)
+(:class:`gradtap.capture.sender.FrameSender`); in the other, a capture worker (pinned to CPU 1)
 runs the source into a frame ring, and this process (also on CPU 1) consumes the ring as
-the parser would -- counting frames, or, with ICRC on, running ``parser.decode.decode_batch``
+the parser would -- counting frames, or, with ICRC on, running ``gradtap.parser.decode.decode_batch``
 with ``verify_icrc=True`` on one thread.
 
 For every source and rate, ``--frames`` frames are sent; a trial is loss-free when every
@@ -41,15 +41,15 @@ from pathlib import Path
 import numba
 from pyroute2 import NetNS, netns
 
-from capture.af_packet import PACKET_STATISTICS, SOL_PACKET
-from capture.frames import FrameBatch
-from capture.pcap import read_pcap
-from capture.ring import FrameRing
-from capture.sender import FrameSender
-from capture.shared_memory import hugepage_pool
-from capture.source import in_netns
-from capture.worker import CaptureWorker, SourceSpec
-from parser.decode import decode_batch
+from gradtap.capture.af_packet import PACKET_STATISTICS, SOL_PACKET
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import read_pcap
+from gradtap.capture.ring import FrameRing
+from gradtap.capture.sender import FrameSender
+from gradtap.capture.shared_memory import hugepage_pool
+from gradtap.capture.source import in_netns
+from gradtap.capture.worker import CaptureWorker, SourceSpec
+from gradtap.parser.decode import decode_batch
 
 CAPTURE = Path(__file__).resolve().parents[2] / "shared" / "captures" / "iter_40000_p2p_iter10_3.pcapng"
 TX_CPU, RX_CPU = 0, 1

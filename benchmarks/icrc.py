@@ -4,7 +4,7 @@ Frames are real RoCEv2 frames from the captures (1102-byte RDMA WRITE MIDDLE at 
 4174-byte at MTU 4096), tiled into a batch much larger than the caches. Each contender
 CRCs every frame of the batch in place:
 
-- ``parser.icrc.icrc_frame``: masked prefix + ISA-L ``crc32_gzip_refl`` (PCLMULQDQ), called
+- ``gradtap.wire.icrc.icrc_frame``: masked prefix + ISA-L ``crc32_gzip_refl`` (PCLMULQDQ), called
   per frame from a Numba loop, as the parser does;
 - ``zlib.crc32`` per frame from Python (the peer tool; no masking, so it is flattered);
 - a byte-at-a-time table-driven CRC-32 in Numba (Sarwate), the classic scalar way.
@@ -22,10 +22,10 @@ import numpy as np
 from numba import njit
 
 from benchmarks._bandwidth import memcpy_bandwidth
-from capture.frames import FrameBatch
-from capture.pcap import read_pcap
-from gradtap.jit import JIT
-from parser.icrc import ICRC_LEN, icrc_frame, locate_icrc
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import read_pcap
+from gradtap.core.jit import JIT
+from gradtap.wire.icrc import ICRC_LEN, icrc_frame, locate_icrc
 
 CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
 SOURCES = {1102: "iter_40000_p2p_iter10.pcapng", 4174: "iter_40000_p2p_iter10_3.pcapng"}

@@ -13,7 +13,7 @@ no headers, pad or ICRC; the issue's unit). Each figure is the best of ``REPEATS
 Sections (one function each in :data:`SECTIONS`, sharing one :class:`Bench`; a section
 appends :class:`Row` s, and rows with 2 threads and an ICRC setting are held to the targets):
 
-- ``stage 1``: ``parser.decode.decode_batch`` on batches already in memory, 1 and 2 threads,
+- ``stage 1``: ``gradtap.parser.decode.decode_batch`` on batches already in memory, 1 and 2 threads,
   ICRC on and off; the pcap reader alone (mmap + copy into batches, file in the page cache)
   to show that reading is not the bottleneck; and the peers doing the least work that
   decodes the same fields (BTH, RETH, ImmDt, payload length):
@@ -26,7 +26,7 @@ appends :class:`Row` s, and rows with 2 threads and an ICRC setting are held to 
   - tshark: ``tshark -r FILE -T fields -e infiniband.bth.psn`` as a subprocess on a file of
     the first ``TSHARK_FRAMES`` frames (its start-up is included).
 
-- ``stage 2``: the whole parser, ``parser.stream.StreamParser.feed`` on every batch then
+- ``stage 2``: the whole parser, ``gradtap.parser.stream.StreamParser.feed`` on every batch then
   ``flush`` (stage 1, lock-on, PSN placement, checks and the copy of the allgather payload
   into the iteration's gradient buffer, retirement), 1 and 2 threads, ICRC on and off. The
   stream parser needs one coherent stream, which the tiled capture is not: it interleaves
@@ -60,15 +60,15 @@ import numba
 import numpy as np
 
 from benchmarks._bandwidth import memcpy_bandwidth
-from capture.frames import FrameBatch
-from capture.pcap import PcapReader, PcapWriter
-from parser.decode import decode_batch, is_roce
-from parser.frame_record import FRAME_DTYPE
-from parser.headers.opcodes import OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, OPCODE_RETH_OFF, OPCODE_VALID
-from parser.headers.udp import ROCEV2_UDP_PORT
-from parser.stream import StreamParser
-from workload.layout import job_plan
-from workload.spec import load_job
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapReader, PcapWriter
+from gradtap.parser.decode import decode_batch, is_roce
+from gradtap.wire.frame_record import FRAME_DTYPE
+from gradtap.wire.headers.opcodes import OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, OPCODE_RETH_OFF, OPCODE_VALID
+from gradtap.wire.headers.udp import ROCEV2_UDP_PORT
+from gradtap.parser.stream import StreamParser
+from gradtap.workload.layout import job_plan
+from gradtap.workload.spec import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "small.yaml"
@@ -107,9 +107,9 @@ class Bench:
 
 def generate(frames: int, cache: Path) -> Path:
     """The tiled capture of ``frames`` frames (made once, then reused from ``cache``)."""
-    from simulator.faults import FaultSpec
-    from simulator.run import Simulation
-    from workload.spec import load_job
+    from gradtap.simulator.faults import FaultSpec
+    from gradtap.simulator.run import Simulation
+    from gradtap.workload.spec import load_job
 
     path = cache / f"parse-small-{frames}.pcap"
     if path.exists():

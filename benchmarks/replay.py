@@ -62,8 +62,8 @@ from benchmarks._bandwidth import memcpy_bandwidth
 from gradtap.commands.replay import run_replay
 from gradtap.replay import ReplayResult
 from gradtap.verify import verify
-from workload.layout import job_params, job_plan
-from workload.spec import JobSpec, load_job
+from gradtap.workload.layout import job_params, job_plan
+from gradtap.workload.spec import JobSpec, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gpt2-small.yaml"
@@ -73,8 +73,8 @@ ADAM_BYTES_PER_PARAM = 28
 
 def capture(cache: Path, iterations: int) -> Path:
     """The simulated job (``job.yaml``, ``streams/``, ``truth/``), made once, then reused."""
-    from simulator.faults import FaultSpec
-    from simulator.run import Simulation
+    from gradtap.simulator.faults import FaultSpec
+    from gradtap.simulator.run import Simulation
 
     out = cache / f"gpt2-small-{iterations}it"
     if out.exists():

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from benchmarks._bandwidth import memcpy_bandwidth
-from simulator.faults import FaultSpec
-from simulator.run import Simulation
-from workload.spec import load_job
+from gradtap.simulator.faults import FaultSpec
+from gradtap.simulator.run import Simulation
+from gradtap.workload.spec import load_job
 
 TARGET_S = 60.0
 

@@ -29,12 +29,12 @@ import struct
 import numpy as np
 from numba import njit
 
-from capture.memory import load_acquire, store_release
-from capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
-from capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
+from gradtap.core.memory import load_acquire, store_release
+from gradtap.capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
+from gradtap.capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
     require_root
-from gradtap.errors import CaptureError
-from gradtap.jit import JIT
+from gradtap.core.errors import CaptureError
+from gradtap.core.jit import JIT
 
 # linux/if_packet.h and linux/if_ether.h.
 SOL_PACKET = 263

@@ -9,7 +9,7 @@ Set-up (``Documentation/networking/af_xdp.rst``), all through system calls:
 3. ``bind`` to (interface, queue): zero-copy if asked or possible, copy mode otherwise
    (veth has copy mode only), multi-buffer (``XDP_USE_SG``) so frames longer than a chunk
    arrive as several descriptors;
-4. the redirect program (:mod:`capture.bpf`) and its XSKMAP, the socket put at the queue's
+4. the redirect program (:mod:`gradtap.capture.bpf`) and its XSKMAP, the socket put at the queue's
    index, the program attached to the interface with pyroute2 (native XDP where the driver
    has it, generic otherwise), never replacing a program someone else attached.
 
@@ -41,13 +41,13 @@ from numba import njit
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError as PyrouteNetlinkError
 
-from capture import bpf
-from capture.memory import load_acquire, store_release
-from capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
-from capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
+from gradtap.capture import bpf
+from gradtap.core.memory import load_acquire, store_release
+from gradtap.capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
+from gradtap.capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
     require_root
-from gradtap.errors import CaptureError
-from gradtap.jit import JIT
+from gradtap.core.errors import CaptureError
+from gradtap.core.jit import JIT
 
 # linux/if_xdp.h, linux/socket.h.
 AF_XDP, SOL_XDP = 44, 283

@@ -25,7 +25,7 @@ import os
 import platform
 import struct
 
-from gradtap.errors import CaptureError
+from gradtap.core.errors import CaptureError
 
 #: __NR_bpf per architecture (arch/*/entry/syscalls, include/uapi/asm-generic/unistd.h).
 SYSCALL_BPF = {"x86_64": 321, "aarch64": 280, "arm64": 280, "riscv64": 280, "ppc64le": 361, "s390x": 351}

@@ -31,9 +31,9 @@ import struct
 import numpy as np
 from numba import config, njit, types
 
-from capture.frames import LINKTYPE_ETHERNET, FrameBatch
-from gradtap.errors import CaptureError
-from gradtap.jit import JIT
+from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
+from gradtap.core.errors import CaptureError
+from gradtap.core.jit import JIT
 
 log = logging.getLogger(__name__)
 

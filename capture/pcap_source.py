@@ -1,6 +1,6 @@
 """``pcap``: a capture file (classic pcap or pcapng) as a capture source.
 
-Frames come from :class:`capture.pcap.PcapReader` in bounded batches and are copied into
+Frames come from :class:`gradtap.capture.pcap.PcapReader` in bounded batches and are copied into
 the ring in file order, as fast as the consumer takes them: a file has no wire to lose
 frames on, so a full ring makes the source wait (in bounded sleeps) rather than drop.
 """
@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import time
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapReader
-from capture.ring import FrameRing
-from capture.source import CaptureSource
-from gradtap.errors import CaptureError
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapReader
+from gradtap.capture.ring import FrameRing
+from gradtap.capture.source import CaptureSource
+from gradtap.core.errors import CaptureError
 
 # Waiting for room in the ring: the consumer frees slots a batch at a time.
 _WAIT_MIN_S, _WAIT_MAX_S = 50e-6, 2e-3

@@ -7,11 +7,11 @@ missing and what to enable.
 
 from __future__ import annotations
 
-from capture.af_packet import AfPacketSource
-from capture.af_xdp import AfXdpSource
-from capture.pcap_source import PcapSource
-from capture.source import CaptureSource
-from gradtap.errors import ConfigError
+from gradtap.capture.af_packet import AfPacketSource
+from gradtap.capture.af_xdp import AfXdpSource
+from gradtap.capture.pcap_source import PcapSource
+from gradtap.capture.source import CaptureSource
+from gradtap.core.errors import ConfigError
 
 SOURCES: dict[str, type[CaptureSource]] = {
     PcapSource.name: PcapSource,

@@ -1,6 +1,6 @@
 """FrameRing: a fixed-slot shared-memory ring from one capture worker to one parser.
 
-Layout of the shared mapping (:mod:`capture.shared_memory`, huge pages when available)::
+Layout of the shared mapping (:mod:`gradtap.capture.shared_memory`, huge pages when available)::
 
     header    4096 B   int64 words: geometry, head, tail, counters, source counters
     caplens   int32[slots]   captured bytes of the frame in each slot
@@ -10,7 +10,7 @@ Layout of the shared mapping (:mod:`capture.shared_memory`, huge pages when avai
 
 ``head`` (written by the producer) and ``tail`` (written by the consumer) count frames
 since the ring was made and never wrap; frame ``k`` lives in slot ``k % slots``. They sit
-on separate cache lines. The ordering protocol is the one in :mod:`capture.memory`: a
+on separate cache lines. The ordering protocol is the one in :mod:`gradtap.core.memory`: a
 producer fills slots, then store-releases ``head``; the consumer load-acquires ``head``,
 reads, then store-releases ``tail``; the producer load-acquires ``tail`` before reusing a
 slot.
@@ -32,10 +32,10 @@ import time
 import numpy as np
 from numba import njit
 
-from capture.frames import LINKTYPE_ETHERNET, FrameBatch
-from capture.memory import acquire, copy_bytes, load_acquire, release, store_release
-from capture.shared_memory import HugePages, SharedMemory
-from gradtap.jit import JIT
+from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
+from gradtap.core.memory import acquire, copy_bytes, load_acquire, release, store_release
+from gradtap.capture.shared_memory import HugePages, SharedMemory
+from gradtap.core.jit import JIT
 
 HEADER_BYTES = 4096
 MAGIC = 0x31474E4952544701  # "\x01GTRING1" little-endian: a mapping that is a frame ring

@@ -20,12 +20,12 @@ import time
 import numpy as np
 from numba import njit
 
-from capture.af_packet import SOL_PACKET, layout
-from capture.frames import FrameBatch
-from capture.memory import copy_bytes, load_acquire, store_release
-from capture.source import in_netns, interface_index, require_root
-from gradtap.errors import CaptureError
-from gradtap.jit import JIT
+from gradtap.capture.af_packet import SOL_PACKET, layout
+from gradtap.capture.frames import FrameBatch
+from gradtap.core.memory import copy_bytes, load_acquire, store_release
+from gradtap.capture.source import in_netns, interface_index, require_root
+from gradtap.core.errors import CaptureError
+from gradtap.core.jit import JIT
 
 PACKET_VERSION, PACKET_TX_RING, PACKET_QDISC_BYPASS = 10, 13, 20
 TPACKET_V2 = 1

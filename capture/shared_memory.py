@@ -22,7 +22,7 @@ import os
 from multiprocessing import reduction
 from typing import Literal
 
-from gradtap.errors import CaptureError
+from gradtap.core.errors import CaptureError
 
 log = logging.getLogger(__name__)
 

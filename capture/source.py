@@ -11,7 +11,7 @@ A source's life: construct it with its options (nothing touches the kernel yet),
 - :meth:`CaptureSource.close` -- give everything back (idempotent).
 
 Every source's ``stats()`` holds at least :data:`COMMON_STATS`; a source adds its own
-kernel counters, named in its ``COUNTERS``. Sources live in :mod:`capture.registry`.
+kernel counters, named in its ``COUNTERS``. Sources live in :mod:`gradtap.capture.registry`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import ClassVar
 
 from pyroute2 import netns as namespaces
 
-from capture.ring import FrameRing
-from gradtap.errors import CaptureError
+from gradtap.capture.ring import FrameRing
+from gradtap.core.errors import CaptureError
 
 #: ``stats()`` keys every source reports. ``received``: frames the source took from the
 #: kernel or file; ``kernel_drops``: frames the kernel dropped before the source saw them;

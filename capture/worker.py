@@ -33,9 +33,9 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from capture.registry import make_source, source_class
-from capture.ring import FrameRing
-from gradtap.errors import CaptureError, ConfigError
+from gradtap.capture.registry import make_source, source_class
+from gradtap.capture.ring import FrameRing
+from gradtap.core.errors import CaptureError, ConfigError
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,16 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from capture.ring import FrameRing
-from capture.worker import CaptureWorker, SourceSpec
+from gradtap.capture.ring import FrameRing
+from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.control import ControlPlane
-from gradtap.errors import CaptureError, ConfigError
+from gradtap.core.errors import CaptureError, ConfigError
 from gradtap.replay import Pipeline
 from gradtap.replica_sink import ReplicaSink
-from updater.replica import Replica
-from updater.snapshot import Snapshots
-from workload.layout import job_plan
-from workload.spec import JobSpec
+from gradtap.updater.replica import Replica
+from gradtap.updater.snapshot import Snapshots
+from gradtap.workload.layout import job_plan
+from gradtap.workload.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

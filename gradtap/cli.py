@@ -11,7 +11,7 @@ import sys
 import typer
 from rich.console import Console
 
-from gradtap.errors import GradtapError
+from gradtap.core.errors import GradtapError
 
 app = typer.Typer(
     name="gradtap",

@@ -124,7 +124,7 @@ def load_checkpoint(path: Path) -> dict:
     """A trainer checkpoint file, or a gradtap snapshot directory, as a checkpoint dict."""
     import torch
 
-    from updater import snapshot
+    from gradtap.updater import snapshot
     if path.is_dir():
         return snapshot.load(path)
     checkpoint = torch.load(path, weights_only=True)

@@ -7,7 +7,7 @@ twice and nothing can drift:
 - ``gradtap_frames_total{stream}``, ``gradtap_bytes_total{stream}``: frames and bytes captured;
 - ``gradtap_drops_total{stream,reason}``: ``kernel`` (the socket), ``ring`` (ring full),
   ``truncated`` (longer than a ring slot);
-- ``gradtap_decode_events_total{stream,event}``: the parser's events (``parser/events.py``);
+- ``gradtap_decode_events_total{stream,event}``: the parser's events (``wire/events.py``);
 - ``gradtap_iterations_total{result}``: ``recovered`` / ``unrecoverable``;
 - ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``;
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating.

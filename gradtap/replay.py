@@ -1,6 +1,6 @@
 """Offline replay: capture files → parse → merge → update, the appliance's pipeline over pcaps.
 
-Each stream's file is read in bounded batches (``capture.pcap.PcapReader``), without copying
+Each stream's file is read in bounded batches (``gradtap.capture.pcap.PcapReader``), without copying
 the frames out of the file's mapping. All streams advance together in time: every round
 takes from each stream the frames up to a common horizon (the earliest end of the streams'
 buffered batches), so no stream runs ahead of the others by more than one batch of the
@@ -20,14 +20,14 @@ from typing import Callable
 
 import numpy as np
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapReader
-from gradtap.errors import ConfigError
-from merger.merger import IterationReport, Merger, Sink
-from parser import events as ev
-from parser.stream import StreamParser
-from workload.spec import JobSpec
-from workload.wire_plan import WirePlan
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapReader
+from gradtap.core.errors import ConfigError
+from gradtap.merger.merger import IterationReport, Merger, Sink
+from gradtap.wire import events as ev
+from gradtap.parser.stream import StreamParser
+from gradtap.workload.spec import JobSpec
+from gradtap.workload.wire_plan import WirePlan
 
 
 class _Source:

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from gradtap.control import ControlPlane
-from merger.merger import IterationReport
-from updater.replica import Replica
-from updater.snapshot import Snapshots
+from gradtap.merger.merger import IterationReport
+from gradtap.updater.replica import Replica
+from gradtap.updater.snapshot import Snapshots
 
 log = logging.getLogger(__name__)
 

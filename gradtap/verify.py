@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gradtap.errors import GradtapError
+from gradtap.core.errors import GradtapError
 from gradtap.replica_sink import state_digest
-from updater import snapshot
-from workload.spec import ParamSpec
+from gradtap.updater import snapshot
+from gradtap.workload.spec import ParamSpec
 
 
 @dataclass

@@ -25,9 +25,9 @@ from typing import Protocol
 
 import numpy as np
 
-from merger.union import BlockMismatch, BucketBlocks, union
-from parser.stream import AssembledIteration
-from workload.wire_plan import WirePlan
+from gradtap.merger.union import BlockMismatch, BucketBlocks, union
+from gradtap.parser.stream import AssembledIteration
+from gradtap.workload.wire_plan import WirePlan
 
 log = logging.getLogger(__name__)
 

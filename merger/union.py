@@ -22,7 +22,7 @@ from functools import cached_property
 import numpy as np
 from numba import config, njit, types
 
-from gradtap.jit import JIT
+from gradtap.core.jit import JIT
 
 if config.DISABLE_JIT:
     def _blocks_differ(a, b, start, nbytes, check):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from netconfig.topology import Topology
+from gradtap.netconfig.topology import Topology
 
 
 @dataclass(frozen=True)

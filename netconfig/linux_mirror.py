@@ -7,7 +7,7 @@ gradtap's CI runs on) get a u32 filter with one all-zero key, which also matches
 frame. Detection is by trying: the first ``matchall`` add that fails with ENOENT or
 EOPNOTSUPP ("classifier not found") switches the run to u32.
 
-gradtap's filters are the ones at tc priorities :data:`netconfig.vendors.linux.PRIORITY`
+gradtap's filters are the ones at tc priorities :data:`gradtap.netconfig.vendors.linux.PRIORITY`
 (one per hook); nothing else is touched. That makes both verbs idempotent:
 
 - ``apply`` leaves a correct filter alone, replaces one at our priority that mirrors
@@ -15,7 +15,7 @@ gradtap's filters are the ones at tc priorities :data:`netconfig.vendors.linux.P
 - ``teardown`` deletes our priorities on the planned hooks (absent ones are fine), then
   deletes the clsact qdisc of an interface only if no filter at all is left on it.
 
-Kernel errors keep their errno (:class:`gradtap.errors.NetlinkError`) and name the interface.
+Kernel errors keep their errno (:class:`gradtap.core.errors.NetlinkError`) and name the interface.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pyroute2 import IPRoute, NetNS, netns as namespaces, protocols
 from pyroute2.netlink.exceptions import NetlinkError as PyrouteNetlinkError
 from pyroute2.netlink.rtnl import TC_H_CLSACT
 
-from gradtap.errors import ConfigError, NetlinkError
-from netconfig.plan import Plan
-from netconfig.vendors import linux
-from netconfig.vendors.base import build_sessions
-from netconfig.vendors.linux import PRIORITY, Hook, TcMirror
+from gradtap.core.errors import ConfigError, NetlinkError
+from gradtap.netconfig.plan import Plan
+from gradtap.netconfig.vendors import linux
+from gradtap.netconfig.vendors.base import build_sessions
+from gradtap.netconfig.vendors.linux import PRIORITY, Hook, TcMirror
 
 CLSACT_HANDLE = 0xFFFF0000
 # linux/pkt_sched.h: TC_H_MIN_INGRESS / TC_H_MIN_EGRESS under the clsact major.

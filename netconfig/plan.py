@@ -18,9 +18,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from gradtap.errors import ConfigError
-from netconfig.topology import Direction, MirrorPolicy, Vendor
-from netconfig.validation import format_validation_error
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.topology import Direction, MirrorPolicy, Vendor
+from gradtap.netconfig.validation import format_validation_error
 
 PLAN_FORMAT = "gradtap-netconfig-plan/1"
 #: The job spec's pattern for a mirror-stream name (the SONiC session-name pattern).

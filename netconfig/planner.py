@@ -2,7 +2,7 @@
 
 Per DP group (one gradtap appliance, so one CPU node), the planner greedily adds
 ``mirror.sources_per_group`` sources -- a ring position and a direction -- each time
-taking the candidate that best improves chunk coverage (:mod:`netconfig.ring`): the
+taking the candidate that best improves chunk coverage (:mod:`gradtap.netconfig.ring`): the
 sorted coverage vector is compared lexicographically, so the minimum coverage is raised
 first, then the number of chunks at that minimum lowered. Ties prefer a switch-local
 destination, less mirror bandwidth, ring neighbours of the sources already chosen
@@ -24,14 +24,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from gradtap.errors import ConfigError
-from netconfig import vendors
-from netconfig.layout import DpGroup, Seat, dp_groups
-from netconfig.plan import CpuNodeUse, GroupPlan, Plan, PlannedSource, SwitchInfo
-from netconfig.reliability import p_fail_eq2, p_fail_exact
-from netconfig.ring import chunk_coverage, stream_hops
-from netconfig.topology import Direction, LeafSwitch, Topology
-from netconfig.vendors.base import session_keys, session_limit
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig import vendors
+from gradtap.netconfig.layout import DpGroup, Seat, dp_groups
+from gradtap.netconfig.plan import CpuNodeUse, GroupPlan, Plan, PlannedSource, SwitchInfo
+from gradtap.netconfig.reliability import p_fail_eq2, p_fail_exact
+from gradtap.netconfig.ring import chunk_coverage, stream_hops
+from gradtap.netconfig.topology import Direction, LeafSwitch, Topology
+from gradtap.netconfig.vendors.base import session_keys, session_limit
 
 _DIRECTION_ORDER = {"egress": 0, "ingress": 1, "both": 2}
 _MAX_REASONS = 6

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from gradtap.errors import ConfigError
-from netconfig.topology import CpuNode, CpuPort, GpuNic, GpuNode, LeafSwitch, RailFabric, SwitchPort, Topology
-from netconfig.validation import issue
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.topology import CpuNode, CpuPort, GpuNic, GpuNode, LeafSwitch, RailFabric, SwitchPort, Topology
+from gradtap.netconfig.validation import issue
 
 
 def leaf_name(pod: int, rail: int) -> str:

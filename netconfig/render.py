@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from netconfig import vendors
-from netconfig.plan import Plan
-from netconfig.vendors.base import SwitchConfig, build_sessions
+from gradtap.netconfig import vendors
+from gradtap.netconfig.plan import Plan
+from gradtap.netconfig.vendors.base import SwitchConfig, build_sessions
 
 
 def render_plan(plan: Plan, vendor: str | None = None, switches: list[str] | None = None) -> list[SwitchConfig]:

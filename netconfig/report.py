@@ -13,10 +13,10 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from netconfig import vendors
-from netconfig.plan import Plan
-from netconfig.reliability import iterations_between_failures, p_any_fails
-from netconfig.vendors.base import build_sessions, session_limit
+from gradtap.netconfig import vendors
+from gradtap.netconfig.plan import Plan
+from gradtap.netconfig.reliability import iterations_between_failures, p_any_fails
+from gradtap.netconfig.vendors.base import build_sessions, session_limit
 
 
 def _iterations(p_fail: float | None) -> float | None:

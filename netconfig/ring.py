@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from netconfig.topology import Direction
+from gradtap.netconfig.topology import Direction
 
 
 def stream_hops(position: int, direction: Direction, n_ranks: int) -> tuple[int, ...]:

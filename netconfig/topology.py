@@ -6,7 +6,7 @@ is cabled), the job's parallel layout (DP/TP/PP sizes, rank order, ring order) a
 mirror policy (loss rate, packets per iteration, sources per DP group, price).
 
 Hardware is listed explicitly, or generated from a compact ``rail_fabric`` section for
-rail-optimised clusters (see :mod:`netconfig.rail_fabric`). Every problem is reported as
+rail-optimised clusters (see :mod:`gradtap.netconfig.rail_fabric`). Every problem is reported as
 ``<file>: <field path>: <bad value> is not allowed (<what is>)``, all problems at once.
 """
 
@@ -20,8 +20,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from gradtap.errors import ConfigError
-from netconfig.validation import format_validation_error, issue, show_value
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.validation import format_validation_error, issue, show_value
 
 Vendor = Literal["sonic", "eos", "nxos", "comware", "junos", "nvue", "linux"]
 #: A mirror direction, seen from the GPU NIC: ``egress`` = frames the NIC transmits.
@@ -184,7 +184,7 @@ def parse_topology(data: object, source: str = "topology.yaml") -> Topology:
         raise ConfigError(format_validation_error(source, exc, Topology)) from None
     if topo.rail_fabric is not None:
         # Imported here: rail_fabric builds the models of this module.
-        from netconfig.rail_fabric import expand_rail_fabric
+        from gradtap.netconfig.rail_fabric import expand_rail_fabric
 
         topo = expand_rail_fabric(topo, source)
     problems = check_references(topo, source)

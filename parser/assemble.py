@@ -25,15 +25,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from capture.memory import copy_bytes
-from gradtap.jit import JIT
-from parser import events as ev
-from parser.headers.aeth import SYNDROME_NAK
-from parser.headers.opcodes import (KIND_ACK, KIND_ATOMIC, KIND_ATOMIC_ACK, KIND_CNP, KIND_READ_REQUEST,
+from gradtap.core.memory import copy_bytes
+from gradtap.core.jit import JIT
+from gradtap.wire import events as ev
+from gradtap.wire.headers.aeth import SYNDROME_NAK
+from gradtap.wire.headers.opcodes import (KIND_ACK, KIND_ATOMIC, KIND_ATOMIC_ACK, KIND_CNP, KIND_READ_REQUEST,
                                     KIND_READ_RESPONSE, KIND_WRITE, OPCODE_IMMDT_OFF, OPCODE_KIND,
                                     OPCODE_POSITION, OPCODE_RETH_OFF, POS_FIRST, POS_LAST, POS_MIDDLE, POS_ONLY)
-from workload.ll128 import LL128_WIRE_TO_DATA
-from workload.wire_plan import NO_VA, PHASE_AG
+from gradtap.wire.ll128 import LL128_WIRE_TO_DATA
+from gradtap.workload.wire_plan import NO_VA, PHASE_AG
 
 DONE, NEED_ADVANCE = 0, 1
 PSN_MASK = (1 << 24) - 1

@@ -1,13 +1,13 @@
 """Stage 1 of the parser: every frame of a batch to one :data:`FRAME_DTYPE` record and one event.
 
-The walk follows the wire, one declared header at a time (``parser/headers``): Ethernet II,
+The walk follows the wire, one declared header at a time (``wire/headers``): Ethernet II,
 any number of 802.1Q/802.1ad tags, IPv4 (unfragmented) or IPv6, UDP to port 4791, the BTH,
 then the extended transport headers the opcode carries (``OPCODE_*`` tables), the pad and the
 ICRC. Every offset and mask comes from those declarations.
 
 Mirrored frames are untrusted. Every read is checked against the frame's captured end
 (``offsets[i] + caplens[i]``) before it happens; length fields are only ever compared, never
-used to read past that end. A frame ends in exactly one event of ``parser/events.py``:
+used to read past that end. A frame ends in exactly one event of ``wire/events.py``:
 
 - ``decode.ok``: a complete RoCEv2 packet; every field of the record is valid and the ICRC
   matched (or was not checked: ``icrc`` is then ``ICRC_UNCHECKED``).
@@ -46,28 +46,28 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from capture.frames import LINKTYPE_ETHERNET, FrameBatch
-from gradtap.jit import JIT, JIT_PARALLEL
-from parser.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
+from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
+from gradtap.core.jit import JIT, JIT_PARALLEL
+from gradtap.wire.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
                            DECODE_ETH_TRUNCATED, DECODE_EXT_TRUNCATED, DECODE_FRAME_TRUNCATED,
                            DECODE_ICRC_BAD, DECODE_IPV4_BAD_HEADER, DECODE_IPV4_FRAGMENT,
                            DECODE_IPV4_TRUNCATED, DECODE_IPV6_BAD_HEADER, DECODE_IPV6_TRUNCATED,
                            DECODE_OK, DECODE_PAYLOAD_UNEXPECTED, DECODE_UDP_BAD_LENGTH,
                            DECODE_UDP_TRUNCATED, N_EVENTS, OTHER_NON_IP, OTHER_NON_ROCE,
                            OTHER_NON_UDP)
-from parser.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
-from parser.headers.aeth import AETH_OFF_SYNDROME, AETH_SIZE_SYNDROME
-from parser.headers.bth import (BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH_DESTQP_MASK,
+from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
+from gradtap.wire.headers.aeth import AETH_OFF_SYNDROME, AETH_SIZE_SYNDROME
+from gradtap.wire.headers.bth import (BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH_DESTQP_MASK,
                                 BTH_DESTQP_SHIFT, BTH_LEN, BTH_OFF_ACKREQ, BTH_OFF_DESTQP,
                                 BTH_OFF_OPCODE, BTH_OFF_PADCNT, BTH_OFF_PSN, BTH_PADCNT_MASK,
                                 BTH_PADCNT_SHIFT, BTH_PSN_MASK, BTH_PSN_SHIFT, BTH_SIZE_ACKREQ,
                                 BTH_SIZE_DESTQP, BTH_SIZE_OPCODE, BTH_SIZE_PADCNT, BTH_SIZE_PSN)
-from parser.headers.eth import (ETH_LEN, ETH_OFF_TYPE, ETH_SIZE_TYPE, ETHERTYPE_IPV4,
+from gradtap.wire.headers.eth import (ETH_LEN, ETH_OFF_TYPE, ETH_SIZE_TYPE, ETHERTYPE_IPV4,
                                 ETHERTYPE_IPV6, ETHERTYPE_QINQ, ETHERTYPE_VLAN, VLAN_LEN,
                                 VLAN_OFF_TYPE, VLAN_OFF_VID, VLAN_SIZE_TYPE, VLAN_SIZE_VID,
                                 VLAN_VID_MASK, VLAN_VID_SHIFT)
-from parser.headers.immdt import IMMDT_OFF_IMM, IMMDT_SIZE_IMM
-from parser.headers.ipv4 import (IPPROTO_UDP, IPV4_FLAGS_MASK, IPV4_FLAGS_SHIFT,
+from gradtap.wire.headers.immdt import IMMDT_OFF_IMM, IMMDT_SIZE_IMM
+from gradtap.wire.headers.ipv4 import (IPPROTO_UDP, IPV4_FLAGS_MASK, IPV4_FLAGS_SHIFT,
                                  IPV4_FRAG_OFFSET_MASK, IPV4_FRAG_OFFSET_SHIFT, IPV4_IHL_MASK,
                                  IPV4_IHL_SHIFT, IPV4_LEN, IPV4_OFF_DST, IPV4_OFF_FLAGS,
                                  IPV4_OFF_FRAG_OFFSET, IPV4_OFF_IHL, IPV4_OFF_PROTO, IPV4_OFF_SRC,
@@ -75,17 +75,17 @@ from parser.headers.ipv4 import (IPPROTO_UDP, IPV4_FLAGS_MASK, IPV4_FLAGS_SHIFT,
                                  IPV4_SIZE_FLAGS, IPV4_SIZE_SRC, IPV4_SIZE_FRAG_OFFSET, IPV4_SIZE_IHL,
                                  IPV4_SIZE_PROTO, IPV4_SIZE_TOTAL_LENGTH, IPV4_SIZE_VERSION,
                                  IPV4_VERSION_MASK, IPV4_VERSION_SHIFT)
-from parser.headers.ipv6 import (IPV6_LEN, IPV6_OFF_DST, IPV6_OFF_NEXT_HEADER,
+from gradtap.wire.headers.ipv6 import (IPV6_LEN, IPV6_OFF_DST, IPV6_OFF_NEXT_HEADER,
                                  IPV6_OFF_PAYLOAD_LENGTH, IPV6_OFF_SRC, IPV6_OFF_VERSION,
                                  IPV6_SIZE_DST, IPV6_SIZE_NEXT_HEADER, IPV6_SIZE_PAYLOAD_LENGTH,
                                  IPV6_SIZE_SRC, IPV6_SIZE_VERSION, IPV6_VERSION_MASK, IPV6_VERSION_SHIFT)
-from parser.headers.opcodes import (OPCODE_AETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF,
+from gradtap.wire.headers.opcodes import (OPCODE_AETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF,
                                     OPCODE_PAYLOAD, OPCODE_RETH_OFF, OPCODE_VALID)
-from parser.headers.reth import (RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA,
+from gradtap.wire.headers.reth import (RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA,
                                  RETH_SIZE_DMA_LENGTH, RETH_SIZE_RKEY, RETH_SIZE_VA)
-from parser.headers.udp import (ROCEV2_UDP_PORT, UDP_LEN, UDP_OFF_DPORT, UDP_OFF_LENGTH,
+from gradtap.wire.headers.udp import (ROCEV2_UDP_PORT, UDP_LEN, UDP_OFF_DPORT, UDP_OFF_LENGTH,
                                 UDP_OFF_SPORT, UDP_SIZE_DPORT, UDP_SIZE_LENGTH, UDP_SIZE_SPORT)
-from parser.icrc import ICRC_LEN, icrc_frame
+from gradtap.wire.icrc import ICRC_LEN, icrc_frame
 
 IPV4_WORD = 4      # RFC 791 §3.1: the IHL counts 32-bit words
 IPV4_FLAG_MF = 1   # RFC 791 §3.1: "More Fragments", the last of the three flag bits

@@ -9,7 +9,7 @@ messages per iteration while it aligns.
 
 Definitions (the JSON keys of :func:`inspect_capture`):
 
-- **RoCEv2 frame**: a frame whose BTH was read (:func:`parser.decode.is_roce`), whatever its
+- **RoCEv2 frame**: a frame whose BTH was read (:func:`gradtap.parser.decode.is_roce`), whatever its
   opcode (0xaa counts), its ICRC or whether it was cut short; tshark counts the same frames.
 - **flow**: (IP version, source IP, destination IP, BTH destination QP), in order of first
   appearance. ``udp_sport`` is the source port of the flow's first frame (a flow may see
@@ -43,18 +43,18 @@ from typing import Callable
 import numpy as np
 from numba import njit
 
-from capture.pcap import PcapReader
-from gradtap.errors import CaptureError
-from gradtap.jit import JIT
-from parser.decode import decode_batch, is_roce
-from parser.events import DECODE_OK
-from parser.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK
-from parser.headers.bth import PSN_MODULUS
-from parser.headers.opcodes import (KIND_ATOMIC, KIND_READ_REQUEST, KIND_SEND, KIND_WRITE,
+from gradtap.capture.pcap import PcapReader
+from gradtap.core.errors import CaptureError
+from gradtap.core.jit import JIT
+from gradtap.parser.decode import decode_batch, is_roce
+from gradtap.wire.events import DECODE_OK
+from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK
+from gradtap.wire.headers.bth import PSN_MODULUS
+from gradtap.wire.headers.opcodes import (KIND_ATOMIC, KIND_READ_REQUEST, KIND_SEND, KIND_WRITE,
                                     OPCODE_KIND, OPCODE_RETH_OFF, OPCODE_VALID)
-from workload.layout import job_plan
-from workload.nccl import LL128_DATA_WORDS, LL128_LINE_BYTES, LL_LINE_BYTES
-from workload.wire_plan import CTS, PHASE_AG, PHASE_RS
+from gradtap.workload.layout import job_plan
+from gradtap.workload.nccl import LL128_DATA_WORDS, LL128_LINE_BYTES, LL_LINE_BYTES
+from gradtap.workload.wire_plan import CTS, PHASE_AG, PHASE_RS
 
 MAX_SAMPLES = 64
 PROTOCOLS = ("unknown", "Simple", "LL", "LL128")

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parser import events as ev
-from parser.headers.opcodes import KIND_WRITE, OPCODE_KIND, OPCODE_RETH_OFF
-from parser.stream_tables import StreamTables
+from gradtap.wire import events as ev
+from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND, OPCODE_RETH_OFF
+from gradtap.parser.stream_tables import StreamTables
 
 PSN_MOD = 1 << 24
 

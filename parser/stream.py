@@ -20,18 +20,18 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from capture.frames import FrameBatch
-from capture.memory import copy_bytes
-from gradtap.errors import ConfigError
-from gradtap.jit import JIT
-from parser import events as ev
-from parser.assemble import NEED_ADVANCE, assemble
-from parser.decode import decode_batch
-from parser.lockon import PSN_MOD, LockOn
-from parser.stream_tables import stream_tables
-from workload import nccl
-from workload.spec import JobSpec
-from workload.wire_plan import WirePlan
+from gradtap.capture.frames import FrameBatch
+from gradtap.core.memory import copy_bytes
+from gradtap.core.errors import ConfigError
+from gradtap.core.jit import JIT
+from gradtap.wire import events as ev
+from gradtap.parser.assemble import NEED_ADVANCE, assemble
+from gradtap.parser.decode import decode_batch
+from gradtap.parser.lockon import PSN_MOD, LockOn
+from gradtap.parser.stream_tables import stream_tables
+from gradtap.workload import nccl
+from gradtap.workload.spec import JobSpec
+from gradtap.workload.wire_plan import WirePlan
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class StreamParser:
     Parameters
     ----------
     job, plan:
-        The job spec and its wire plan (``workload.layout.job_plan``).
+        The job spec and its wire plan (``gradtap.workload.layout.job_plan``).
     stream:
         Name of one of ``job.mirrors``.
     verify_icrc:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workload.spec import JobSpec, MirrorSpec
-from workload.wire_plan import DATA, WirePlan
+from gradtap.workload.spec import JobSpec, MirrorSpec
+from gradtap.workload.wire_plan import DATA, WirePlan
 
 PROTOCOL_CODE = {"Simple": 0, "LL": 1, "LL128": 2}
 

@@ -34,8 +34,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from gradtap.errors import PlanError
-from workload.wire_plan import DATA, PHASE_RS, WirePlan
+from gradtap.core.errors import PlanError
+from gradtap.workload.wire_plan import DATA, PHASE_RS, WirePlan
 
 WIRE_DTYPE_OF = {np.dtype(np.float32): "fp32", np.dtype(np.float16): "fp16", np.dtype(np.uint16): "bf16"}
 
@@ -136,7 +136,7 @@ def chunk_index(plan: WirePlan, bucket: int) -> np.ndarray:
 
 
 def plan_allreduce(plan: WirePlan) -> Callable[[Sequence[np.ndarray], object], np.ndarray]:
-    """An ``allreduce(contributions, bucket)`` for :class:`simulator.training.Trainer`.
+    """An ``allreduce(contributions, bucket)`` for :class:`gradtap.simulator.training.Trainer`.
 
     ``contributions[p]`` is ring position ``p``'s buffer of the bucket whose ``index`` is
     given; the result is the fully reduced buffer (row ``n-1`` of :func:`ring_partials`).

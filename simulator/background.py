@@ -13,10 +13,10 @@ import struct
 
 import numpy as np
 
-from parser.headers import eth, ipv4, ipv6
-from parser.headers import opcodes as op
-from simulator.frames import PACKET_DTYPE, Routes
-from workload.spec import JobSpec
+from gradtap.wire.headers import eth, ipv4, ipv6
+from gradtap.wire.headers import opcodes as op
+from gradtap.simulator.frames import PACKET_DTYPE, Routes
+from gradtap.workload.spec import JobSpec
 
 P2P_BYTES = (40000, 15424, 24576)   # the p2p message sizes seen in the real captures
 P2P_QPN = 0x7000

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gradtap.errors import ConfigError
+from gradtap.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 
-from gradtap.errors import ConfigError
-from simulator.traffic import LinkFaults
+from gradtap.core.errors import ConfigError
+from gradtap.simulator.traffic import LinkFaults
 
 MIN_TRUNCATED = 14  # a truncated frame keeps at least its Ethernet header
 

@@ -2,7 +2,7 @@
 
 A packet is one row of :data:`PACKET_DTYPE`. Its addresses come from a *route*: the
 Ethernet, IP and UDP headers of one (sender, receiver, UDP source port) triple, built once
-with the declarative header layouts (``parser/headers``) and patched per packet by the
+with the declarative header layouts (``wire/headers``) and patched per packet by the
 kernel (lengths, IPv4 checksum). BTH and the extension headers that the opcode carries are
 written from the descriptor, the payload is copied from an arena, and the ICRC is computed
 last over the finished frame. Nothing here is per-frame Python.
@@ -15,19 +15,19 @@ import ipaddress
 import numpy as np
 from numba import njit
 
-from gradtap.jit import JIT
-from parser.headers import eth, ipv4, ipv6, udp
-from parser.headers.aeth import AETH_OFF_SYNDROME
-from parser.headers.deth import DETH_OFF_QKEY, DETH_OFF_SRCQP
-from parser.headers.bth import BTH_LEN, BTH_OFF_DESTQP, BTH_OFF_OPCODE, BTH_OFF_PKEY, BTH_OFF_PSN, BTH_OFF_SE, \
+from gradtap.core.jit import JIT
+from gradtap.wire.headers import eth, ipv4, ipv6, udp
+from gradtap.wire.headers.aeth import AETH_OFF_SYNDROME
+from gradtap.wire.headers.deth import DETH_OFF_QKEY, DETH_OFF_SRCQP
+from gradtap.wire.headers.bth import BTH_LEN, BTH_OFF_DESTQP, BTH_OFF_OPCODE, BTH_OFF_PKEY, BTH_OFF_PSN, BTH_OFF_SE, \
     BTH_PADCNT_SHIFT, BTH_TVER_SHIFT
-from parser.headers.immdt import IMMDT_OFF_IMM
-from parser.headers.ipv4 import IPV4_LEN, IPV4_OFF_CHECKSUM, IPV4_OFF_TOTAL_LENGTH
-from parser.headers.ipv6 import IPV6_LEN, IPV6_OFF_PAYLOAD_LENGTH
-from parser.headers.opcodes import OPCODE_AETH_OFF, OPCODE_DETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, OPCODE_RETH_OFF
-from parser.headers.reth import RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA
-from parser.headers.udp import UDP_LEN, UDP_OFF_LENGTH
-from parser.icrc import ICRC_LEN, icrc_frame
+from gradtap.wire.headers.immdt import IMMDT_OFF_IMM
+from gradtap.wire.headers.ipv4 import IPV4_LEN, IPV4_OFF_CHECKSUM, IPV4_OFF_TOTAL_LENGTH
+from gradtap.wire.headers.ipv6 import IPV6_LEN, IPV6_OFF_PAYLOAD_LENGTH
+from gradtap.wire.headers.opcodes import OPCODE_AETH_OFF, OPCODE_DETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, OPCODE_RETH_OFF
+from gradtap.wire.headers.reth import RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA
+from gradtap.wire.headers.udp import UDP_LEN, UDP_OFF_LENGTH
+from gradtap.wire.icrc import ICRC_LEN, icrc_frame
 
 PACKET_DTYPE = np.dtype([
     ("ts_ns", "i8"),

@@ -33,7 +33,7 @@ a *flag thread* when ``wid % 8 == 7``:
 Hence data word ``2·ix`` goes to wire word ``64g + 2·wid`` and data word ``2·ix + 1`` to
 ``64g + 2·wid + 1`` (``64(g+1) + 2·wid`` for a flag thread); the 4 groups × 32 lanes, minus
 the flag threads' odd groups, cover blocks 0..119 exactly once
-(:data:`workload.ll128.LL128_DATA_TO_WIRE`, shared with the parser).
+(:data:`gradtap.wire.ll128.LL128_DATA_TO_WIRE`, shared with the parser).
 Data past the end of a send (its last slice) is unspecified in NCCL (unloaded registers,
 or the user buffer's following bytes inside a partly used block); this encoder writes
 zeros there. Flags are written on every line of every slice.
@@ -47,9 +47,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from gradtap.jit import JIT
-from workload.ll128 import LL128_DATA_TO_WIRE, LL128_SLICE_DATA, LL128_SLICE_WIRE
-from workload.nccl import (LL128_DATA_WORDS_PER_WARP, LL128_LINE_WORDS, LL128_WIRE_WORDS_PER_WARP,
+from gradtap.core.jit import JIT
+from gradtap.wire.ll128 import LL128_DATA_TO_WIRE, LL128_SLICE_DATA, LL128_SLICE_WIRE
+from gradtap.workload.nccl import (LL128_DATA_WORDS_PER_WARP, LL128_LINE_WORDS, LL128_WIRE_WORDS_PER_WARP,
                            LL_DATA_PER_LINE, LL_LINE_BYTES)
 
 PROTOCOLS = ("Simple", "LL", "LL128")

@@ -1,11 +1,11 @@
 """``gradtap simulate``: train, reduce in NCCL's ring order, and write what the mirrors see.
 
 For every captured iteration the simulator trains the job's model as N data-parallel ranks
-(:mod:`simulator.training`), reduces each DDP bucket with the ring's own order of additions
-(:mod:`simulator.allreduce`), turns the wire plan into packets (:mod:`simulator.traffic`),
-adds the non-allreduce traffic of each port (:mod:`simulator.background`), applies each
-mirror path's faults (:mod:`simulator.faults`) and appends the frames to one capture file
-per mirror stream. The ground truth goes to ``truth/`` (:mod:`simulator.truth`).
+(:mod:`gradtap.simulator.training`), reduces each DDP bucket with the ring's own order of additions
+(:mod:`gradtap.simulator.allreduce`), turns the wire plan into packets (:mod:`gradtap.simulator.traffic`),
+adds the non-allreduce traffic of each port (:mod:`gradtap.simulator.background`), applies each
+mirror path's faults (:mod:`gradtap.simulator.faults`) and appends the frames to one capture file
+per mirror stream. The ground truth goes to ``truth/`` (:mod:`gradtap.simulator.truth`).
 
 Captures begin at the first iteration that uses the job's bucket layout: DDP rebuilds its
 buckets after iteration 0, so a job in the ``rebuilt`` layout is captured from iteration 1,
@@ -24,20 +24,20 @@ from typing import Callable
 import numpy as np
 import torch
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapngWriter, PcapWriter
-from gradtap.errors import ConfigError
-from simulator import models
-from simulator.allreduce import chunk_index, plan_allreduce, ring_partials
-from simulator.background import Background
-from simulator.faults import FaultSpec, apply_mirror_faults
-from simulator.frames import Routes, encode_frames
-from simulator.traffic import ConnectionState, Timing, TrafficBuilder
-from simulator.training import Trainer
-from simulator.truth import TruthWriter
-from workload.layout import job_buckets, job_params
-from workload.spec import JobSpec, dump_job
-from workload.wire_plan import build_plan
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapngWriter, PcapWriter
+from gradtap.core.errors import ConfigError
+from gradtap.workload import models
+from gradtap.simulator.allreduce import chunk_index, plan_allreduce, ring_partials
+from gradtap.simulator.background import Background
+from gradtap.simulator.faults import FaultSpec, apply_mirror_faults
+from gradtap.simulator.frames import Routes, encode_frames
+from gradtap.simulator.traffic import ConnectionState, Timing, TrafficBuilder
+from gradtap.simulator.training import Trainer
+from gradtap.simulator.truth import TruthWriter
+from gradtap.workload.layout import job_buckets, job_params
+from gradtap.workload.spec import JobSpec, dump_job
+from gradtap.workload.wire_plan import build_plan
 
 EPOCH_NS = 1_767_225_600 * 10**9   # 2026-01-01T00:00:00Z: where simulated time starts
 LINKTYPE_ETHERNET = 1

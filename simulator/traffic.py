@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from parser.headers import opcodes as op
-from simulator.frames import PACKET_DTYPE, Routes
-from simulator.payload import encode
-from workload import nccl as N
-from workload.spec import JobSpec
-from workload.wire_plan import CTS, DATA, NO_VA, PSN_MOD, WirePlan
+from gradtap.wire.headers import opcodes as op
+from gradtap.simulator.frames import PACKET_DTYPE, Routes
+from gradtap.simulator.payload import encode
+from gradtap.workload import nccl as N
+from gradtap.workload.spec import JobSpec
+from gradtap.workload.wire_plan import CTS, DATA, NO_VA, PSN_MOD, WirePlan
 
 ACK_SYNDROME = 0x1F            # ACK, credit field "invalid" (end-to-end credits unused by RoCE NICs)
 NAK_SEQ_ERR_SYNDROME = 0x60    # NAK, PSN sequence error (IBTA §9.3.5.1)

@@ -33,7 +33,7 @@ with ``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)`` DDP d
 
 After the allreduce: optional ``torch.nn.utils.clip_grad_norm_(model.parameters(),
 max_norm)`` (its defaults otherwise), the learning rate of
-:func:`workload.schedule.learning_rate`, then ``optimizer.step()``. Per-rank buffers of every bucket are kept in the result, so an
+:func:`gradtap.workload.schedule.learning_rate`, then ``optimizer.step()``. Per-rank buffers of every bucket are kept in the result, so an
 iteration holds ``N`` copies of the gradient in memory.
 """
 
@@ -46,10 +46,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from gradtap.errors import ConfigError, GradtapError, PlanError
-from simulator.data import Batch, batch_loss
-from workload.buckets import Bucket, ParamLike
-from workload.schedule import learning_rate
+from gradtap.core.errors import ConfigError, GradtapError, PlanError
+from gradtap.simulator.data import Batch, batch_loss
+from gradtap.workload.buckets import Bucket, ParamLike
+from gradtap.workload.schedule import learning_rate
 
 WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # numpy has no bfloat16: bf16 buffers travel as their raw 16-bit patterns.
@@ -118,22 +118,22 @@ class Trainer:
     model:
         The replica every rank holds; trained in place.
     params:
-        DDP's parameter list (``simulator.models.param_specs(model)``); checked against
+        DDP's parameter list (``gradtap.workload.models.param_specs(model)``); checked against
         the model by name, shape and dtype.
     buckets:
-        The bucket layout on the wire (``workload.buckets``), in launch order. A job
+        The bucket layout on the wire (``gradtap.workload.buckets``), in launch order. A job
         whose layout changes after iteration 0 passes a new layout to :meth:`step`.
     world_size:
         Number of data-parallel ranks N.
     optimizer:
         Fields ``kind, lr, betas, eps, weight_decay, implementation, schedule,
-        clip_grad_norm`` (``workload.spec.OptimizerSpec``).
+        clip_grad_norm`` (``gradtap.workload.spec.OptimizerSpec``).
     wire_dtype, predivide:
         ``"fp32" | "bf16" | "fp16"`` and whether ranks divide by N before the allreduce
         (see the module docstring).
     data:
         ``data.batch(rank, iteration)`` gives rank's micro-batch
-        (``simulator.data.ClassificationData`` / ``TokenData``).
+        (``gradtap.simulator.data.ClassificationData`` / ``TokenData``).
     allreduce:
         The reduction of one bucket across ranks (see :data:`Allreduce`).
     start_iteration:

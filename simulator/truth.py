@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from workload.buckets import Bucket
-from workload.spec import JobSpec, ParamSpec
+from gradtap.workload.buckets import Bucket
+from gradtap.workload.spec import JobSpec, ParamSpec
 
 
 def _sha256(path: Path) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gradtap.errors import GradtapError
+from gradtap.core.errors import GradtapError
 
 NORM_TYPE = 2.0
 CLIP_EPS = 1e-6     # clip_grad.py: max_norm / (total_norm + 1e-6)

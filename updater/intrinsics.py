@@ -35,8 +35,8 @@ from numba import config, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from gradtap.errors import GradtapError
-from gradtap.jit import JIT
+from gradtap.core.errors import GradtapError
+from gradtap.core.jit import JIT
 
 _F32 = ir.FloatType()
 _I16 = ir.IntType(16)
@@ -54,7 +54,7 @@ def has_avx512f() -> bool:
 if config.DISABLE_JIT:
     # Plain-Python twins, so the kernels also run with NUMBA_DISABLE_JIT=1 (coverage). The
     # AVX-512 estimate has no twin: without the JIT the MKL root is not reproduced and the
-    # updater takes its roots from torch.sqrt (``updater.mkl_sqrt.reproduces_torch``).
+    # updater takes its roots from torch.sqrt (``gradtap.updater.mkl_sqrt.reproduces_torch``).
 
     def fma32(a, b, c):
         """``a * b + c`` rounded once (float32)."""

@@ -51,10 +51,10 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from gradtap.errors import GradtapError
-from gradtap.jit import JIT, JIT_PARALLEL
-from updater import mkl_sqrt
-from updater.intrinsics import div32, fma32, widen
+from gradtap.core.errors import GradtapError
+from gradtap.core.jit import JIT, JIT_PARALLEL
+from gradtap.updater import mkl_sqrt
+from gradtap.updater.intrinsics import div32, fma32, widen
 
 IMPLEMENTATIONS = ("single_tensor", "foreach", "fused")
 CHUNK = 4096        # elements per work span: a span's p, g, m, v (64 KiB) stay in L2
@@ -91,7 +91,7 @@ def step_constants(implementation: str, *, decoupled: bool, lr: float, betas: tu
     Python floats in PyTorch's order for ``implementation``.
 
     ``world`` is the number of ranks when gradients arrive summed (``None``: pre-divided);
-    ``clip`` the float32 clip coefficient (``updater.clipping``); ``decoupled`` is AdamW.
+    ``clip`` the float32 clip coefficient (``gradtap.updater.clipping``); ``decoupled`` is AdamW.
     """
     if implementation not in IMPLEMENTATIONS:
         raise GradtapError(f"implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
@@ -289,7 +289,7 @@ def adam_step(implementation: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, 
     sqrt:
         ``SQRT_MKL`` or ``SQRT_TORCH``: where single-tensor roots come from; fused takes
         only ``SQRT_IEEE``. ``SQRT_TORCH`` calls ``torch.sqrt`` on the whole bucket
-        between two passes; use it where ``updater.mkl_sqrt.reproduces_torch()`` is false.
+        between two passes; use it where ``gradtap.updater.mkl_sqrt.reproduces_torch()`` is false.
     """
     n = p.shape[0]
     _check("adam_step: g", g, n, _wire_dtype(wire))

@@ -39,9 +39,9 @@ from functools import lru_cache
 import numpy as np
 from numba import config, njit
 
-from gradtap.errors import GradtapError
-from gradtap.jit import JIT
-from updater.intrinsics import fma32, has_avx512f, rsqrt14, rsqrt14x16
+from gradtap.core.errors import GradtapError
+from gradtap.core.jit import JIT
+from gradtap.updater.intrinsics import fma32, has_avx512f, rsqrt14, rsqrt14x16
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def sqrt(x: np.ndarray) -> np.ndarray:
     Raises ``GradtapError`` where it cannot run (:func:`available`).
     """
     if not available():
-        raise GradtapError("updater.mkl_sqrt needs AVX-512F (vrsqrt14ps) and the JIT; without them "
+        raise GradtapError("gradtap.updater.mkl_sqrt needs AVX-512F (vrsqrt14ps) and the JIT; without them "
                            "the updater takes its roots from torch.sqrt instead")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     out = np.empty_like(x)

@@ -31,15 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradtap.errors import ConfigError, GradtapError
-from updater import kernels, selfcheck
-from updater.clipping import GradNorms
-from updater.state import (FlatLayout, from_checkpoint, model_state_dict, optimizer_state_dict,
+from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.updater import kernels, selfcheck
+from gradtap.updater.clipping import GradNorms
+from gradtap.updater.state import (FlatLayout, from_checkpoint, model_state_dict, optimizer_state_dict,
                            param_group)
-from workload.buckets import Bucket
-from workload.layout import job_buckets, job_params
-from workload.schedule import learning_rate
-from workload.spec import JobSpec
+from gradtap.workload.buckets import Bucket
+from gradtap.workload.layout import job_buckets, job_params
+from gradtap.workload.schedule import learning_rate
+from gradtap.workload.spec import JobSpec
 
 WIRE_NUMPY = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16), "fp16": np.dtype(np.uint16)}
 
@@ -67,7 +67,7 @@ class Replica:
     @classmethod
     def from_job(cls, job: JobSpec, *, buckets: tuple[Bucket, ...] | None = None) -> "Replica":
         """From ``job.initial_state``: its checkpoint file, or the model built under its seed
-        (``simulator.models.build``) with empty optimizer state at iteration 0."""
+        (``gradtap.workload.models.build``) with empty optimizer state at iteration 0."""
         if job.initial_state.checkpoint is not None:
             checkpoint = torch.load(job.initial_state.checkpoint, weights_only=True)
         else:
@@ -254,7 +254,7 @@ class _Iteration:
 def seed_checkpoint(job: JobSpec, seed: int) -> dict[str, Any]:
     """The trainer's state before its first step: the model built under ``seed``, an empty
     optimizer state with the learning rate of iteration 0, iteration 0."""
-    from simulator.models import build  # the model factory; torch-heavy, only for seeds
+    from gradtap.workload.models import build  # the model factory; torch-heavy, only for seeds
 
     if job.model.factory is None:
         raise ConfigError("initial_state: a seed needs model.factory to build the model; a job that "

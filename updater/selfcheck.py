@@ -4,7 +4,7 @@ Bit-exactness rests on facts about the machine: which MKL square-root kernel run
 depends on the CPU), and which build of ``torch._fused_adam_`` runs (AVX2 on x86 hosts with
 AVX2; a plain build otherwise). So instead of assuming them, a replica runs the job's
 optimizer (kind, betas, eps, weight decay, implementation) for a few steps on a small
-probe, once through ``torch.optim`` and once through :func:`updater.kernels.adam_step`,
+probe, once through ``torch.optim`` and once through :func:`gradtap.updater.kernels.adam_step`,
 and compares every bit. Single-tensor and foreach fall back from the reproduced MKL root
 to ``torch.sqrt`` itself when the first does not match; when nothing matches the replica
 refuses to start rather than drift silently.
@@ -18,9 +18,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from gradtap.errors import GradtapError
-from updater import kernels, mkl_sqrt
-from workload.spec import OptimizerSpec
+from gradtap.core.errors import GradtapError
+from gradtap.updater import kernels, mkl_sqrt
+from gradtap.workload.spec import OptimizerSpec
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ PROBE_STEPS = 3
 def probe_matches(cfg: OptimizerSpec, sqrt: str, seed: int = 0) -> bool:
     """Whether ``adam_step`` with root source ``sqrt`` equals ``torch.optim`` for ``cfg``
     on the probe (fp32 gradients, pre-divided, no clipping)."""
-    from updater.state import TORCH_CLASSES, TORCH_KWARGS
+    from gradtap.updater.state import TORCH_CLASSES, TORCH_KWARGS
 
     rng = np.random.default_rng(seed)
     sizes = list(PROBE_SIZES)

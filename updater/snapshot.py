@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from gradtap.errors import ConfigError, GradtapError
+from gradtap.core.errors import ConfigError, GradtapError
 
 FORMAT = "gradtap-snapshot/1"
 LATEST = "LATEST"
@@ -241,7 +241,7 @@ class Snapshots:
         return final
 
     def write_replica(self, replica) -> Path:
-        """Snapshot a :class:`updater.replica.Replica` between iterations (no copy).
+        """Snapshot a :class:`gradtap.updater.replica.Replica` between iterations (no copy).
 
         A stale replica is refused: its state is not the trainer's, and ``LATEST`` only ever
         names states that are.

@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradtap.errors import ConfigError
-from updater.kernels import work_spans
-from workload.buckets import Bucket
-from workload.spec import OptimizerSpec, ParamSpec
+from gradtap.core.errors import ConfigError
+from gradtap.updater.kernels import work_spans
+from gradtap.workload.buckets import Bucket
+from gradtap.workload.spec import OptimizerSpec, ParamSpec
 
 TORCH_CLASSES = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 TORCH_KWARGS = {"single_tensor": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}

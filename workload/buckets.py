@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from gradtap.errors import ConfigError, PlanError
+from gradtap.core.errors import ConfigError, PlanError
 
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -63,7 +63,7 @@ Layout = Literal["initial", "rebuilt"]
 
 
 class ParamLike(Protocol):
-    """What bucketing reads from a ``workload.spec.ParamSpec``."""
+    """What bucketing reads from a ``gradtap.workload.spec.ParamSpec``."""
 
     name: str
     dtype: str
@@ -143,7 +143,7 @@ def ddp_buckets(
         iteration; :func:`layout_at` says which applies when).
     ready_order:
         For ``"rebuilt"``: indices into ``params`` in the order their gradients become
-        ready in backward on rank 0 (``simulator.models.grad_ready_order`` measures it).
+        ready in backward on rank 0 (``gradtap.workload.models.grad_ready_order`` measures it).
         Default: reverse registration order, which a plain sequential stack of layers
         produces; modules such as LayerNorm (weight before bias) or tied and reused
         weights deviate from it, so pass the measured order for real models.

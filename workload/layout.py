@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from gradtap.errors import ConfigError
-from workload.buckets import Bucket, ddp_buckets, explicit_buckets
-from workload.spec import JobSpec, ParamSpec
-from workload.wire_plan import WirePlan, build_plan
+from gradtap.core.errors import ConfigError
+from gradtap.workload.buckets import Bucket, ddp_buckets, explicit_buckets
+from gradtap.workload.spec import JobSpec, ParamSpec
+from gradtap.workload.wire_plan import WirePlan, build_plan
 
 
 def job_params(job: JobSpec) -> tuple[ParamSpec, ...]:
@@ -30,7 +30,7 @@ def _describe(job: JobSpec):
 
 @lru_cache(maxsize=8)
 def _describe_model(factory: str, frozen_kwargs: tuple, seq_len: int | None):
-    from simulator.models import describe  # torch-heavy; only factory-built models need it
+    from gradtap.workload.models import describe  # torch-heavy; only factory-built models need it
 
     kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in frozen_kwargs}
     return describe(factory, kwargs, seq_len=seq_len)

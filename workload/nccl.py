@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradtap.errors import PlanError
-from workload.spec import NcclSpec
+from gradtap.core.errors import PlanError
+from gradtap.workload.spec import NcclSpec
 
 NCCL_STEPS = 8                 # src/include/device.h: FIFO slots per connection
 WARP_SIZE = 32

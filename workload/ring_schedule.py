@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from workload.nccl import LL128_DATA_WORDS, LL128_LINE_WORDS, LL128_SHMEM_WORDS_PER_THREAD, WARP_SIZE, ProtocolGeometry
+from gradtap.workload.nccl import LL128_DATA_WORDS, LL128_LINE_WORDS, LL128_SHMEM_WORDS_PER_THREAD, WARP_SIZE, ProtocolGeometry
 
 RS, AG = 0, 1  # phases: reduce-scatter, allgather
 

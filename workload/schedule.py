@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gradtap.errors import ConfigError
+from gradtap.core.errors import ConfigError
 
 
 def lr_factor(schedule: Any, step: int) -> float:

@@ -19,11 +19,11 @@ from typing import Sequence
 
 import numpy as np
 
-from workload import nccl as N
-from workload.ll128 import LL128_SLICE_DATA, LL128_SLICE_WIRE
-from workload.ring_schedule import CallSchedule, step_phase
-from gradtap.errors import PlanError
-from workload.spec import WIRE_DTYPE_BYTES, JobSpec
+from gradtap.workload import nccl as N
+from gradtap.wire.ll128 import LL128_SLICE_DATA, LL128_SLICE_WIRE
+from gradtap.workload.ring_schedule import CallSchedule, step_phase
+from gradtap.core.errors import PlanError
+from gradtap.workload.spec import WIRE_DTYPE_BYTES, JobSpec
 
 DATA, CTS = 0, 1                 # message kinds
 PHASE_RS, PHASE_AG, PHASE_OTHER = 0, 1, 2

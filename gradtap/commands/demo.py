@@ -22,18 +22,19 @@ from rich.console import Console
 from rich.panel import Panel
 
 from gradtap.cli import app
+from gradtap.configs import shipped
 from gradtap.commands.replay import events_table, iteration_table, run_replay, verification_lines
 from gradtap.commands.simulate import run_simulation, summary_table
 from gradtap.plot import iteration_plot
 from gradtap.verify import _first_difference, verify
-from simulator.run import resume
-from simulator.truth import optimizer_arrays
-from updater import snapshot
-from workload.layout import job_params
-from workload.spec import load_job
+from gradtap.simulator.run import resume
+from gradtap.simulator.truth import optimizer_arrays
+from gradtap.updater import snapshot
+from gradtap.workload.layout import job_params
+from gradtap.workload.spec import load_job
 
 console = Console()
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "small.yaml"
+CONFIG = shipped("small.yaml")
 FAULTS = "mirror_loss=2e-3,link_loss=1e-3,corrupt=5e-4,reorder=1e-3,duplicate=1e-3,truncate=2e-4"
 
 

@@ -1,5 +1,5 @@
 """``gradtap inspect FILE [--job JOB] [--json]``: what a capture holds, the first thing an
-operator runs on one. The summary itself is :func:`parser.inspect.inspect_capture`."""
+operator runs on one. The summary itself is :func:`gradtap.parser.inspect.inspect_capture`."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from gradtap.cli import app
-from parser.headers.opcodes import OPCODES
-from parser.inspect import PHASE_NAMES, inspect_capture
-from workload.spec import load_job
+from gradtap.wire.headers.opcodes import OPCODES
+from gradtap.parser.inspect import PHASE_NAMES, inspect_capture
+from gradtap.workload.spec import load_job
 
 console = Console()
 progress_console = Console(stderr=True)

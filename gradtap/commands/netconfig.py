@@ -10,14 +10,14 @@ from rich.console import Console
 from rich.table import Table
 
 from gradtap.cli import app
-from gradtap.errors import ConfigError
-from netconfig.linux_mirror import apply_mirrors, plan_mirrors, teardown_mirrors
-from netconfig.plan import load_plan, mirrors_yaml, save_plan
-from netconfig.planner import plan_topology
-from netconfig.render import format_configs, render_plan, write_configs
-from netconfig.report import print_report, report_dict
-from netconfig.topology import load_topology
-from netconfig.vendors import VENDORS
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.linux_mirror import apply_mirrors, plan_mirrors, teardown_mirrors
+from gradtap.netconfig.plan import load_plan, mirrors_yaml, save_plan
+from gradtap.netconfig.planner import plan_topology
+from gradtap.netconfig.render import format_configs, render_plan, write_configs
+from gradtap.netconfig.report import print_report, report_dict
+from gradtap.netconfig.topology import load_topology
+from gradtap.netconfig.vendors import VENDORS
 
 console = Console()
 netconfig_app = typer.Typer(name="netconfig", no_args_is_help=True,

@@ -14,14 +14,14 @@ from rich.table import Table
 
 from gradtap.cli import app
 from gradtap.control import ControlPlane
-from gradtap.errors import ConfigError
+from gradtap.core.errors import ConfigError
 from gradtap.replay import ReplayResult, match_streams, replay
 from gradtap.replica_sink import ReplicaSink
 from gradtap.verify import Verification, verify
-from updater.replica import Replica
-from updater.snapshot import Snapshots
-from workload.layout import job_params, job_plan
-from workload.spec import JobSpec, load_job
+from gradtap.updater.replica import Replica
+from gradtap.updater.snapshot import Snapshots
+from gradtap.workload.layout import job_params, job_plan
+from gradtap.workload.spec import JobSpec, load_job
 
 console = Console()
 
@@ -130,7 +130,7 @@ def replay_command(
 def _checkpoint(job: JobSpec, start: Path | None) -> dict:
     path = start or job.initial_state.checkpoint
     if path is None:
-        from updater.replica import seed_checkpoint
+        from gradtap.updater.replica import seed_checkpoint
         return seed_checkpoint(job, job.initial_state.seed or 0)
     try:
         return torch.load(path, weights_only=True)

@@ -11,15 +11,15 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from capture.registry import SOURCES
-from capture.worker import SourceSpec
+from gradtap.capture.registry import SOURCES
+from gradtap.capture.worker import SourceSpec
 from gradtap import metrics
 from gradtap.appliance import Appliance, RunOptions, status_loop, wait_for_stop
 from gradtap.cli import app
 from gradtap.control import ControlServer, load_checkpoint
 from gradtap.commands.replay import _checkpoint
-from gradtap.errors import ConfigError
-from workload.spec import load_job
+from gradtap.core.errors import ConfigError
+from gradtap.workload.spec import load_job
 
 console = Console(stderr=True)
 

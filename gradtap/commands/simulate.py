@@ -10,10 +10,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from gradtap.cli import app
-from simulator.faults import parse_faults
-from simulator.run import Simulation, Summary
-from simulator.traffic import Timing
-from workload.spec import load_job
+from gradtap.simulator.faults import parse_faults
+from gradtap.simulator.run import Simulation, Summary
+from gradtap.simulator.traffic import Timing
+from gradtap.workload.spec import load_job
 
 console = Console()
 

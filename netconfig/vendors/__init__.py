@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from gradtap.errors import ConfigError
-from netconfig.vendors import comware, eos, junos, linux, nvue, nxos, sonic
-from netconfig.vendors.base import VendorSpec
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.vendors import comware, eos, junos, linux, nvue, nxos, sonic
+from gradtap.netconfig.vendors.base import VendorSpec
 
 VENDORS: dict[str, ModuleType] = {m.SPEC.name: m for m in (sonic, eos, nxos, comware, junos, nvue, linux)}
 

@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from gradtap.errors import ConfigError
-from netconfig.plan import PlannedSource, SwitchInfo
-from netconfig.topology import Direction, MirrorPolicy
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.plan import PlannedSource, SwitchInfo
+from gradtap.netconfig.topology import Direction, MirrorPolicy
 
 SwitchDirection = Literal["rx", "tx", "both"]
 #: GPU-NIC view -> switch-port view: what the NIC transmits, the switch port receives.

@@ -9,8 +9,8 @@ in H3C's references); the default limit is the smallest of these.
 
 from __future__ import annotations
 
-from netconfig.plan import SwitchInfo
-from netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
+from gradtap.netconfig.plan import SwitchInfo
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
 
 SPEC = VendorSpec(
     name="comware", title="H3C Comware", max_sessions=7, session_numbers=(1, 15), name_pattern=None,

@@ -7,8 +7,8 @@ source IF rx|tx|both``, ``monitor session NAME destination IF``) and EOS mirrori
 
 from __future__ import annotations
 
-from netconfig.plan import SwitchInfo
-from netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
+from gradtap.netconfig.plan import SwitchInfo
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
 
 SPEC = VendorSpec(
     name="eos", title="Arista EOS", max_sessions=4, session_numbers=None,

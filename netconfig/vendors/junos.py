@@ -8,8 +8,8 @@ a both-direction source gets an ingress and an egress input in the same analyzer
 
 from __future__ import annotations
 
-from netconfig.plan import SwitchInfo
-from netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
+from gradtap.netconfig.plan import SwitchInfo
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
 
 SPEC = VendorSpec(
     name="junos", title="Juniper Junos", max_sessions=4, session_numbers=None,

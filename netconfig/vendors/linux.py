@@ -8,7 +8,7 @@ egress hook. Which Linux interface is which switch port comes from the topology'
 ``linux_ifname`` (or the port name itself when it is a valid interface name).
 
 This module maps a plan to :class:`TcMirror` records and renders them as ``tc`` commands;
-:mod:`netconfig.linux_mirror` applies the same records through netlink.
+:mod:`gradtap.netconfig.linux_mirror` applies the same records through netlink.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from gradtap.errors import ConfigError
-from netconfig.plan import SwitchInfo
-from netconfig.topology import LINUX_IFNAME
-from netconfig.vendors.base import Session, SwitchConfig, VendorSpec
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.plan import SwitchInfo
+from gradtap.netconfig.topology import LINUX_IFNAME
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec
 
 SPEC = VendorSpec(
     name="linux", title="Linux tc", max_sessions=None, session_numbers=None, name_pattern=None,

@@ -7,8 +7,8 @@ per session and no "both", so a both-direction source takes two sessions.
 
 from __future__ import annotations
 
-from netconfig.plan import SwitchInfo
-from netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
+from gradtap.netconfig.plan import SwitchInfo
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
 
 SPEC = VendorSpec(
     name="nvue", title="NVIDIA Cumulus NVUE", max_sessions=8, session_numbers=(0, 7), name_pattern=None,

@@ -8,8 +8,8 @@ created shut, hence ``no shut``. ERSPAN type III uses ``header-type 3``.
 
 from __future__ import annotations
 
-from netconfig.plan import SwitchInfo
-from netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
+from gradtap.netconfig.plan import SwitchInfo
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
 
 SPEC = VendorSpec(
     name="nxos", title="Cisco NX-OS", max_sessions=4, session_numbers=(1, 32), name_pattern=None,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-from netconfig.plan import SwitchInfo
-from netconfig.vendors.base import Session, SwitchConfig, VendorSpec
+from gradtap.netconfig.plan import SwitchInfo
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec
 
 SPEC = VendorSpec(
     name="sonic", title="SONiC", max_sessions=4, session_numbers=None,

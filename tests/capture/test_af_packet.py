@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capture.af_packet import AfPacketSource
-from capture.frames import FrameBatch
-from capture.pcap import read_pcap
-from capture.ring import FrameRing
-from gradtap.errors import CaptureError
-from parser.decode import decode_batch
+from gradtap.capture.af_packet import AfPacketSource
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import read_pcap
+from gradtap.capture.ring import FrameRing
+from gradtap.core.errors import CaptureError
+from gradtap.parser.decode import decode_batch
 from tests.capture.netlab import collect, frame, mixed_frames, veth_lab
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from capture import bpf
-from gradtap.errors import CaptureError
+from gradtap.capture import bpf
+from gradtap.core.errors import CaptureError
 
 privileged = [pytest.mark.privileged, pytest.mark.skipif(os.geteuid() != 0, reason="bpf() needs root")]
 

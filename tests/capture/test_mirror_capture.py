@@ -1,5 +1,5 @@
 """Capture off a switch mirror, the way the appliance sees traffic: a Linux bridge plays the
-leaf switch, ``netconfig.linux_mirror`` mirrors what node 0 sends (tc clsact + mirred) to a
+leaf switch, ``gradtap.netconfig.linux_mirror`` mirrors what node 0 sends (tc clsact + mirred) to a
 port into the CPU-node namespace, and each live source there, in its own worker process,
 must deliver exactly node 0's frames, byte-identical and in order -- none of node 1's."""
 
@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from capture.frames import FrameBatch
-from capture.ring import FrameRing
-from capture.sender import FrameSender
-from capture.worker import CaptureWorker, SourceSpec
-from netconfig.linux_mirror import apply_mirrors, teardown_mirrors
-from netconfig.vendors.linux import TcMirror
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.ring import FrameRing
+from gradtap.capture.sender import FrameSender
+from gradtap.capture.worker import CaptureWorker, SourceSpec
+from gradtap.netconfig.linux_mirror import apply_mirrors, teardown_mirrors
+from gradtap.netconfig.vendors.linux import TcMirror
 from tests.capture.netlab import ETHERTYPE, BridgeLab, remove_stale
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(120),

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from scapy.utils import rdpcap
 
-from capture.frames import FrameBatch
-from capture.pcap import MAX_CAPLEN, PcapngWriter, PcapReader, PcapWriter, detect_format, \
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import MAX_CAPLEN, PcapngWriter, PcapReader, PcapWriter, detect_format, \
     read_pcap
-from gradtap.errors import CaptureError
+from gradtap.core.errors import CaptureError
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 CAPTURES = sorted(GOLDEN_CAPTURES.glob("*.pcapng"))
@@ -288,7 +288,7 @@ def test_truncated_last_record_is_counted_and_ends_reading(tmp_path, kind, caplo
     for cut in range(last + 1, len(head)):
         path = tmp_path / f"cut{cut}.{kind[:6]}"
         path.write_bytes(head[:cut])
-        with caplog.at_level(logging.WARNING, logger="capture.pcap"):
+        with caplog.at_level(logging.WARNING, logger="gradtap.capture.pcap"):
             caplog.clear()
             with PcapReader(path) as reader:
                 batch = FrameBatch.concat(list(reader))

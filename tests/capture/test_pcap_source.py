@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from capture.pcap import read_pcap
-from capture.pcap_source import PcapSource
-from capture.ring import FrameRing
-from gradtap.errors import CaptureError
+from gradtap.capture.pcap import read_pcap
+from gradtap.capture.pcap_source import PcapSource
+from gradtap.capture.ring import FrameRing
+from gradtap.core.errors import CaptureError
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 CAPTURE = GOLDEN_CAPTURES / "iter_40000_p2p_iter10_3.pcapng"

@@ -10,10 +10,10 @@ import socket
 
 import pytest
 
-from capture import af_packet, af_xdp
-from capture.registry import SOURCES, available, make_source, source_class
-from capture.source import COMMON_STATS, CaptureSource
-from gradtap.errors import CaptureError, ConfigError
+from gradtap.capture import af_packet, af_xdp
+from gradtap.capture.registry import SOURCES, available, make_source, source_class
+from gradtap.capture.source import COMMON_STATS, CaptureSource
+from gradtap.core.errors import CaptureError, ConfigError
 
 
 def test_every_source_is_registered_under_its_name():

@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from capture.frames import FrameBatch
-from capture.pcap import read_pcap
-from capture.ring import FrameRing
-from gradtap.errors import CaptureError
-from parser.decode import decode_batch
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import read_pcap
+from gradtap.capture.ring import FrameRing
+from gradtap.core.errors import CaptureError
+from gradtap.parser.decode import decode_batch
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 CAPTURE = GOLDEN_CAPTURES / "rdma32.pcapng"
@@ -203,16 +203,16 @@ def test_a_producer_process_hands_over_every_frame_intact():
 
 
 def test_huge_pages_required_but_missing_is_an_error_that_says_what_to_do(monkeypatch):
-    import capture.shared_memory as shm
+    import gradtap.capture.shared_memory as shm
     monkeypatch.setattr(shm.os, "MFD_HUGETLB", 1 << 30)        # an unknown flag: memfd_create fails
     with pytest.raises(CaptureError, match="vm.nr_hugepages"):
         FrameRing.create(16, 256, hugepages="require")
 
 
 def test_without_huge_pages_auto_falls_back_with_one_log_line(monkeypatch, caplog):
-    import capture.shared_memory as shm
+    import gradtap.capture.shared_memory as shm
     monkeypatch.setattr(shm.os, "MFD_HUGETLB", 1 << 30)
-    with caplog.at_level(logging.WARNING, logger="capture.shared_memory"):
+    with caplog.at_level(logging.WARNING, logger="gradtap.capture.shared_memory"):
         r = FrameRing.create(16, 256, hugepages="auto")
     assert (r.hugepages, r.page_size) == (False, 4096)
     assert len(caplog.records) == 1 and "no huge pages" in caplog.records[0].getMessage()

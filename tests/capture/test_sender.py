@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from capture.af_packet import AfPacketSource
-from capture.frames import FrameBatch
-from capture.ring import FrameRing
-from capture.sender import FrameSender
-from gradtap.errors import CaptureError
+from gradtap.capture.af_packet import AfPacketSource
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.ring import FrameRing
+from gradtap.capture.sender import FrameSender
+from gradtap.core.errors import CaptureError
 from tests.capture.netlab import collect, mixed_frames, veth_lab
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(60),

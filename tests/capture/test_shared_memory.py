@@ -12,10 +12,10 @@ from contextlib import contextmanager
 
 import pytest
 
-from capture.frames import FrameBatch
-from capture.ring import FrameRing
-from capture.shared_memory import SharedMemory, hugepage_pool
-from gradtap.errors import CaptureError
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.ring import FrameRing
+from gradtap.capture.shared_memory import SharedMemory, hugepage_pool
+from gradtap.core.errors import CaptureError
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(60),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root to size the huge page pool")]
@@ -75,7 +75,7 @@ def test_a_ring_on_huge_pages_reports_them_and_is_shared_with_a_child():
 
 def test_an_empty_pool_falls_back_once_or_refuses(caplog):
     with hugepage_pool_of(0):
-        with caplog.at_level(logging.WARNING, logger="capture.shared_memory"):
+        with caplog.at_level(logging.WARNING, logger="gradtap.capture.shared_memory"):
             ring = FrameRing.create(1024, 4352, hugepages="auto")
         try:
             assert (ring.hugepages, ring.page_size) == (False, os.sysconf("SC_PAGE_SIZE"))

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from capture.pcap import read_pcap
-from capture.ring import FrameRing
-from capture.worker import CaptureWorker, SourceSpec
-from gradtap.errors import CaptureError, ConfigError
+from gradtap.capture.pcap import read_pcap
+from gradtap.capture.ring import FrameRing
+from gradtap.capture.worker import CaptureWorker, SourceSpec
+from gradtap.core.errors import CaptureError, ConfigError
 from tests.capture.netlab import frame, veth_lab
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 

@@ -1,7 +1,7 @@
 """The appliance live, on real kernel networking: the end-to-end test of `gradtap run`.
 
 A small cluster of network namespaces: one per GPU node, each with a veth into a Linux
-bridge (the leaf switch, in its own namespace), and a CPU node. ``netconfig.linux_mirror``
+bridge (the leaf switch, in its own namespace), and a CPU node. ``gradtap.netconfig.linux_mirror``
 mirrors what ranks 0, 1 and 2 send (tc clsact + u32 + mirred, through pyroute2) to three
 mirror veths into the CPU node, where the appliance captures them with ``af_xdp`` in one run
 and ``af_packet`` in another. The simulator's traffic is sent from the rank namespaces as
@@ -23,19 +23,19 @@ import pytest
 import torch
 from pyroute2 import netns
 
-from capture.frames import FrameBatch
-from capture.pcap import read_pcap
-from capture.sender import FrameSender
-from capture.worker import SourceSpec
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import read_pcap
+from gradtap.capture.sender import FrameSender
+from gradtap.capture.worker import SourceSpec
 from gradtap.appliance import Appliance, RunOptions
 from gradtap.verify import verify
-from netconfig.linux_mirror import apply_mirrors, teardown_mirrors
-from netconfig.vendors.linux import TcMirror
-from simulator.faults import FaultSpec
-from simulator.run import Simulation
+from gradtap.netconfig.linux_mirror import apply_mirrors, teardown_mirrors
+from gradtap.netconfig.vendors.linux import TcMirror
+from gradtap.simulator.faults import FaultSpec
+from gradtap.simulator.run import Simulation
 from tests.capture.netlab import ETHERTYPE, BridgeLab
-from workload.layout import job_params
-from workload.spec import parse_job
+from gradtap.workload.layout import job_params
+from gradtap.workload.spec import parse_job
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces, tc and AF_XDP")]
@@ -48,7 +48,7 @@ PAUSE_S = 0.1              # between iterations (the forward pass): longer than 
 
 def job_doc():
     ranks = [{"ip": f"198.18.{i}.1", "mac": f"02:00:00:00:0d:{i + 1:02x}"} for i in range(N)]
-    return {"name": "live", "model": {"factory": "simulator.models:mlp", "kwargs": {"sizes": [64, 96, 10]}},
+    return {"name": "live", "model": {"factory": "gradtap.workload.models:mlp", "kwargs": {"sizes": [64, 96, 10]}},
             "ddp": {"bucket_cap_mb": 0.01}, "optimizer": {"kind": "adamw", "weight_decay": 0.01},
             "nccl": {"protocol": "LL", "channels": 2, "mtu": 1024}, "ring": {"ranks": ranks},
             "training": {"batch_size": 4}, "appliance": {"iteration_gap_ns": GAP_NS},

@@ -11,21 +11,21 @@ import numpy as np
 import pytest
 import torch
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapWriter, read_pcap
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.commands.replay import run_replay
-from gradtap.errors import ConfigError
+from gradtap.core.errors import ConfigError
 from gradtap.replay import match_streams
 from gradtap.verify import verify
-from simulator.run import resume
-from simulator.truth import optimizer_arrays
+from gradtap.simulator.run import resume
+from gradtap.simulator.truth import optimizer_arrays
 from tests import naive
 from tests.parser import naive_coverage
 from tests.simulator.test_simulate import make_job, simulate
-from updater import snapshot
-from workload.layout import job_params, job_plan
-from workload.spec import load_job
-from workload.wire_plan import PHASE_AG, PSN_MOD
+from gradtap.updater import snapshot
+from gradtap.workload.layout import job_params, job_plan
+from gradtap.workload.spec import load_job
+from gradtap.workload.wire_plan import PHASE_AG, PSN_MOD
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = "mirror_loss=1e-3,link_loss=1e-3,corrupt=1e-3,reorder=1e-3,duplicate=1e-3"
@@ -54,8 +54,8 @@ def test_replica_equals_the_trainer_after_every_iteration(tmp_path, protocol):
 
 @pytest.mark.slow
 def test_small_config_with_adamw_clipping_and_schedule(tmp_path):
-    from simulator.faults import parse_faults
-    from simulator.run import Simulation
+    from gradtap.simulator.faults import parse_faults
+    from gradtap.simulator.run import Simulation
     job = load_job(ROOT / "configs" / "small.yaml")
     Simulation(job, tmp_path / "sim", iterations=3, seed=1,
                faults=parse_faults(FAULTS, tuple(m.name for m in job.mirrors))).run()

@@ -11,13 +11,13 @@ import urllib.request
 import pytest
 import torch
 
-from capture.worker import SourceSpec
+from gradtap.capture.worker import SourceSpec
 from gradtap import metrics
 from gradtap.appliance import Appliance, RunOptions
 from gradtap.verify import verify
 from tests.simulator.test_simulate import make_job, simulate
-from workload.layout import job_params
-from workload.spec import dump_job
+from gradtap.workload.layout import job_params
+from gradtap.workload.spec import dump_job
 
 
 def free_port() -> int:
@@ -63,7 +63,7 @@ def test_a_missing_interface_fails_fast_with_its_reason(tmp_path):
 
 
 def test_unknown_stream_names_are_refused(tmp_path):
-    from gradtap.errors import ConfigError
+    from gradtap.core.errors import ConfigError
     job = make_job(2, "LL", 1, "fp32")
     with pytest.raises(ConfigError, match="not mirror streams"):
         Appliance(job, {"nope": SourceSpec("pcap", ("x",), {})}, tmp_path, {})
@@ -83,7 +83,7 @@ def test_a_crashed_capture_worker_stops_the_appliance_with_an_error(tmp_path):
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
         job = make_job(2, "LL", 1, "fp32")
         streams = {"m-egress": SourceSpec("af_packet", ("lo",), {"netns": ns})}
-        from updater.replica import seed_checkpoint
+        from gradtap.updater.replica import seed_checkpoint
         appliance = Appliance(job, streams, tmp_path, seed_checkpoint(job, 0),
                               RunOptions(ring_slots=256, slot_size=2048, hugepages="off"))
         result = {}
@@ -102,7 +102,7 @@ def test_a_crashed_capture_worker_stops_the_appliance_with_an_error(tmp_path):
 
 def test_gradtap_resync_hands_a_checkpoint_to_the_control_endpoint(tmp_path):
     from gradtap.control import ControlServer
-    from updater.replica import seed_checkpoint
+    from gradtap.updater.replica import seed_checkpoint
 
     job = make_job(2, "LL", 1, "fp32")
     checkpoint = dict(seed_checkpoint(job, 0), iteration=7)

@@ -1,4 +1,4 @@
-"""Plain-Python twin of ``merger.union.union``: block by block, byte strings, majority by counting."""
+"""Plain-Python twin of ``gradtap.merger.union.union``: block by block, byte strings, majority by counting."""
 
 from collections import Counter
 

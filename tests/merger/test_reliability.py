@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from gradtap.replay import replay
-from simulator.faults import parse_faults
-from simulator.run import Simulation
-from workload.layout import job_plan
-from workload.spec import parse_job
-from workload.wire_plan import DATA, PHASE_AG
+from gradtap.simulator.faults import parse_faults
+from gradtap.simulator.run import Simulation
+from gradtap.workload.layout import job_plan
+from gradtap.workload.spec import parse_job
+from gradtap.workload.wire_plan import DATA, PHASE_AG
 
 N = 4
 
@@ -34,7 +34,7 @@ N = 4
 def job_with(m: int):
     ranks = [{"ip": f"198.18.{i}.1", "mac": f"02:00:00:00:02:{i + 1:02x}"} for i in range(N)]
     return parse_job({
-        "name": f"rel{m}", "model": {"factory": "simulator.models:mlp", "kwargs": {"sizes": [64, 200, 8]}},
+        "name": f"rel{m}", "model": {"factory": "gradtap.workload.models:mlp", "kwargs": {"sizes": [64, 200, 8]}},
         "ddp": {"bucket_cap_mb": 1}, "optimizer": {"kind": "adam"},
         "nccl": {"protocol": "Simple", "channels": 1, "mtu": 1024},
         "ring": {"ranks": ranks}, "training": {"batch_size": 2},

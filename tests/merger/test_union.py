@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from merger.union import BucketBlocks, union
+from gradtap.merger.union import BucketBlocks, union
 from tests.merger import naive_union
 
 

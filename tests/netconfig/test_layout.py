@@ -1,5 +1,5 @@
-from netconfig.layout import dp_groups, global_rank, seats
-from netconfig.topology import parse_topology
+from gradtap.netconfig.layout import dp_groups, global_rank, seats
+from gradtap.netconfig.topology import parse_topology
 from tests.netconfig.topologies import edited, one_leaf
 
 

@@ -20,11 +20,11 @@ from collections import Counter
 import pytest
 from pyroute2 import NetNS, netns, protocols
 
-from gradtap.errors import NetlinkError
-from netconfig.linux_mirror import PARENT, _Link, apply_mirrors, plan_mirrors, teardown_mirrors
-from netconfig.planner import plan_topology
-from netconfig.topology import parse_topology
-from netconfig.vendors.linux import TcMirror
+from gradtap.core.errors import NetlinkError
+from gradtap.netconfig.linux_mirror import PARENT, _Link, apply_mirrors, plan_mirrors, teardown_mirrors
+from gradtap.netconfig.planner import plan_topology
+from gradtap.netconfig.topology import parse_topology
+from gradtap.netconfig.vendors.linux import TcMirror
 from tests.capture.netlab import in_netns
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(20),

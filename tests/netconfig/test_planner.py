@@ -5,15 +5,15 @@ import yaml
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from gradtap.errors import ConfigError
-from netconfig.plan import mirrors_section
-from netconfig.planner import plan_topology
-from netconfig.reliability import p_fail_eq2
-from netconfig.ring import chunk_coverage, stream_hops
-from netconfig.report import report_dict
-from netconfig.topology import load_topology, parse_topology
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.plan import mirrors_section
+from gradtap.netconfig.planner import plan_topology
+from gradtap.netconfig.reliability import p_fail_eq2
+from gradtap.netconfig.ring import chunk_coverage, stream_hops
+from gradtap.netconfig.report import report_dict
+from gradtap.netconfig.topology import load_topology, parse_topology
 from tests.netconfig.topologies import EXAMPLES, edited, one_leaf
-from workload.spec import MirrorSpec, load_job, parse_job
+from gradtap.workload.spec import MirrorSpec, load_job, parse_job
 
 
 def plan_of(doc: dict):

@@ -1,8 +1,8 @@
 import pytest
 
-from gradtap.errors import ConfigError
-from netconfig.layout import dp_groups
-from netconfig.topology import load_topology, parse_topology
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.layout import dp_groups
+from gradtap.netconfig.topology import load_topology, parse_topology
 from tests.netconfig.topologies import EXAMPLES
 
 

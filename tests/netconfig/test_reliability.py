@@ -3,8 +3,8 @@ import math
 import numpy as np
 import pytest
 
-from netconfig.reliability import iterations_between_failures, p_any_fails, p_fail_eq2, p_fail_exact
-from netconfig.ring import chunk_coverage
+from gradtap.netconfig.reliability import iterations_between_failures, p_any_fails, p_fail_eq2, p_fail_exact
+from gradtap.netconfig.ring import chunk_coverage
 
 N, K, P = 8, 16e6, 1e-9  # FlowCheck's worked example
 

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from gradtap.errors import ConfigError
-from netconfig.plan import Plan, load_plan, mirrors_yaml, save_plan
-from netconfig.planner import plan_topology
-from netconfig.render import format_configs, render_plan, write_configs
-from netconfig.report import report_dict
-from netconfig.topology import load_topology
-from netconfig.vendors import VENDORS
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.plan import Plan, load_plan, mirrors_yaml, save_plan
+from gradtap.netconfig.planner import plan_topology
+from gradtap.netconfig.render import format_configs, render_plan, write_configs
+from gradtap.netconfig.report import report_dict
+from gradtap.netconfig.topology import load_topology
+from gradtap.netconfig.vendors import VENDORS
 from tests.netconfig.topologies import EXAMPLES
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from netconfig.ring import chunk_coverage, missing_chunk, stream_hops
+from gradtap.netconfig.ring import chunk_coverage, missing_chunk, stream_hops
 from tests.netconfig.naive_ring import allgather_chunks_sent, coverage_by_replay
 
 

@@ -1,7 +1,7 @@
 import pytest
 
-from gradtap.errors import ConfigError
-from netconfig.topology import load_topology, parse_topology
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.topology import load_topology, parse_topology
 from tests.netconfig.topologies import EXAMPLES, edited, one_leaf
 
 

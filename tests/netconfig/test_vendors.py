@@ -4,13 +4,13 @@ from functools import cache
 
 import pytest
 
-from gradtap.errors import ConfigError
-from netconfig.plan import PlannedSource, SwitchInfo
-from netconfig.planner import plan_topology
-from netconfig.render import render_plan
-from netconfig.topology import MirrorPolicy, load_topology
-from netconfig.vendors import VENDORS, spec
-from netconfig.vendors.base import build_sessions
+from gradtap.core.errors import ConfigError
+from gradtap.netconfig.plan import PlannedSource, SwitchInfo
+from gradtap.netconfig.planner import plan_topology
+from gradtap.netconfig.render import render_plan
+from gradtap.netconfig.topology import MirrorPolicy, load_topology
+from gradtap.netconfig.vendors import VENDORS, spec
+from gradtap.netconfig.vendors.base import build_sessions
 from tests.netconfig.topologies import EXAMPLES
 
 # The sonic-mirror-session YANG model (sonic-buildimage, revision 2021-06-15).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tests import naive
-from workload.wire_plan import DATA, PHASE_AG, PSN_MOD
+from gradtap.workload.wire_plan import DATA, PHASE_AG, PSN_MOD
 
 
 def first_psns(path, job, plan) -> dict[int, int]:

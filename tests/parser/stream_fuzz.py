@@ -10,13 +10,13 @@ from pathlib import Path
 
 import numpy as np
 
-from capture.frames import FrameBatch
-from capture.pcap import read_pcap
-from parser import events as ev
-from parser.icrc import compute_icrc, locate_icrc
-from parser.stream import StreamParser
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import read_pcap
+from gradtap.wire import events as ev
+from gradtap.wire.icrc import compute_icrc, locate_icrc
+from gradtap.parser.stream import StreamParser
 from tests.simulator.test_simulate import make_job, simulate
-from workload.layout import job_plan
+from gradtap.workload.layout import job_plan
 
 
 def mutate(frame: bytes, rng: np.random.Generator) -> bytes:

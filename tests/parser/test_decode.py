@@ -7,7 +7,7 @@ threads, and without the JIT.
 differences from the naive decoder, each handled in :func:`expected_events`:
 
 - TPID 0x9100 (a pre-standard double tag) is a VLAN tag for the naive decoder; the parser
-  knows 802.1Q (0x8100) and 802.1ad (0x88a8) only (``parser/headers/eth.py``), so a frame
+  knows 802.1Q (0x8100) and 802.1ad (0x88a8) only (``wire/headers/eth.py``), so a frame
   whose type field says 0x9100 is ``other.non_ip``.
 - CNP (0x81): the naive decoder takes everything after the BTH as payload; the opcode table
   gives the CNP its 16 reserved bytes (IBTA Annex A17 §A17.9.3) and no payload, so a CNP must
@@ -33,12 +33,12 @@ import numba
 import numpy as np
 import pytest
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapReader
-from parser import events as ev
-from parser.decode import decode_batch, is_roce
-from parser.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
-from parser.headers.opcodes import CNP
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapReader
+from gradtap.wire import events as ev
+from gradtap.parser.decode import decode_batch, is_roce
+from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
+from gradtap.wire.headers.opcodes import CNP
 from tests import naive
 from tests.simulator.test_simulate import make_job, simulate
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
@@ -363,9 +363,9 @@ def test_input_is_validated():
 
 NO_JIT_SCRIPT = """
 import sys, numba
-from capture.frames import FrameBatch
-from capture.pcap import PcapReader
-from parser.decode import decode_batch
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapReader
+from gradtap.parser.decode import decode_batch
 assert numba.config.DISABLE_JIT
 records, counters = decode_batch(FrameBatch.concat(list(PcapReader(sys.argv[1]))))
 sys.stdout.write(records.tobytes().hex() + " " + counters.tobytes().hex())

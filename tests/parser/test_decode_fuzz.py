@@ -25,15 +25,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from numba import config, njit
 
-from capture.frames import FrameBatch
-from gradtap.jit import JIT
-from parser import events as ev
-from parser.decode import decode_batch, is_roce
-from parser.headers.opcodes import OPCODE_EXT_LEN, OPCODE_VALID, OPCODES
+from gradtap.capture.frames import FrameBatch
+from gradtap.core.jit import JIT
+from gradtap.wire import events as ev
+from gradtap.parser.decode import decode_batch, is_roce
+from gradtap.wire.headers.opcodes import OPCODE_EXT_LEN, OPCODE_VALID, OPCODES
 from tests import naive
 from tests.parser.test_decode import CAPTURES, check_record
 from tests.simulator.test_simulate import make_job, simulate
-from workload.layout import job_plan
+from gradtap.workload.layout import job_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 FUZZ = settings(max_examples=600, deadline=None, database=None, derandomize=True,

@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapWriter
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapWriter
 from gradtap.cli import _register, app
-from parser.inspect import inspect_capture
+from gradtap.parser.inspect import inspect_capture
 from tests import naive
 from tests.parser.test_decode import BTH_WRITE_ONLY_IMM, CAPTURES, ROCE_FRAMES, roce_frame
 from tests.simulator.test_simulate import make_job, simulate
-from workload.layout import job_plan
-from workload.wire_plan import CTS, PHASE_AG, PHASE_RS
+from gradtap.workload.layout import job_plan
+from gradtap.workload.wire_plan import CTS, PHASE_AG, PHASE_RS
 
 ROOT = Path(__file__).resolve().parents[2]
 EXTENSIONS = ("reth", "immdt", "aeth", "deth", "ieth", "atomiceth", "atomicacketh")

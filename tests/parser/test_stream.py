@@ -1,6 +1,6 @@
 """The stream parser against the simulator's ground truth.
 
-Simulated captures (``simulator.run``) are parsed stream by stream. Every covered block must
+Simulated captures (``gradtap.simulator.run``) are parsed stream by stream. Every covered block must
 equal the true reduced gradient, and the coverage must be exactly what NCCL's step order
 gives the stream's port and direction, minus the blocks whose frames the mirror lost.
 """
@@ -15,15 +15,15 @@ import sys
 import numpy as np
 import pytest
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapReader, read_pcap
-from parser import events as ev
-from parser.stream import StreamParser
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapReader, read_pcap
+from gradtap.wire import events as ev
+from gradtap.parser.stream import StreamParser
 from tests import naive
 from tests.parser import naive_coverage
 from tests.simulator.test_simulate import make_job, simulate
-from workload.layout import job_plan
-from workload.wire_plan import DATA, PHASE_AG
+from gradtap.workload.layout import job_plan
+from gradtap.workload.wire_plan import DATA, PHASE_AG
 
 FAULTS_ALL_BUT_MIRROR_LOSS = "link_loss=0.01,corrupt=0.01,reorder=0.02,duplicate=0.02,truncate=0.01"
 
@@ -174,7 +174,7 @@ def test_lock_on_mid_iteration_waits_for_the_next_boundary_and_says_so(tmp_path,
     simulate(tmp_path, job, iterations=3)
     plan = job_plan(job)
     total = len(read_pcap(tmp_path / "streams" / "m-both.pcap").offsets)
-    with caplog.at_level(logging.INFO, logger="parser.stream"):
+    with caplog.at_level(logging.INFO, logger="gradtap.parser.stream"):
         parser, its = parse_stream(tmp_path, job, "m-both", batch_frames=64, skip_frames=total // 6)
     assert "locked on an iteration boundary" in caplog.text
     # The capture now begins inside iteration 0, so the first whole one is iteration 1.
@@ -186,7 +186,7 @@ def test_lock_on_mid_iteration_waits_for_the_next_boundary_and_says_so(tmp_path,
 
 
 def test_bad_stream_name_and_unsupported_encapsulation_are_config_errors():
-    from gradtap.errors import ConfigError
+    from gradtap.core.errors import ConfigError
     job = make_job(2, "LL", 1, "fp32")
     with pytest.raises(ConfigError, match="not in the job"):
         StreamParser(job, job_plan(job), "nope")

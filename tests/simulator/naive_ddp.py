@@ -27,9 +27,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from simulator import models
-from simulator.data import ClassificationData, batch_loss
-from simulator.training import learning_rate, make_optimizer
+from gradtap.workload import models
+from gradtap.simulator.data import ClassificationData, batch_loss
+from gradtap.simulator.training import learning_rate, make_optimizer
 
 
 @dataclass(frozen=True)

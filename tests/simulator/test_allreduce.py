@@ -4,11 +4,11 @@ buffers with exactly rounded additions (tests/naive.py), bit for bit."""
 import numpy as np
 import pytest
 
-from gradtap.errors import PlanError
-from simulator import allreduce as A
+from gradtap.core.errors import PlanError
+from gradtap.simulator import allreduce as A
 from tests import naive
-from workload.spec import parse_job
-from workload.wire_plan import DATA, build_plan
+from gradtap.workload.spec import parse_job
+from gradtap.workload.wire_plan import DATA, build_plan
 
 NUMPY = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}
 BITS = {"fp32": np.uint32, "fp16": np.uint16, "bf16": np.uint16}
@@ -168,7 +168,7 @@ def test_plan_allreduce_returns_the_reduced_row():
 
 
 def test_wire_representation_is_the_trainers():
-    from simulator.training import WIRE_NUMPY
+    from gradtap.simulator.training import WIRE_NUMPY
     assert {A.WIRE_DTYPE_OF[np.dtype(d)]: np.dtype(d) for d in A.WIRE_DTYPE_OF} == \
         {k: np.dtype(v) for k, v in WIRE_NUMPY.items()}
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gradtap.errors import ConfigError
-from simulator.data import ClassificationData, TokenData, batch_loss, shard_generator
+from gradtap.core.errors import ConfigError
+from gradtap.simulator.data import ClassificationData, TokenData, batch_loss, shard_generator
 
 
 def test_shards_are_deterministic_and_distinct():

@@ -4,10 +4,10 @@ lane-by-lane simulation of NCCL's LL128 warp (prims_ll128.h, v2.19.3-1)."""
 import numpy as np
 import pytest
 
-from simulator import payload as P
+from gradtap.simulator import payload as P
 from tests import naive
-from workload import nccl as N
-from workload.spec import parse_job
+from gradtap.workload import nccl as N
+from gradtap.workload.spec import parse_job
 
 SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 100, 1919, 1920, 1921, 2047, 2048, 3840, 3845, 12345, 65536]
 DECODE = {"Simple": naive.decode_simple, "LL": naive.decode_ll, "LL128": naive.decode_ll128}

@@ -13,12 +13,12 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from simulator.faults import parse_faults
-from simulator.run import Simulation
+from gradtap.simulator.faults import parse_faults
+from gradtap.simulator.run import Simulation
 from tests import naive
-from workload.layout import job_plan
-from workload.spec import parse_job
-from workload.wire_plan import DATA, PHASE_AG, PSN_MOD
+from gradtap.workload.layout import job_plan
+from gradtap.workload.spec import parse_job
+from gradtap.workload.wire_plan import DATA, PHASE_AG, PSN_MOD
 
 PAYLOAD_DECODERS = {"Simple": naive.decode_simple, "LL": naive.decode_ll, "LL128": naive.decode_ll128}
 WIRE_NP = {"fp32": np.float32, "bf16": np.uint16, "fp16": np.float16}
@@ -32,7 +32,7 @@ def make_job(n=3, protocol="Simple", channels=2, dtype="fp32", ipv6=False, nqps=
                {"name": "m-both", "rank": n - 1, "direction": "both"}]
     return parse_job({
         "name": f"t{n}{protocol}{channels}{dtype}",
-        "model": {"factory": "simulator.models:mlp", "kwargs": {"sizes": [64, 96, 10]}},
+        "model": {"factory": "gradtap.workload.models:mlp", "kwargs": {"sizes": [64, 96, 10]}},
         "ddp": {"bucket_cap_mb": 0.01, "grad_dtype": dtype},
         "optimizer": {"kind": "adam", "lr": 1e-3},
         "nccl": {"protocol": protocol, "channels": channels, "qps_per_connection": nqps, "mtu": mtu,

@@ -7,18 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.errors import ConfigError, GradtapError
-from simulator import models
-from simulator.data import batch_loss
-from simulator.training import (WIRE_DTYPES, WIRE_NUMPY, Trainer, from_wire_array, make_optimizer,
+from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.workload import models
+from gradtap.simulator.data import batch_loss
+from gradtap.simulator.training import (WIRE_DTYPES, WIRE_NUMPY, Trainer, from_wire_array, make_optimizer,
                                 to_wire_array)
-from workload.schedule import learning_rate, lr_factor
+from gradtap.workload.schedule import learning_rate, lr_factor
 from tests.simulator import naive_ddp
-from workload.buckets import ddp_buckets, layout_at
-from workload.spec import OptimizerSpec, Schedule
+from gradtap.workload.buckets import ddp_buckets, layout_at
+from gradtap.workload.spec import OptimizerSpec, Schedule
 
-MLP = ("simulator.models:mlp", {"sizes": [16, 32, 10]})
-GPT = ("simulator.models:gpt2", {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 97, "block_size": 16})
+MLP = ("gradtap.workload.models:mlp", {"sizes": [16, 32, 10]})
+GPT = ("gradtap.workload.models:gpt2", {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 97, "block_size": 16})
 
 
 @pytest.fixture

@@ -13,15 +13,15 @@ import subprocess
 import numpy as np
 import pytest
 
-from capture.frames import FrameBatch
-from capture.pcap import PcapWriter
-from parser.headers import opcodes as op
-from simulator.background import Background
-from simulator.frames import Routes, encode_frames
-from simulator.run import EPOCH_NS
-from simulator.traffic import ConnectionState, LinkFaults, Timing, TrafficBuilder
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapWriter
+from gradtap.wire.headers import opcodes as op
+from gradtap.simulator.background import Background
+from gradtap.simulator.frames import Routes, encode_frames
+from gradtap.simulator.run import EPOCH_NS
+from gradtap.simulator.traffic import ConnectionState, LinkFaults, Timing, TrafficBuilder
 from tests.simulator.test_simulate import make_job
-from workload.layout import job_plan
+from gradtap.workload.layout import job_plan
 
 pytestmark = [pytest.mark.tshark, pytest.mark.skipif(shutil.which("tshark") is None,
                                                      reason="tshark is not installed (bin/test installs it)")]

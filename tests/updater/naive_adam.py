@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from simulator.models import build
-from simulator.training import from_wire_array, learning_rate, make_optimizer
-from workload.buckets import Bucket
-from workload.layout import job_buckets
-from workload.spec import JobSpec
+from gradtap.workload.models import build
+from gradtap.simulator.training import from_wire_array, learning_rate, make_optimizer
+from gradtap.workload.buckets import Bucket
+from gradtap.workload.layout import job_buckets
+from gradtap.workload.spec import JobSpec
 
 WIRE_NP = {"fp32": np.float32, "bf16": np.uint16, "fp16": np.float16}
 

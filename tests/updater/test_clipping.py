@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.errors import GradtapError
-from updater.clipping import GradNorms
+from gradtap.core.errors import GradtapError
+from gradtap.updater.clipping import GradNorms
 
 SIZES = [1, 7, 40000, 1023, 70001, 16]
 

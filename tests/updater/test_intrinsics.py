@@ -10,8 +10,8 @@ import pytest
 import torch
 from numba import njit
 
-from gradtap.jit import JIT
-from updater.intrinsics import div32, fma32, has_avx512f, rsqrt14, rsqrt14x16, widen
+from gradtap.core.jit import JIT
+from gradtap.updater.intrinsics import div32, fma32, has_avx512f, rsqrt14, rsqrt14x16, widen
 
 
 @njit(**JIT)

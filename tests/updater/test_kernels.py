@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.errors import GradtapError
-from updater import kernels
-from updater.kernels import SQRT_IEEE, SQRT_MKL, SQRT_TORCH, adam_step, step_constants, work_spans
+from gradtap.core.errors import GradtapError
+from gradtap.updater import kernels
+from gradtap.updater.kernels import SQRT_IEEE, SQRT_MKL, SQRT_TORCH, adam_step, step_constants, work_spans
 
 SIZES = [1, 7, 15, 17, 1023, 4099, 16, 8, 9, 33]
 # (kind, lr, betas, eps, weight_decay): plain Adam; Adam with L2 decay; AdamW with

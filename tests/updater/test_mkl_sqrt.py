@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from updater import mkl_sqrt
-from updater.intrinsics import has_avx512f
+from gradtap.updater import mkl_sqrt
+from gradtap.updater.intrinsics import has_avx512f
 
 pytestmark = pytest.mark.skipif(not has_avx512f(), reason="the reproduced root needs AVX-512F")
 

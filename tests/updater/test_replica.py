@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.errors import ConfigError, GradtapError
-from simulator.models import build
-from simulator.training import make_optimizer
+from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.workload.models import build
+from gradtap.simulator.training import make_optimizer
 from tests.simulator.test_simulate import make_job, simulate
 from tests.updater.naive_adam import TorchStep, random_reduced
-from updater.replica import Replica
-from workload.layout import job_buckets
-from workload.spec import load_job, parse_job
+from gradtap.updater.replica import Replica
+from gradtap.workload.layout import job_buckets
+from gradtap.workload.spec import load_job, parse_job
 
 RANKS = [{"ip": f"198.18.{i}.1", "mac": f"02:00:00:00:01:{i + 1:02x}"} for i in range(3)]
 
 
 def job(kind="adam", implementation="single_tensor", wire="fp32", predivide=True, clip=None,
-        schedule=None, factory=("simulator.models:mlp", {"sizes": [33, 129, 65, 17, 5]}), **opt):
+        schedule=None, factory=("gradtap.workload.models:mlp", {"sizes": [33, 129, 65, 17, 5]}), **opt):
     optimizer = {"kind": kind, "implementation": implementation, "lr": 1e-3, **opt}
     if clip is not None:
         optimizer["clip_grad_norm"] = clip
@@ -116,7 +116,7 @@ def test_state_dicts_load_into_torch_and_train_on_identically():
 
 
 def test_tied_weights_appear_under_both_names():
-    tiny = ("simulator.models:gpt2",
+    tiny = ("gradtap.workload.models:gpt2",
             {"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 37, "block_size": 8})
     j = job(factory=tiny)
     replica, reference = drive(j, iterations=3)
@@ -192,9 +192,9 @@ def test_a_checkpoint_of_another_optimizer_or_model_is_refused():
     with pytest.raises(ConfigError, match="weight_decay"):
         Replica(job(weight_decay=0.1), good)
     with pytest.raises(ConfigError, match=r"'layers.2.weight' is .*\(65, 129\).* says \(5, 129\)"):
-        Replica(job(factory=("simulator.models:mlp", {"sizes": [33, 129, 5]})), good)
+        Replica(job(factory=("gradtap.workload.models:mlp", {"sizes": [33, 129, 5]})), good)
     with pytest.raises(ConfigError, match="lacks parameters"):
-        Replica(job(factory=("simulator.models:mlp", {"sizes": [33, 129, 65, 17, 5, 5]})), good)
+        Replica(job(factory=("gradtap.workload.models:mlp", {"sizes": [33, 129, 65, 17, 5, 5]})), good)
     bad = dict(good, model={**good["model"], "layers.0.weight": torch.zeros(3, 3)})
     with pytest.raises(ConfigError, match="layers.0.weight"):
         Replica(j, bad)

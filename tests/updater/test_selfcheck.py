@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradtap.errors import GradtapError
-from updater import kernels, mkl_sqrt, selfcheck
-from workload.spec import OptimizerSpec
+from gradtap.core.errors import GradtapError
+from gradtap.updater import kernels, mkl_sqrt, selfcheck
+from gradtap.workload.spec import OptimizerSpec
 
 
 def test_fast_roots_on_this_host():
@@ -47,13 +47,13 @@ import numba, numpy as np
 assert numba.config.DISABLE_JIT
 from tests.updater.test_kernels import assert_same, run_both
 from tests.updater.test_replica import assert_equal_state, drive, job
-from updater import kernels, mkl_sqrt
+from gradtap.updater import kernels, mkl_sqrt
 assert not mkl_sqrt.reproduces_torch()
 for impl in ("single_tensor", "fused"):
     assert_same(*run_both(impl, "adamw-lowbeta", "bf16", 3, steps=3, sizes=[1, 9, 17],
                           sqrt=kernels.SQRT_TORCH if impl != "fused" else kernels.SQRT_IEEE))
 replica, reference = drive(job(kind="adamw", weight_decay=0.1, clip=1e-3,
-                               factory=("simulator.models:mlp", {"sizes": [5, 7, 3]})), iterations=3)
+                               factory=("gradtap.workload.models:mlp", {"sizes": [5, 7, 3]})), iterations=3)
 assert replica.root == kernels.SQRT_TORCH
 assert_equal_state(replica, reference)
 print("ok")

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.errors import ConfigError, GradtapError
-from simulator.models import build
-from simulator.training import make_optimizer
+from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.workload.models import build
+from gradtap.simulator.training import make_optimizer
 from tests.updater.naive_adam import TorchStep, random_reduced
 from tests.updater.test_replica import assert_equal_state, job
-from updater import snapshot
-from updater.replica import Replica
+from gradtap.updater import snapshot
+from gradtap.updater.replica import Replica
 
 
 def stepped(j, iterations, seed=0):
@@ -127,10 +127,10 @@ WRITER = """
 import sys, numpy as np
 from pathlib import Path
 from tests.updater.test_replica import job
-from updater import snapshot
-from updater.replica import Replica
+from gradtap.updater import snapshot
+from gradtap.updater.replica import Replica
 out = Path(sys.argv[1])
-j = job(factory=("simulator.models:mlp", {"sizes": [1024, 1536, 1024, 10]}))
+j = job(factory=("gradtap.workload.models:mlp", {"sizes": [1024, 1536, 1024, 10]}))
 snaps = snapshot.Snapshots(out, j.name, keep=2)
 replica = Replica(j, snapshot.load(snapshot.latest(out))) if (out / "LATEST").exists() else Replica.from_job(j)
 rng = np.random.default_rng(replica.iteration)
@@ -147,7 +147,7 @@ def check_directory(out: Path) -> dict:
     for path in out.glob(snapshot.PREFIX + "*"):
         snapshot.verify(path)
     latest = snapshot.latest(out)
-    j = job(factory=("simulator.models:mlp", {"sizes": [1024, 1536, 1024, 10]}))
+    j = job(factory=("gradtap.workload.models:mlp", {"sizes": [1024, 1536, 1024, 10]}))
     model = build(j.model.factory, j.model.kwargs, seed=1)
     optimizer = torch.optim.Adam(model.parameters())
     model.load_state_dict(torch.load(latest / "model.pt", weights_only=True))

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradtap.errors import ConfigError, PlanError
-from simulator import models
+from gradtap.core.errors import ConfigError, PlanError
+from gradtap.workload import models
 from tests.simulator import naive_ddp
-from workload.buckets import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, bucket_caps,
+from gradtap.workload.buckets import (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_BYTES, MIB, bucket_caps,
                               ddp_buckets, explicit_buckets, layout_at)
-from workload.spec import ParamSpec
+from gradtap.workload.spec import ParamSpec
 
 
 def specs(*numels, dtype="float32"):
@@ -144,16 +144,16 @@ def test_matches_torchs_assignment_routine(case):
 
 TINY_GPT = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=3000, block_size=32)
 REAL_DDP_CASES = [
-    ("simulator.models:mlp", {}, {}),
-    ("simulator.models:mlp", {}, {"bucket_cap_mb": 0.1}),  # every weight is larger than the cap
-    ("simulator.models:mlp", {}, {"bucket_cap_mb": 5}),    # an explicit cap also sizes the first bucket
-    ("simulator.models:mlp", {}, {"find_unused_parameters": True}),
-    ("simulator.models:mlp", {}, {"find_unused_parameters": True, "bucket_cap_mb": 1}),
-    ("simulator.models:mlp", {}, {"static_graph": True, "bucket_cap_mb": 1}),
-    ("simulator.models:gpt2", TINY_GPT, {}),
-    ("simulator.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05}),
-    ("simulator.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": True}),
-    ("simulator.models:flowcheck_testbed", {}, {}),  # the tied embedding alone exceeds 25 MiB
+    ("gradtap.workload.models:mlp", {}, {}),
+    ("gradtap.workload.models:mlp", {}, {"bucket_cap_mb": 0.1}),  # every weight is larger than the cap
+    ("gradtap.workload.models:mlp", {}, {"bucket_cap_mb": 5}),    # an explicit cap also sizes the first bucket
+    ("gradtap.workload.models:mlp", {}, {"find_unused_parameters": True}),
+    ("gradtap.workload.models:mlp", {}, {"find_unused_parameters": True, "bucket_cap_mb": 1}),
+    ("gradtap.workload.models:mlp", {}, {"static_graph": True, "bucket_cap_mb": 1}),
+    ("gradtap.workload.models:gpt2", TINY_GPT, {}),
+    ("gradtap.workload.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05}),
+    ("gradtap.workload.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05, "gradient_as_bucket_view": True}),
+    ("gradtap.workload.models:flowcheck_testbed", {}, {}),  # the tied embedding alone exceeds 25 MiB
     ("tests.simulator.naive_ddp:small_params", {}, {"bucket_cap_mb": 0.001}),
     ("tests.simulator.naive_ddp:shuffled", {}, {"bucket_cap_mb": 0.02}),
 ]
@@ -203,7 +203,7 @@ def test_ready_order_matters():
 
 @pytest.mark.slow
 def test_layout_equals_real_ddp_on_two_ranks(tmp_path):
-    cases = [("simulator.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05}),
+    cases = [("gradtap.workload.models:gpt2", TINY_GPT, {"bucket_cap_mb": 0.05}),
              ("tests.simulator.naive_ddp:shuffled", {}, {"bucket_cap_mb": 0.02})]
     jobs = [naive_ddp.Job(f, k, ddp=d, iterations=2, batch_size=2,
                           seq_len=8 if "gpt2" in f else None) for f, k, d in cases]

@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from simulator.allreduce import chunk_index, ring_partials
+from gradtap.simulator.allreduce import chunk_index, ring_partials
 from tests import naive
-from workload.spec import parse_job
-from workload.wire_plan import CTS, DATA, NO_VA, PHASE_AG, PHASE_RS, PSN_MOD, build_plan
+from gradtap.workload.spec import parse_job
+from gradtap.workload.wire_plan import CTS, DATA, NO_VA, PHASE_AG, PHASE_RS, PSN_MOD, build_plan
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 CAPTURES = GOLDEN_CAPTURES

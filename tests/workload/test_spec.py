@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gradtap.errors import ConfigError
-from workload.spec import dump_job, load_job, parse_job
+from gradtap.core.errors import ConfigError
+from gradtap.workload.spec import dump_job, load_job, parse_job
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 

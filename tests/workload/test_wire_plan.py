@@ -4,10 +4,10 @@ of how the plan computes them (the golden check against real traffic is test_pla
 import numpy as np
 import pytest
 
-from gradtap.errors import PlanError
-from workload.ring_schedule import sent_chunk
-from workload.spec import parse_job
-from workload.wire_plan import CTS, DATA, NO_VA, PHASE_AG, PHASE_RS, build_plan, packets, send_parts
+from gradtap.core.errors import PlanError
+from gradtap.workload.ring_schedule import sent_chunk
+from gradtap.workload.spec import parse_job
+from gradtap.workload.wire_plan import CTS, DATA, NO_VA, PHASE_AG, PHASE_RS, build_plan, packets, send_parts
 
 
 def job(n=4, protocol="Simple", channels=2, nqps=1, mtu=1024, dtype="fp32", **nccl):

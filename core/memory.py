@@ -29,7 +29,7 @@ from numba import config, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from gradtap.jit import JIT
+from gradtap.core.jit import JIT
 
 if config.DISABLE_JIT:
     def load_acquire(arr, index):

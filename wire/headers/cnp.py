@@ -4,7 +4,7 @@ A CNP is a BTH with opcode 0x81 and the congested QP as DestQP, followed by 16 r
 bytes (then the ICRC).
 """
 
-from parser.headers.layout import Layout
+from gradtap.wire.headers.layout import Layout
 
 CNP_BODY = Layout("CNP", "IBTA Annex A17 §A17.9.3", (
     ("reserved", "16s", b"\x00" * 16),

@@ -3,7 +3,7 @@
 Carried by every UD packet (e.g. connection management to QP1): Q_Key and source QP.
 """
 
-from parser.headers.layout import Bits, Layout
+from gradtap.wire.headers.layout import Bits, Layout
 
 DETH = Layout("DETH", "IBTA Vol 1 Rel 1.4 §9.3.2", (
     ("qkey", "I", 0),

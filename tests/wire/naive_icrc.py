@@ -1,7 +1,7 @@
 """Slow, obviously correct ICRC: zlib.crc32 over a masked copy of the packet.
 
 Offsets are written out from the specifications (RFC 791, RFC 8200, RFC 768, IBTA §9.2),
-independently of ``parser.headers``, so the twin also checks the derived constants.
+independently of ``gradtap.wire.headers``, so the twin also checks the derived constants.
 """
 
 import struct

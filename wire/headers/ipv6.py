@@ -4,7 +4,7 @@ RoCEv2 over IPv6 puts UDP directly after this header (next header 17); extension
 are not declared here.
 """
 
-from parser.headers.layout import Bits, Layout
+from gradtap.wire.headers.layout import Bits, Layout
 
 IPV6 = Layout("IPV6", "RFC 8200 §3; traffic class = DSCP/ECN per RFC 2474 §3, RFC 3168 §5", (
     (Bits(("version", 4), ("dscp", 6), ("ecn", 2), ("flow_label", 20)), "I", 0x6000_0000),

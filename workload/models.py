@@ -1,7 +1,7 @@
 """Built-in models for simulated jobs, and what the wire planner needs to know about them.
 
 A job names its model as ``"module:callable"`` plus keyword arguments (e.g.
-``"simulator.models:gpt2"`` with ``{"n_layer": 2}``); :func:`build` resolves and calls
+``"gradtap.workload.models:gpt2"`` with ``{"n_layer": 2}``); :func:`build` resolves and calls
 it under a fixed seed. The built-ins:
 
 * :func:`mlp`: a ReLU multilayer perceptron on Gaussian features, the small fast job
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradtap.errors import ConfigError, PlanError
-from simulator.data import Batch, ClassificationData, TokenData, batch_loss
-from workload.spec import ParamSpec
+from gradtap.core.errors import ConfigError, PlanError
+from gradtap.simulator.data import Batch, ClassificationData, TokenData, batch_loss
+from gradtap.workload.spec import ParamSpec
 
 
 class MLP(nn.Module):
@@ -223,7 +223,7 @@ def param_specs(model: nn.Module) -> tuple[ParamSpec, ...]:
 def grad_ready_order(model: nn.Module, batch: Batch) -> tuple[int, ...]:
     """Indices into :func:`param_specs` in the order their gradients become ready.
 
-    Runs one forward and backward pass of :func:`simulator.data.batch_loss` and records
+    Runs one forward and backward pass of :func:`gradtap.simulator.data.batch_loss` and records
     when each parameter's gradient accumulator finishes, the event DDP's reducer hooks.
     Works on the ``meta`` device (shapes only). Leaves every ``.grad`` as ``None``.
     """

@@ -5,7 +5,7 @@ Carried by Acknowledge, ATOMIC Acknowledge and RDMA READ Response First/Last/Onl
 (ACK, RNR NAK, NAK) and a 5-bit value (credit count, RNR timer or NAK code).
 """
 
-from parser.headers.layout import Bits, Layout
+from gradtap.wire.headers.layout import Bits, Layout
 
 AETH = Layout("AETH", "IBTA Vol 1 Rel 1.4 §9.3.5", (
     (Bits(("syndrome", 8), ("msn", 24)), "I", 0),

@@ -13,11 +13,11 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Dot1Q, Ether
 
-from capture.pcap import read_pcap
-from parser.headers import aeth, atomiceth, bth, cnp, deth, eth, ieth, immdt, ipv4, ipv6, \
+from gradtap.capture.pcap import read_pcap
+from gradtap.wire.headers import aeth, atomiceth, bth, cnp, deth, eth, ieth, immdt, ipv4, ipv6, \
     opcodes, reth, udp
-from parser.headers.layout import Bits, Layout
-from parser.icrc import locate_icrc
+from gradtap.wire.headers.layout import Bits, Layout
+from gradtap.wire.icrc import locate_icrc
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 CAPTURES = sorted(GOLDEN_CAPTURES.glob("*.pcapng"))

@@ -2,7 +2,7 @@
 carried by CmpSwap/FetchAdd requests) and §9.3.6 (AtomicAckETH, 8 bytes, carried by the
 ATOMIC Acknowledge after its AETH)."""
 
-from parser.headers.layout import Layout
+from gradtap.wire.headers.layout import Layout
 
 ATOMICETH = Layout("ATOMICETH", "IBTA Vol 1 Rel 1.4 §9.3.4", (
     ("va", "Q", 0),

@@ -4,7 +4,7 @@
 are not declared: ``ihl`` says how long the header really is (``ihl * 4`` bytes).
 """
 
-from parser.headers.layout import Bits, Layout
+from gradtap.wire.headers.layout import Bits, Layout
 
 IPPROTO_UDP = 17
 

@@ -23,7 +23,7 @@ Speed: the CRC runs in ISA-L's ``crc32_gzip_refl`` (PCLMULQDQ folding), which th
 check. Kernels call it through ``numba.types.ExternalFunction`` by symbol name after
 ``llvmlite`` has loaded that module: unlike a ctypes function object (whose address Numba
 would bake in as a "dynamic global"), a by-name call keeps the calling kernels cacheable
-(``cache=True`` in ``gradtap.jit``). With ``NUMBA_DISABLE_JIT=1`` the same functions run as
+(``cache=True`` in ``gradtap.core.jit``). With ``NUMBA_DISABLE_JIT=1`` the same functions run as
 Python and call ISA-L through ctypes.
 
 Preconditions (the callers, i.e. the parser kernels, validate them; these functions do not):
@@ -45,18 +45,18 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.arrayobj import make_array, populate_array
 
-from gradtap.jit import JIT
-from parser.headers import eth, ipv4, ipv6, udp
-from parser.headers.bth import BTH_BECN_MASK, BTH_FECN_MASK, BTH_LEN, BTH_OFF_FECN, \
+from gradtap.core.jit import JIT
+from gradtap.wire.headers import eth, ipv4, ipv6, udp
+from gradtap.wire.headers.bth import BTH_BECN_MASK, BTH_FECN_MASK, BTH_LEN, BTH_OFF_FECN, \
     BTH_RESV6_MASK, BTH_SIZE_FECN
-from parser.headers.ipv4 import IPPROTO_UDP, IPV4_CHECKSUM_MASK, IPV4_DSCP_MASK, \
+from gradtap.wire.headers.ipv4 import IPPROTO_UDP, IPV4_CHECKSUM_MASK, IPV4_DSCP_MASK, \
     IPV4_ECN_MASK, IPV4_IHL_MASK, IPV4_IHL_SHIFT, IPV4_OFF_CHECKSUM, IPV4_OFF_DSCP, \
     IPV4_OFF_IHL, IPV4_OFF_TTL, IPV4_SIZE_CHECKSUM, IPV4_SIZE_DSCP, IPV4_SIZE_TTL, \
     IPV4_TTL_MASK
-from parser.headers.ipv6 import IPV6_DSCP_MASK, IPV6_ECN_MASK, IPV6_FLOW_LABEL_MASK, \
+from gradtap.wire.headers.ipv6 import IPV6_DSCP_MASK, IPV6_ECN_MASK, IPV6_FLOW_LABEL_MASK, \
     IPV6_HOP_LIMIT_MASK, IPV6_LEN, IPV6_OFF_DSCP, IPV6_OFF_HOP_LIMIT, IPV6_SIZE_DSCP, \
     IPV6_SIZE_HOP_LIMIT
-from parser.headers.udp import ROCEV2_UDP_PORT, UDP_CHECKSUM_MASK, UDP_LEN, \
+from gradtap.wire.headers.udp import ROCEV2_UDP_PORT, UDP_CHECKSUM_MASK, UDP_LEN, \
     UDP_OFF_CHECKSUM, UDP_SIZE_CHECKSUM
 
 ICRC_LEN = 4

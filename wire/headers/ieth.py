@@ -3,7 +3,7 @@
 Carried by SEND Last/Only with Invalidate: the R_Key the responder invalidates.
 """
 
-from parser.headers.layout import Layout
+from gradtap.wire.headers.layout import Layout
 
 IETH = Layout("IETH", "IBTA Vol 1 Rel 1.4 §9.3.8", (
     ("rkey", "I", 0),

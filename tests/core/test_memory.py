@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import config, njit
 
-from capture.memory import acquire, copy_bytes, load_acquire, release, store_release
+from gradtap.core.memory import acquire, copy_bytes, load_acquire, release, store_release
 
 
 

@@ -5,7 +5,7 @@ the big-endian reading of the four wire bytes; a sender may have meant another b
 (NCCL before 2.29 writes its size little-endian, see docs/wire-format.md).
 """
 
-from parser.headers.layout import Layout
+from gradtap.wire.headers.layout import Layout
 
 IMMDT = Layout("IMMDT", "IBTA Vol 1 Rel 1.4 §9.3.7", (
     ("imm", "I", 0),

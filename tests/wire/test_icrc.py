@@ -15,10 +15,10 @@ from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import Dot1Q, Ether
 from scapy.packet import Raw
 
-from capture.pcap import read_pcap
-from parser.headers import bth, ipv4, ipv6, opcodes, udp
-from parser.icrc import ICRC_LEN, compute_icrc, crc32_update, icrc_frame, icrc_ok, locate_icrc
-from tests.parser.naive_icrc import naive_icrc
+from gradtap.capture.pcap import read_pcap
+from gradtap.wire.headers import bth, ipv4, ipv6, opcodes, udp
+from gradtap.wire.icrc import ICRC_LEN, compute_icrc, crc32_update, icrc_frame, icrc_ok, locate_icrc
+from tests.wire.naive_icrc import naive_icrc
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 CAPTURES = GOLDEN_CAPTURES
@@ -152,8 +152,8 @@ def test_crc32_update_equals_zlib():
 NO_JIT_SCRIPT = """
 import numba
 from pathlib import Path
-from capture.pcap import read_pcap
-from parser.icrc import icrc_ok, locate_icrc
+from gradtap.capture.pcap import read_pcap
+from gradtap.wire.icrc import icrc_ok, locate_icrc
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 assert numba.config.DISABLE_JIT
 good = bad = 0

@@ -21,14 +21,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from parser.headers.aeth import AETH
-from parser.headers.atomiceth import ATOMICACKETH, ATOMICETH
-from parser.headers.cnp import CNP_BODY
-from parser.headers.deth import DETH
-from parser.headers.ieth import IETH
-from parser.headers.immdt import IMMDT
-from parser.headers.layout import Layout
-from parser.headers.reth import RETH
+from gradtap.wire.headers.aeth import AETH
+from gradtap.wire.headers.atomiceth import ATOMICACKETH, ATOMICETH
+from gradtap.wire.headers.cnp import CNP_BODY
+from gradtap.wire.headers.deth import DETH
+from gradtap.wire.headers.ieth import IETH
+from gradtap.wire.headers.immdt import IMMDT
+from gradtap.wire.headers.layout import Layout
+from gradtap.wire.headers.reth import RETH
 
 # What the operation does (OPCODE_KIND).
 KIND_SEND = 1

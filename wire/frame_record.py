@@ -2,7 +2,7 @@
 
 One row per input frame, in arrival order. ``event`` is ``DECODE_OK`` for a complete RoCEv2
 packet whose fields below are then all valid, or the ``decode.*``/``other.*`` code of why
-the frame stops there (see ``parser/events.py``). Addresses are 16 bytes: IPv6 as is, IPv4
+the frame stops there (see ``wire/events.py``). Addresses are 16 bytes: IPv6 as is, IPv4
 as ``::ffff:a.b.c.d`` (RFC 4291 §2.5.5.2), so one comparison serves both families.
 """
 

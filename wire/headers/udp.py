@@ -1,6 +1,6 @@
 """UDP header, RFC 768; RoCEv2's well-known destination port, IBTA Annex A17 (RoCEv2)."""
 
-from parser.headers.layout import Layout
+from gradtap.wire.headers.layout import Layout
 
 ROCEV2_UDP_PORT = 4791
 

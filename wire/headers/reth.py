@@ -4,7 +4,7 @@ Carried by RDMA WRITE First/Only and RDMA READ Request: the target virtual addre
 R_Key and the DMA length of the whole message.
 """
 
-from parser.headers.layout import Layout
+from gradtap.wire.headers.layout import Layout
 
 RETH = Layout("RETH", "IBTA Vol 1 Rel 1.4 §9.3.3", (
     ("va", "Q", 0),

@@ -6,7 +6,7 @@ place of the outer type field, followed by the TCI (PCP, DEI, VID) and the inner
 is what ``VLAN`` declares. Captures carry no FCS.
 """
 
-from parser.headers.layout import Bits, Layout
+from gradtap.wire.headers.layout import Bits, Layout
 
 ETHERTYPE_IPV4 = 0x0800
 ETHERTYPE_IPV6 = 0x86DD

@@ -8,7 +8,7 @@ and the parser decodes with :data:`LL128_WIRE_TO_DATA`. A slice is 256 wire word
 
 import numpy as np
 
-from workload.nccl import LL128_DATA_WORDS_PER_WARP, LL128_LINE_WORDS, LL128_WIRE_WORDS_PER_WARP, WARP_SIZE
+from gradtap.workload.nccl import LL128_DATA_WORDS_PER_WARP, LL128_LINE_WORDS, LL128_WIRE_WORDS_PER_WARP, WARP_SIZE
 
 LL128_SLICE_DATA = LL128_DATA_WORDS_PER_WARP * 8   # 1920 data bytes per warp slice
 LL128_SLICE_WIRE = LL128_WIRE_WORDS_PER_WARP * 8   # 2048 wire bytes per warp slice

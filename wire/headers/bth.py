@@ -2,11 +2,11 @@
 
 Byte 4 holds FECN/BECN (congestion notification, IBTA Annex A10 and the RoCEv2 congestion
 management of Annex A17) and six reserved bits; the Linux rxe driver calls the whole byte
-``resv8a``. The ICRC treats that byte as variant (see ``parser/icrc.py``). The 24-bit DestQP
+``resv8a``. The ICRC treats that byte as variant (see ``wire/icrc.py``). The 24-bit DestQP
 and PSN share their 32-bit words with that byte and with AckReq + 7 reserved bits.
 """
 
-from parser.headers.layout import Bits, Layout
+from gradtap.wire.headers.layout import Bits, Layout
 
 BTH = Layout("BTH", "IBTA Vol 1 Rel 1.4 §9.2; FECN/BECN per Annex A10/A17", (
     ("opcode", "B", 0),

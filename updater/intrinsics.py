@@ -14,13 +14,18 @@ AVX-512 instruction sequence; to equal them bit for bit a kernel needs the same 
   picks one (or none, for a float32 gradient) by type.
 - :func:`rsqrt14`, :func:`rsqrt14x16`: the AVX-512F approximate reciprocal square root
   (``vrsqrt14ss``/``vrsqrt14ps``, relative error below 2**-14), one lane or sixteen.
-  MKL's float32 square root starts from it (``updater/mkl_sqrt.py``); using the same
-  instruction is what makes that root reproducible. LLVM cannot vectorise a target
-  intrinsic inside a loop, hence the 16-lane form.
+- :func:`rsqrt12`, :func:`rsqrt12x4`: the SSE one (``rsqrtss``/``rsqrtps``, relative error
+  at most 1.5 * 2**-12), one lane or four.
 
-Only the ``rsqrt14`` pair needs AVX-512F (:func:`has_avx512f`); calling it on a CPU without
-it fails when the kernel is compiled, so callers check first. Under ``NUMBA_DISABLE_JIT=1``
-the others are plain-Python twins (exact, slow) and the ``rsqrt14`` pair is unavailable.
+MKL's float32 square roots start from these estimates (``updater/mkl_sqrt.py``). Their
+exact output is not specified (each CPU vendor has its own table), so a root built on them
+is reproducible only by executing the same instruction on the same CPU. LLVM cannot
+vectorise a target intrinsic inside a loop, hence the many-lane forms.
+
+The ``rsqrt14`` pair needs AVX-512F and the ``rsqrt12`` pair SSE (any x86-64); ask
+:func:`has_feature` first, because calling one on a CPU without it fails when the kernel is
+compiled. Under ``NUMBA_DISABLE_JIT=1`` the others are plain-Python twins (exact, slow) and
+the estimates are unavailable.
 """
 
 from __future__ import annotations
@@ -39,22 +44,22 @@ from gradtap.core.errors import GradtapError
 from gradtap.core.jit import JIT
 
 _F32 = ir.FloatType()
-_I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
 _V4 = ir.VectorType(_F32, 4)
-_V16 = ir.VectorType(_F32, 16)
 
 
-@lru_cache(maxsize=1)
-def has_avx512f() -> bool:
-    """Whether the host CPU (as LLVM sees it) has AVX-512F."""
-    return "+avx512f" in llvm_binding.get_host_cpu_features().flatten().split(",")
+@lru_cache(maxsize=None)
+def has_feature(name: str) -> bool:
+    """Whether the host CPU, as LLVM sees it, has the target feature ``name`` (LLVM's
+    spelling: ``"avx512f"``, ``"sse"``)."""
+    return f"+{name}" in llvm_binding.get_host_cpu_features().flatten().split(",")
 
 
 if config.DISABLE_JIT:
     # Plain-Python twins, so the kernels also run with NUMBA_DISABLE_JIT=1 (coverage). The
-    # AVX-512 estimate has no twin: without the JIT the MKL root is not reproduced and the
-    # updater takes its roots from torch.sqrt (``gradtap.updater.mkl_sqrt.reproduces_torch``).
+    # hardware estimates have no twin (their tables are the CPU's): without the JIT the MKL
+    # roots are not reproduced and the updater takes its roots from torch.sqrt
+    # (``gradtap.updater.mkl_sqrt.available``).
 
     def fma32(a, b, c):
         """``a * b + c`` rounded once (float32)."""
@@ -83,6 +88,12 @@ if config.DISABLE_JIT:
 
     def rsqrt14x16(src, src_start, dst, dst_start):
         raise GradtapError("vrsqrt14 has no plain-Python twin (NUMBA_DISABLE_JIT=1)")
+
+    def rsqrt12(x):
+        raise GradtapError("rsqrtps has no plain-Python twin (NUMBA_DISABLE_JIT=1)")
+
+    def rsqrt12x4(src, src_start, dst, dst_start):
+        raise GradtapError("rsqrtps has no plain-Python twin (NUMBA_DISABLE_JIT=1)")
 
     def widen(x, half):
         """A gradient element as float32: ``x`` itself (float32), or the 16-bit pattern ``x``
@@ -153,46 +164,71 @@ else:
         return sig, codegen
 
 
-    @intrinsic
-    def rsqrt14(typingctx, x):
-        """``vrsqrt14ss``: approximately ``1 / sqrt(x)`` (float32, AVX-512F)."""
-        sig = types.float32(types.float32)
+    # The estimates: one LLVM target intrinsic each, on <n x float> operands. The AVX-512
+    # forms also take a pass-through vector and a lane mask (all lanes here).
 
-        def codegen(context, builder, signature, args):
-            fnty = ir.FunctionType(_V4, [_V4, _V4, _V4, ir.IntType(8)])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ss")
-            lane = builder.insert_element(ir.Constant(_V4, None), args[0], ir.Constant(_I32, 0))
-            out = builder.call(fn, [lane, lane, lane, ir.Constant(ir.IntType(8), -1)])
-            return builder.extract_element(out, ir.Constant(_I32, 0))
+    def _one_lane(name: str, masked: bool, doc: str):
+        """An intrinsic ``f(x)``: the estimate ``name`` of the float32 ``x`` (in lane 0)."""
+        def estimate(typingctx, x):
+            sig = types.float32(types.float32)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                operands = [_V4, _V4, _V4, ir.IntType(8)] if masked else [_V4]
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V4, operands), name)
+                lane = builder.insert_element(ir.Constant(_V4, None), args[0], ir.Constant(_I32, 0))
+                call = [lane, lane, lane, ir.Constant(ir.IntType(8), -1)] if masked else [lane]
+                return builder.extract_element(builder.call(fn, call), ir.Constant(_I32, 0))
+
+            return sig, codegen
+
+        estimate.__doc__ = doc
+        estimate.__name__ = estimate.__qualname__ = name.replace(".", "_")
+        return intrinsic(estimate)
 
 
-    @intrinsic
-    def rsqrt14x16(typingctx, src, src_start, dst, dst_start):
-        """``vrsqrt14ps`` on ``src[src_start:src_start + 16]`` into ``dst[dst_start:...]``.
+    def _all_lanes(name: str, lanes: int, masked: bool, doc: str):
+        """An intrinsic ``f(src, src_start, dst, dst_start)``: the estimate ``name`` of
+        ``src[src_start:src_start + lanes]`` into ``dst[dst_start:...]``.
 
-        Both arrays are 1-D C-contiguous float32; the caller guarantees both ranges are inside
-        them (nothing is checked here).
+        Both arrays are 1-D C-contiguous float32; the caller guarantees both ranges are
+        inside them (nothing is checked here).
         """
-        if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
-                and src.dtype == types.float32 and dst.dtype == types.float32):
-            return None
-        sig = types.void(src, types.intp, dst, types.intp)
+        vector = ir.VectorType(_F32, lanes)
+        mask = ir.IntType(lanes)
 
-        def codegen(context, builder, signature, args):
-            src_arr = context.make_array(signature.args[0])(context, builder, args[0])
-            dst_arr = context.make_array(signature.args[2])(context, builder, args[2])
-            v16p = _V16.as_pointer()
-            load_ptr = builder.bitcast(builder.gep(src_arr.data, [args[1]]), v16p)
-            store_ptr = builder.bitcast(builder.gep(dst_arr.data, [args[3]]), v16p)
-            fnty = ir.FunctionType(_V16, [_V16, _V16, ir.IntType(16)])
-            fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.avx512.rsqrt14.ps.512")
-            value = builder.load(load_ptr, align=4)
-            builder.store(builder.call(fn, [value, value, ir.Constant(_I16, -1)]), store_ptr, align=4)
-            return context.get_dummy_value()
+        def estimate(typingctx, src, src_start, dst, dst_start):
+            if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
+                    and src.dtype == types.float32 and dst.dtype == types.float32):
+                return None
+            sig = types.void(src, types.intp, dst, types.intp)
 
-        return sig, codegen
+            def codegen(context, builder, signature, args):
+                src_arr = context.make_array(signature.args[0])(context, builder, args[0])
+                dst_arr = context.make_array(signature.args[2])(context, builder, args[2])
+                load_ptr = builder.bitcast(builder.gep(src_arr.data, [args[1]]), vector.as_pointer())
+                store_ptr = builder.bitcast(builder.gep(dst_arr.data, [args[3]]), vector.as_pointer())
+                operands = [vector, vector, mask] if masked else [vector]
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, operands), name)
+                value = builder.load(load_ptr, align=4)
+                call = [value, value, ir.Constant(mask, -1)] if masked else [value]
+                builder.store(builder.call(fn, call), store_ptr, align=4)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        estimate.__doc__ = doc
+        estimate.__name__ = estimate.__qualname__ = name.replace(".", "_")
+        return intrinsic(estimate)
+
+
+    rsqrt14 = _one_lane("llvm.x86.avx512.rsqrt14.ss", True,
+                        "``vrsqrt14ss``: approximately ``1 / sqrt(x)`` (float32, AVX-512F).")
+    rsqrt14x16 = _all_lanes("llvm.x86.avx512.rsqrt14.ps.512", 16, True,
+                            "``vrsqrt14ps`` of 16 floats of ``src`` into ``dst`` (AVX-512F).")
+    rsqrt12 = _one_lane("llvm.x86.sse.rsqrt.ss", False,
+                        "``rsqrtss``: approximately ``1 / sqrt(x)`` (float32, SSE).")
+    rsqrt12x4 = _all_lanes("llvm.x86.sse.rsqrt.ps", 4, False,
+                           "``rsqrtps`` of 4 floats of ``src`` into ``dst`` (SSE).")
 
 
     def widen(x, half):

@@ -25,8 +25,9 @@ has them (GCC contracts ``a * b + c`` in the CPU kernels; ``updater/intrinsics.f
 - second moment (``mul_`` then ``addcmul_``): ``fma(c·g, g, v·f32(β2))`` with
   ``c = f32(1 − β2)``; fused does the same in its 8-lane blocks but, in the last ``n mod 8``
   elements of each tensor, ``fma(v, f32(β2), (c·g)·g)``;
-- root: MKL's ``vsSqrt`` for single-tensor (not correctly rounded, ``updater/mkl_sqrt.py``),
-  IEEE ``sqrt`` for fused;
+- root: MKL's ``vsSqrt`` for single-tensor (not correctly rounded, and rounded differently
+  by each of MKL's kernels, which MKL picks by CPU: ``updater/mkl_sqrt.py``), IEEE ``sqrt``
+  for fused;
 - bias correction 2: ``(1 − β2^t) ** 0.5`` (Python ``pow``) for single-tensor,
   ``std::sqrt(1 − β2^t)`` for fused;
 - update: ``θ + (f32(−γ/(1 − β1^t)) · m) / (√v / f32(√bc2) + f32(ε))``.
@@ -61,9 +62,11 @@ CHUNK = 4096        # elements per work span: a span's p, g, m, v (64 KiB) stay 
 FUSED_LANES = 8     # Vectorized<float>::size() of the AVX2 build that runs torch._fused_adam_
 BODY, TAIL = 0, 1   # work-span forms (TAIL only in fused: the last n % 8 of a tensor)
 
-SQRT_MKL = "mkl"      # single-tensor roots from updater.mkl_sqrt (AVX-512F)
-SQRT_TORCH = "torch"  # single-tensor roots from torch.sqrt itself (any CPU; one more pass)
-SQRT_IEEE = "ieee"    # fused: the correctly rounded root, inside the one-pass kernel
+# Where roots come from (``adam_step(sqrt=)``); ``updater.selfcheck`` picks one per host.
+SQRT_MKL_AVX512 = mkl_sqrt.AVX512   # single-tensor: MKL's AVX-512 kernel reproduced (AVX-512F)
+SQRT_MKL_SSE = mkl_sqrt.SSE         # single-tensor: MKL's SSE kernel reproduced (x86-64)
+SQRT_TORCH = "torch"                # single-tensor: torch.sqrt itself (any CPU; one more pass)
+SQRT_IEEE = "ieee"                  # fused: the correctly rounded root, inside the one-pass kernel
 
 
 class StepConstants(NamedTuple):
@@ -208,14 +211,30 @@ def _widen_all(g, out, work, c, half):
         _widen_span(g[lo:hi], out[lo:hi], c, half)
 
 
+# One driver per MKL kernel: a kernel's estimate instruction may not exist on this CPU, so
+# each is compiled only when called (after ``mkl_sqrt.reproduces_torch`` said it runs here).
+
 @njit(**JIT_PARALLEL)
-def _single_tensor_mkl(p, g, m, v, work, c, half):
+def _single_tensor_mkl_avx512(p, g, m, v, work, c, half):
     for w in prange(work.shape[0]):
         lo, hi = work[w, 0], work[w, 1]
         root = np.empty(hi - lo, np.float32)
         _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
-        mkl_sqrt.sqrt_span(v[lo:hi], root)
+        mkl_sqrt.sqrt_span_avx512(v[lo:hi], root)
         _params_span(p[lo:hi], m[lo:hi], root, c)
+
+
+@njit(**JIT_PARALLEL)
+def _single_tensor_mkl_sse(p, g, m, v, work, c, half):
+    for w in prange(work.shape[0]):
+        lo, hi = work[w, 0], work[w, 1]
+        root = np.empty(hi - lo, np.float32)
+        _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
+        mkl_sqrt.sqrt_span_sse(v[lo:hi], root)
+        _params_span(p[lo:hi], m[lo:hi], root, c)
+
+
+_SINGLE_TENSOR_MKL = {SQRT_MKL_AVX512: _single_tensor_mkl_avx512, SQRT_MKL_SSE: _single_tensor_mkl_sse}
 
 
 @njit(**JIT_PARALLEL)
@@ -287,9 +306,11 @@ def adam_step(implementation: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, 
     c:
         :func:`step_constants` of this step.
     sqrt:
-        ``SQRT_MKL`` or ``SQRT_TORCH``: where single-tensor roots come from; fused takes
-        only ``SQRT_IEEE``. ``SQRT_TORCH`` calls ``torch.sqrt`` on the whole bucket
-        between two passes; use it where ``gradtap.updater.mkl_sqrt.reproduces_torch()`` is false.
+        Where single-tensor roots come from: ``SQRT_MKL_AVX512`` or ``SQRT_MKL_SSE`` (one
+        pass per span; refused unless ``mkl_sqrt.reproduces_torch`` holds for it here) or
+        ``SQRT_TORCH`` (``torch.sqrt`` on the whole bucket between two passes; any host).
+        Fused takes only ``SQRT_IEEE``. ``gradtap.updater.selfcheck.root_source`` gives the
+        fastest exact one for a job on this host.
     """
     n = p.shape[0]
     _check("adam_step: g", g, n, _wire_dtype(wire))
@@ -303,14 +324,15 @@ def adam_step(implementation: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, 
         _fused(p, g, m, v, work, c, half)
     elif implementation not in IMPLEMENTATIONS:
         raise GradtapError(f"implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
-    elif sqrt == SQRT_MKL:
-        if not mkl_sqrt.reproduces_torch():
-            raise GradtapError("the MKL square root is not reproduced on this host "
-                               "(updater.mkl_sqrt.reproduces_torch() is false); pass sqrt=SQRT_TORCH")
-        _single_tensor_mkl(p, g, m, v, work, c, half)
+    elif sqrt in _SINGLE_TENSOR_MKL:
+        if not mkl_sqrt.reproduces_torch(sqrt):
+            why = mkl_sqrt.missing(sqrt) or f"{sqrt} runs here but torch.sqrt rounds otherwise"
+            raise GradtapError(f"sqrt={sqrt!r} is not this host's torch.sqrt ({why}); "
+                               f"pass sqrt={SQRT_TORCH!r}, or what selfcheck.root_source picks")
+        _SINGLE_TENSOR_MKL[sqrt](p, g, m, v, work, c, half)
     elif sqrt == SQRT_TORCH:
         _moments_all(p, g, m, v, work, c, half)
         root = torch.sqrt(torch.from_numpy(v)).numpy()
         _params_all(p, m, root, work, c)
     else:
-        raise GradtapError(f"sqrt {sqrt!r} is not one of {SQRT_MKL!r}, {SQRT_TORCH!r}")
+        raise GradtapError(f"sqrt {sqrt!r} is not one of {(*_SINGLE_TENSOR_MKL, SQRT_TORCH)}")

@@ -1,16 +1,15 @@
-"""PyTorch's CPU float32 square root, reproduced bit for bit.
+"""PyTorch's CPU float32 square root, reproduced bit for bit for the MKL kernels it runs.
 
 ``torch.sqrt`` on a float32 CPU tensor calls MKL's ``vmsSqrt`` in high-accuracy mode
-(``aten/src/ATen/cpu/vml.h``, ``VML_HA``). That result is *not* the correctly rounded
-root: over all 2**31 non-negative float32 inputs, 12,619,747 (0.59 %) come out one unit in
-the last place low (torch 2.13.0 with MKL 2024.2 on an AVX-512 Xeon; measured by
-``tests/updater/test_mkl_sqrt.py``'s exhaustive twin). Adam's ``exp_avg_sq.sqrt()`` goes
-through it, so an exact replica of ``torch.optim.Adam(foreach=False)`` needs the same
-root.
+(``aten/src/ATen/cpu/vml.h``, ``VML_HA``), and Adam's ``exp_avg_sq.sqrt()`` goes through it,
+so an exact replica of ``torch.optim.Adam(foreach=False)`` needs the same root. MKL picks
+the kernel behind ``vmsSqrt`` from the CPU at run time, and no kernel is correctly rounded;
+each rounds differently. Two are reproduced here (torch 2.13.0, MKL 2024.2; the sequences
+were read from the instruction stream of ``libtorch_cpu.so``, the dispatch observed with
+breakpoints on every ``mkl_vml_kernel_sSqrt_*``; only the arithmetic is reproduced).
 
-On a CPU with AVX-512F, MKL dispatches ``mkl_vml_kernel_sSqrt_Z0HAynn``, whose inner loop
-is one Newton-Raphson correction of the hardware estimate (read from the instruction
-stream of ``libtorch_cpu.so``; only the arithmetic is reproduced here):
+``mkl_vml_kernel_sSqrt_Z0HAynn`` (:data:`AVX512`), which MKL runs on AVX-512 Xeons: one
+Newton-Raphson correction of the AVX-512 estimate, with fused multiply-adds.
 
 .. code-block:: text
 
@@ -20,43 +19,79 @@ stream of ``libtorch_cpu.so``; only the arithmetic is reproduced here):
     r = fma(-s, s, x)           # x - s², rounded once
     sqrt(x) = fma(h, r, s)      # s + r / (2 sqrt(x)), rounded once
 
-For ``y > 2**39`` (``x`` below about 2**-78, where ``s * s`` would underflow) the
-residual is formed at scale: ``r = fma(-(s·2**39), s·2**39, x·2**78)`` and the result is
-``fma(h·2**-78, r, s)``. Zeros and ``+inf`` come back unchanged; negative inputs give a
-NaN (Adam never takes the root of a negative number; its NaN's bits are not claimed).
+For ``y > 2**39`` (``x`` below about 2**-78, where ``s * s`` would underflow) the residual
+is formed at scale: ``r = fma(-(s·2**39), s·2**39, x·2**78)`` and the result is
+``fma(h·2**-78, r, s)``. Zeros and ``+inf`` come back unchanged. Over all 2**31
+non-negative inputs, 12,619,747 (0.59 %) come out one unit in the last place *below* the
+correctly rounded root, at every exponent, none above.
 
-:func:`reproduces_torch` compares this with ``torch.sqrt`` on the host, because the
-sequence belongs to one MKL kernel: another CPU (no AVX-512, so MKL picks another kernel)
-or another MKL could round differently, and then the updater must use ``torch.sqrt``
-itself (``updater/kernels.py``) rather than be silently inexact.
+``mkl_vml_kernel_sSqrt_EXHAynn`` (:data:`SSE`), which MKL runs on this repository's AMD
+EPYC (AVX2, no AVX-512; MKL does not dispatch its AVX2 kernel ``…_L9HAynn`` there, which
+would round differently: it uses FMAs): 128-bit SSE, no FMA, every operation rounded on
+its own.
+
+.. code-block:: text
+
+    y = rsqrt12(x)              # rsqrtps, |relative error| <= 1.5 * 2**-12
+    s = x * y                   # ≈ sqrt(x)
+    h = y * 0.5                 # ≈ 1 / (2 sqrt(x)), exact
+    e = 0.5 - s * h             # the estimate's relative error, halved
+    s = s * e + s               # refined root
+    h = h * e + h               # refined half reciprocal
+    sqrt(x) = (x - s * s) * h + s
+
+for normal ``x`` up to the float whose bits are ``0x7F7FF000`` (above it ``s * s`` could
+overflow). Every other input (zeros, subnormals, the largest 4095 floats, ``inf``, NaN,
+negatives) goes to a scalar double-precision routine (``vssqrt_cout_rare``) whose result is
+the correctly rounded root (zeros keep their sign; negatives give a NaN). Over all 2**31
+non-negative inputs, 365,368,316 (17.0 %) differ from the correctly rounded root by one
+unit in the last place: 157,450,409 below and 207,917,907 above, none by more, none at a
+subnormal. ``rsqrtps``'s table is the CPU vendor's (AMD's and Intel's differ), so the
+estimate is taken with the instruction itself; then this sequence equals ``torch.sqrt`` on
+every one of the 2**31 inputs (``tests/updater/test_mkl_sqrt.py``, slow).
+
+Which kernel a host runs is a fact about the host, so nothing is assumed:
+:func:`reproduces_torch` compares a kernel with ``torch.sqrt`` here, and the updater's
+start-up check (``updater/selfcheck.py``) takes the first one that matches, or
+``torch.sqrt`` itself, rather than be silently inexact. Negative inputs give a NaN in
+every kernel (Adam never takes the root of a negative number; the NaN's bits are not
+claimed).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 from numba import config, njit
 
 from gradtap.core.errors import GradtapError
 from gradtap.core.jit import JIT
-from gradtap.updater.intrinsics import fma32, has_avx512f, rsqrt14, rsqrt14x16
+from gradtap.updater.intrinsics import fma32, has_feature, rsqrt12, rsqrt12x4, rsqrt14, rsqrt14x16
 
 log = logging.getLogger(__name__)
 
-LANES = 16                                 # float32 lanes of vrsqrt14ps
-_SCALE_AT = np.float32(2.0 ** 39)          # y above this: x < ~2**-78, residual at scale
-_X_UP = np.float32(2.0 ** 78)
-_H_DOWN = np.float32(2.0 ** -78)
+AVX512 = "mkl-avx512"   # mkl_vml_kernel_sSqrt_Z0HAynn
+SSE = "mkl-sse"         # mkl_vml_kernel_sSqrt_EXHAynn
+
 _HALF = np.float32(0.5)
 _INF = np.float32(np.inf)
 _NAN = np.float32(np.nan)
+# AVX512
+_SCALE_AT = np.float32(2.0 ** 39)          # y above this: x < ~2**-78, residual at scale
+_X_UP = np.float32(2.0 ** 78)
+_H_DOWN = np.float32(2.0 ** -78)
+# SSE: the inputs its vector path takes (bits 0x00800000 ..= 0x7F7FF000)
+_SSE_LOW = np.float32(np.finfo(np.float32).tiny)
+_SSE_HIGH = np.array([0x7F7FF000], np.uint32).view(np.float32)[0]
 
 
 @njit(**JIT)
-def finish(x, y):
-    """MKL's root of ``x`` (float32) given ``y = rsqrt14(x)``."""
+def finish_avx512(x, y):
+    """MKL's AVX-512 root of ``x`` (float32) given ``y = rsqrt14(x)``."""
     h = y * _HALF
     s = x * y
     if y > _SCALE_AT:
@@ -72,86 +107,139 @@ def finish(x, y):
 
 
 @njit(**JIT)
-def mkl_sqrt(x):
-    """MKL's float32 root of one float32 ``x`` (AVX-512F only)."""
-    return finish(x, rsqrt14(x))
-
-
-@njit(**JIT)
-def sqrt_span(src, out):
-    """``out[k] = mkl_sqrt(src[k])`` for every ``k`` of the 1-D float32 ``src`` (AVX-512F only).
+def sqrt_span_avx512(src, out):
+    """``out[k]`` = MKL's AVX-512 root of ``src[k]`` for every ``k`` of the 1-D float32
+    ``src`` (AVX-512F only; ``out`` needs ``src.size`` elements).
 
     The estimates go 16 lanes at a time into ``out`` and are then finished in place in a
     loop LLVM vectorises; the last ``src.size % 16`` elements take the one-lane estimate,
-    the same instruction on one lane. ``out`` needs ``src.size`` elements.
+    the same instruction on one lane.
     """
     n = src.size
-    full = n - n % LANES
-    for k in range(0, full, LANES):
+    full = n - n % 16
+    for k in range(0, full, 16):
         rsqrt14x16(src, k, out, k)
     for k in range(full, n):
         out[k] = rsqrt14(src[k])
     for k in range(n):
-        out[k] = finish(src[k], out[k])
+        out[k] = finish_avx512(src[k], out[k])
 
 
 @njit(**JIT)
-def _sqrt_all(x, out):
-    sqrt_span(x, out)
+def finish_sse(x, y):
+    """MKL's SSE root of ``x`` (float32) given ``y = rsqrt12(x)``."""
+    s = x * y
+    h = y * _HALF
+    e = _HALF - s * h
+    s = s * e + s
+    h = h * e + h
+    root = (x - s * s) * h + s
+    if _SSE_LOW <= x <= _SSE_HIGH:
+        return root
+    return np.sqrt(x)
 
 
-def available() -> bool:
-    """Whether :func:`sqrt` can run here: AVX-512F, and compiled (not ``NUMBA_DISABLE_JIT``)."""
-    return has_avx512f() and not config.DISABLE_JIT
+@njit(**JIT)
+def sqrt_span_sse(src, out):
+    """``out[k]`` = MKL's SSE root of ``src[k]`` for every ``k`` of the 1-D float32 ``src``
+    (x86-64; ``out`` needs ``src.size`` elements). Estimates 4 lanes at a time, as MKL
+    takes them, then finished in place in a vectorised loop (as :func:`sqrt_span_avx512`)."""
+    n = src.size
+    full = n - n % 4
+    for k in range(0, full, 4):
+        rsqrt12x4(src, k, out, k)
+    for k in range(full, n):
+        out[k] = rsqrt12(src[k])
+    for k in range(n):
+        out[k] = finish_sse(src[k], out[k])
 
 
-def sqrt(x: np.ndarray) -> np.ndarray:
-    """MKL's float32 root of every element of the 1-D float32 array ``x``, as a new array.
+class Kernel(NamedTuple):
+    """One of MKL's float32 square-root kernels, as reproduced here."""
 
-    Raises ``GradtapError`` where it cannot run (:func:`available`).
-    """
-    if not available():
-        raise GradtapError("gradtap.updater.mkl_sqrt needs AVX-512F (vrsqrt14ps) and the JIT; without them "
-                           "the updater takes its roots from torch.sqrt instead")
+    symbol: str                 # MKL's name for it (in libtorch_cpu.so)
+    feature: str                # the LLVM target feature its estimate needs
+    instruction: str            # that estimate
+    span: Callable              # sqrt_span_*(src, out): its root of every element
+
+
+# In the order the updater tries them.
+KERNELS = {
+    AVX512: Kernel("mkl_vml_kernel_sSqrt_Z0HAynn", "avx512f", "vrsqrt14ps", sqrt_span_avx512),
+    SSE: Kernel("mkl_vml_kernel_sSqrt_EXHAynn", "sse", "rsqrtps", sqrt_span_sse),
+}
+
+
+def _kernel(kernel: str) -> Kernel:
+    if kernel not in KERNELS:
+        raise GradtapError(f"MKL square-root kernel {kernel!r} is not one of {tuple(KERNELS)}")
+    return KERNELS[kernel]
+
+
+def missing(kernel: str) -> str | None:
+    """Why ``kernel`` cannot run on this host (``None`` when it can): the CPU lacks the
+    estimate's instruction, or ``NUMBA_DISABLE_JIT`` is set (the estimates have no twin)."""
+    k = _kernel(kernel)
+    if not has_feature(k.feature):
+        return f"{kernel} needs {k.instruction} ({k.feature}), which this CPU does not have"
+    if config.DISABLE_JIT:
+        return f"{kernel} needs the JIT for {k.instruction} (NUMBA_DISABLE_JIT is set)"
+    return None
+
+
+def available(kernel: str) -> bool:
+    """Whether :func:`sqrt` can run ``kernel`` here (see :func:`missing`)."""
+    return missing(kernel) is None
+
+
+def sqrt(x: np.ndarray, kernel: str) -> np.ndarray:
+    """``kernel``'s float32 root of every element of the float32 array ``x``, as a new 1-D
+    array. Raises ``GradtapError`` where it cannot run (:func:`missing`)."""
+    reason = missing(kernel)
+    if reason:
+        raise GradtapError(f"gradtap.updater.mkl_sqrt: {reason}; the updater takes its roots from "
+                           "torch.sqrt instead")
     x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     out = np.empty_like(x)
-    _sqrt_all(x, out)
+    KERNELS[kernel].span(x, out)
     return out
 
 
 def probe_inputs() -> np.ndarray:
-    """float32 inputs on which :func:`reproduces_torch` compares the two roots.
+    """float32 inputs on which :func:`reproduces_torch` compares a kernel with ``torch.sqrt``.
 
-    Every float32 in [1, 4) (both exponent parities, all 2**24 mantissas, so every way
-    the estimate's table can be indexed for normal numbers), the subnormals and tiny
-    normals of the scaled path (every 64th bit pattern below 2**-70), powers of two over
-    the whole range, and 0, +inf.
+    Every float32 in [1, 4) (both exponent parities, all 2**24 mantissas, so every way an
+    estimate's table can be indexed for normal numbers), the subnormals and tiny normals
+    (every 64th bit pattern below 2**-70: AVX512's scaled path, SSE's scalar one), the
+    largest 4096 floats (SSE's scalar path), powers of two over the whole range, and ±0,
+    +inf.
     """
     normal = np.arange(0x3F800000, 0x40800000, dtype=np.uint32)
     tiny = np.arange(1, 0x1C800000, 64, dtype=np.uint32)
+    top = np.arange(0x7F7FF000, 0x7F800000, dtype=np.uint32)
     powers = (np.arange(1, 255, dtype=np.uint32) << 23)
-    special = np.array([0, 0x7F800000], dtype=np.uint32)
-    return np.concatenate([normal, tiny, powers, special]).view(np.float32)
+    special = np.array([0, 0x80000000, 0x7F800000], dtype=np.uint32)
+    return np.concatenate([normal, tiny, top, powers, special]).view(np.float32)
 
 
-@lru_cache(maxsize=1)
-def reproduces_torch() -> bool:
-    """Whether :func:`sqrt` equals ``torch.sqrt`` bit for bit on this host's probe set.
+@lru_cache(maxsize=None)
+def reproduces_torch(kernel: str) -> bool:
+    """Whether ``kernel`` equals ``torch.sqrt`` bit for bit on this host's probe set.
 
-    False where it cannot run (:func:`available`). Takes about a tenth of a second; the
+    False where it cannot run (:func:`missing`). Takes about a tenth of a second; the
     answer is cached for the process.
     """
     import torch
 
-    if not available():
+    if not available(kernel):
         return False
     x = probe_inputs()
-    ours = sqrt(x).view(np.uint32)
+    ours = sqrt(x, kernel).view(np.uint32)
     theirs = torch.sqrt(torch.from_numpy(x)).numpy().view(np.uint32)
     differ = np.flatnonzero(ours != theirs)
     if differ.size:
         i = differ[0]
-        log.warning("the reproduced MKL root differs from torch.sqrt on %d of %d probe inputs, first "
-                    "at x = %r (bits %08x): ours %08x, torch %08x", differ.size, x.size, float(x[i]),
-                    x.view(np.uint32)[i], ours[i], theirs[i])
+        log.info("%s differs from torch.sqrt on %d of %d probe inputs, first at x = %r (bits %08x): "
+                 "ours %08x, torch %08x", kernel, differ.size, x.size, float(x[i]),
+                 x.view(np.uint32)[i], ours[i], theirs[i])
     return not differ.size

@@ -5,9 +5,10 @@ depends on the CPU), and which build of ``torch._fused_adam_`` runs (AVX2 on x86
 AVX2; a plain build otherwise). So instead of assuming them, a replica runs the job's
 optimizer (kind, betas, eps, weight decay, implementation) for a few steps on a small
 probe, once through ``torch.optim`` and once through :func:`gradtap.updater.kernels.adam_step`,
-and compares every bit. Single-tensor and foreach fall back from the reproduced MKL root
-to ``torch.sqrt`` itself when the first does not match; when nothing matches the replica
-refuses to start rather than drift silently.
+and compares every bit. Single-tensor and foreach try each of MKL's kernels reproduced in
+``updater/mkl_sqrt.py`` that this CPU can run and whose root equals ``torch.sqrt`` here
+(AVX-512 on AVX-512 Xeons, SSE on the AMD EPYC), then ``torch.sqrt`` itself; when nothing
+matches the replica refuses to start rather than drift silently.
 """
 
 from __future__ import annotations
@@ -59,30 +60,36 @@ def probe_matches(cfg: OptimizerSpec, sqrt: str, seed: int = 0) -> bool:
     return bool(np.array_equal(ours, theirs.view(np.uint32)))
 
 
+def mkl_roots() -> list[str]:
+    """The reproduced MKL kernels (``kernels.SQRT_MKL_*``) whose root is this host's
+    ``torch.sqrt``, in the order :func:`root_source` tries them."""
+    return [kernel for kernel in mkl_sqrt.KERNELS if mkl_sqrt.reproduces_torch(kernel)]
+
+
 @lru_cache(maxsize=32)
 def root_source(cfg: OptimizerSpec) -> str:
-    """The root source that makes the kernels exact for ``cfg`` on this host: for fused
-    ``kernels.SQRT_IEEE``; otherwise ``kernels.SQRT_MKL`` (fast) or ``kernels.SQRT_TORCH``
-    (one more pass over the state).
+    """The fastest root source that makes the kernels exact for ``cfg`` on this host: for
+    fused ``kernels.SQRT_IEEE``; otherwise the first of :func:`mkl_roots` (one pass) that
+    passes the probe, else ``kernels.SQRT_TORCH`` (one more pass over the state).
 
-    Raises ``GradtapError`` when neither equals ``torch.optim`` bit for bit.
+    Raises ``GradtapError`` when none equals ``torch.optim`` bit for bit.
     """
-    if cfg.implementation == "fused":
-        candidates = [kernels.SQRT_IEEE]
-    elif mkl_sqrt.reproduces_torch():
-        candidates = [kernels.SQRT_MKL, kernels.SQRT_TORCH]
-    else:
-        log.warning("torch.sqrt on this CPU is not the reproduced MKL AVX-512 root; the %s "
-                    "updater takes its roots from torch.sqrt (exact, one more pass over the state)",
-                    cfg.implementation)
-        candidates = [kernels.SQRT_TORCH]
+    fused = cfg.implementation == "fused"
+    roots = [] if fused else mkl_roots()
+    candidates = [kernels.SQRT_IEEE] if fused else roots + [kernels.SQRT_TORCH]
     for sqrt in candidates:
         if probe_matches(cfg, sqrt):
+            if sqrt == kernels.SQRT_TORCH:
+                why = "; ".join(mkl_sqrt.missing(k) or (f"{k} failed the probe" if k in roots else
+                                                        f"{k} runs, but torch.sqrt rounds otherwise")
+                                for k in mkl_sqrt.KERNELS)
+                log.warning("the %s updater takes its roots from torch.sqrt (exact, one more pass over "
+                            "the state): no reproduced MKL kernel is this host's (%s)",
+                            cfg.implementation, why)
             return sqrt
     detail = ("its fused kernel is reproduced for PyTorch's AVX2 build of FusedAdamKernel.cpp; "
-              "this host runs another" if cfg.implementation == "fused"
-              else "neither the reproduced MKL root nor torch.sqrt gives torch's result")
+              "this host runs another" if fused
+              else f"none of {candidates} gives torch's result")
     raise GradtapError(f"optimizer.implementation {cfg.implementation!r} ({cfg.kind}) cannot be "
                        f"replicated bit for bit on this host: {detail}. Refusing to run an inexact "
-                       "replica; run the updater on an x86-64 host with AVX2 (AVX-512 for the fast "
-                       "single-tensor root)")
+                       "replica; run the updater on an x86-64 host with AVX2")

@@ -48,18 +48,33 @@ def test_every_parameter_is_needed_once():
         norms.add([2, 3], gs[2:3])
 
 
-def test_norms_depend_neither_on_threads_nor_on_alignment():
-    """What lets the replica take norms on its own buffers and thread count."""
-    g = grads(3)[4]                      # 70001 elements: a parallel reduction
+@pytest.mark.parametrize("threads", [1, 2])
+def test_norms_depend_neither_on_threads_nor_on_alignment(threads):
+    """GradNorms on the replica's thread count, over views at odd offsets into one bucket
+    buffer, gives the total and the clipped gradients clip_grad_norm_ gives the trainer (its
+    own aligned tensors, torch's default thread count). 40000 and 70001 elements: parallel
+    reductions."""
+    gs = grads(3)
+    max_norm = 1e-2
+    params = [torch.nn.Parameter(torch.zeros(len(g))) for g in gs]
+    for p, g in zip(params, gs):
+        p.grad = torch.from_numpy(g.copy())
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    clipped = np.concatenate([p.grad.numpy() for p in params]).view(np.uint32)
+    bounds = np.cumsum([0] + SIZES)
     before = torch.get_num_threads()
-    seen = set()
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for offset in (0, 1, 3):
-                buf = np.zeros(g.size + 16, np.float32)
-                buf[offset:offset + g.size] = g
-                seen.add(float(torch._foreach_norm([torch.from_numpy(buf[offset:offset + g.size])], 2.0)[0]))
+        torch.set_num_threads(threads)
+        for offset in (0, 1, 3):
+            buffer = np.zeros(bounds[-1] + 16, np.float32)
+            views = [buffer[offset + a:offset + b] for a, b in zip(bounds, bounds[1:])]
+            for view, g in zip(views, gs):
+                view[:] = g
+            norms = GradNorms(len(gs))
+            norms.add(list(range(len(gs))), views)
+            assert norms.total().numpy().view(np.uint32) == total.numpy().view(np.uint32), offset
+            coef = norms.coefficient(max_norm)
+            assert coef < 1
+            assert np.array_equal(np.concatenate([g * coef for g in gs]).view(np.uint32), clipped), offset
     finally:
         torch.set_num_threads(before)
-    assert len(seen) == 1

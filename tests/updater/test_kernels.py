@@ -1,18 +1,19 @@
-"""The Adam/AdamW kernels equal torch.optim bit for bit: every implementation, Adam and AdamW,
-several hyperparameter sets, fp32/bf16/fp16 gradients, pre-divided or summed, 20+ steps,
-tensor sizes that are not multiples of any vector width."""
+"""The Adam/AdamW kernels equal torch.optim bit for bit: every implementation with every root
+this host takes, Adam and AdamW, several hyperparameter sets, fp32/bf16/fp16 gradients,
+pre-divided or summed, 20+ steps, tensor sizes that are not multiples of any vector width."""
 
 from __future__ import annotations
 
-import math
-
+import numba
 import numpy as np
 import pytest
 import torch
 
 from gradtap.core.errors import GradtapError
 from gradtap.updater import kernels
-from gradtap.updater.kernels import SQRT_IEEE, SQRT_MKL, SQRT_TORCH, adam_step, step_constants, work_spans
+from gradtap.updater.kernels import (IMPLEMENTATIONS, SQRT_IEEE, SQRT_MKL_SSE, SQRT_TORCH, adam_step,
+                                     step_constants, work_spans)
+from tests.updater.roots import MKL_ROOTS, SINGLE_TENSOR_ROOTS, require, torch_uses
 
 SIZES = [1, 7, 15, 17, 1023, 4099, 16, 8, 9, 33]
 # (kind, lr, betas, eps, weight_decay): plain Adam; Adam with L2 decay; AdamW with
@@ -24,7 +25,11 @@ HYPER = {
     "adamw-decay": ("adamw", 5e-2, (0.95, 0.9999), 1e-8, 0.3),
 }
 TORCH_IMPL = {"single_tensor": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
-ROOTS = {"single_tensor": SQRT_MKL, "foreach": SQRT_MKL, "fused": SQRT_IEEE}
+# (implementation, root): the one-pass paths; each MKL root runs where this host's torch uses it.
+ONE_PASS = ([(impl, root) for impl in ("single_tensor", "foreach") for root in MKL_ROOTS]
+            + [("fused", SQRT_IEEE)])
+# Every path adam_step has: the one-pass ones and single-tensor with torch.sqrt's roots.
+EVERY_PATH = ONE_PASS + [("single_tensor", SQRT_TORCH)]
 
 
 def wire_gradient(rng, n, wire):
@@ -41,8 +46,9 @@ def wire_gradient(rng, n, wire):
     return x, x.copy()
 
 
-def run_both(implementation, hyper, wire="fp32", world=None, steps=20, sizes=SIZES, sqrt=None, seed=0):
-    """Run torch.optim and adam_step side by side; return (ours, torch's) as uint32 bits."""
+def run_both(implementation, hyper, wire="fp32", world=None, steps=20, sizes=SIZES, *, sqrt, seed=0):
+    """Run torch.optim and adam_step (roots from ``sqrt``) side by side; return (ours, torch's)
+    as uint32 bits."""
     kind, lr, betas, eps, wd = HYPER[hyper]
     rng = np.random.default_rng(seed)
     n = sum(sizes)
@@ -63,7 +69,7 @@ def run_both(implementation, hyper, wire="fp32", world=None, steps=20, sizes=SIZ
         optimizer.step()
         c = step_constants(implementation, decoupled=kind == "adamw", lr=lr, betas=betas, eps=eps,
                            weight_decay=wd, step=step, world=world)
-        adam_step(implementation, p, g_wire, m, v, work, c, wire=wire, sqrt=sqrt or ROOTS[implementation])
+        adam_step(implementation, p, g_wire, m, v, work, c, wire=wire, sqrt=sqrt)
     theirs = [np.concatenate([t.detach().numpy() for t in tensors]),
               np.concatenate([optimizer.state[t]["exp_avg"].numpy() for t in tensors]),
               np.concatenate([optimizer.state[t]["exp_avg_sq"].numpy() for t in tensors])]
@@ -76,12 +82,13 @@ def assert_same(ours, theirs):
         assert differ.size == 0, f"{name}: {differ.size} elements differ, first at {differ[:5]}"
 
 
-@pytest.mark.parametrize("implementation", ["single_tensor", "foreach", "fused"])
+@pytest.mark.parametrize("implementation,root", ONE_PASS)
 @pytest.mark.parametrize("hyper", list(HYPER))
 @pytest.mark.parametrize("wire,world", [("fp32", None), ("fp32", 3), ("bf16", None), ("bf16", 4),
                                         ("fp16", None), ("fp16", 3)])
-def test_equals_torch(implementation, hyper, wire, world):
-    assert_same(*run_both(implementation, hyper, wire, world))
+def test_equals_torch(implementation, root, hyper, wire, world):
+    require(root)
+    assert_same(*run_both(implementation, hyper, wire, world, sqrt=root))
 
 
 @pytest.mark.parametrize("implementation", ["single_tensor", "foreach"])
@@ -90,15 +97,15 @@ def test_torch_root_path_equals_torch(implementation, hyper):
     assert_same(*run_both(implementation, hyper, "bf16", 2, sqrt=SQRT_TORCH))
 
 
-def test_many_steps_and_default_chunking():
-    ours, theirs = run_both("single_tensor", "adamw-decay", steps=60, sizes=[70001, 3, 5000])
-    assert_same(ours, theirs)
-    ours, theirs = run_both("fused", "adam-l2", steps=60, sizes=[70001, 3, 5000])
-    assert_same(ours, theirs)
+@pytest.mark.parametrize("implementation,root", EVERY_PATH)
+def test_many_steps_and_default_chunking(implementation, root):
+    require(root)
+    hyper = "adam-l2" if implementation == "fused" else "adamw-decay"
+    assert_same(*run_both(implementation, hyper, steps=60, sizes=[70001, 3, 5000], sqrt=root))
 
 
 def test_a_wrong_root_is_caught():
-    """The comparison can fail: fused's IEEE root is not single-tensor's MKL root."""
+    """The comparison can fail: fused's IEEE root is not single-tensor's (MKL's) root."""
     ours, theirs = run_both("single_tensor", "adam", steps=20, sqrt=SQRT_TORCH, sizes=[20000])
     assert_same(ours, theirs)
     kind, lr, betas, eps, wd = HYPER["adam"]
@@ -111,23 +118,81 @@ def test_a_wrong_root_is_caught():
     fused_like = [a.copy() for a in (p, m, v)]
     c = step_constants("single_tensor", decoupled=False, lr=lr, betas=betas, eps=eps, weight_decay=wd, step=3)
     adam_step("single_tensor", single[0], g, single[1], single[2], work_spans([n], "single_tensor"), c,
-              sqrt=SQRT_MKL)
+              sqrt=SQRT_TORCH)
     adam_step("fused", fused_like[0], g, fused_like[1], fused_like[2], work_spans([n], "fused"), c,
               sqrt=SQRT_IEEE)
     assert not np.array_equal(single[0], fused_like[0])
 
 
-def test_step_constants_round_where_torch_rounds():
-    c = step_constants("single_tensor", decoupled=True, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
-                       weight_decay=0.5, step=7, world=6, clip=0.25)
-    assert c.decay == np.float32(1 - 0.1 * 0.5) and c.neg_step == np.float32(-(0.1 / (1 - 0.9 ** 7.0)))
-    assert c.bias2_sqrt == np.float32((1 - 0.999 ** 7.0) ** 0.5) and c.world == 6 and c.divide
-    fused = step_constants("fused", decoupled=False, lr=0.1, betas=(0.9, 0.999), eps=1e-8,
-                           weight_decay=0.5, step=7)
-    assert fused.bias2_sqrt == np.float32(math.sqrt(1 - 0.999 ** 7.0)) and fused.use_l2 and fused.decay == 1
-    assert not fused.divide and fused.clip == 1
-    low = step_constants("foreach", decoupled=False, lr=0.1, betas=(0.3, 0.9), eps=1e-8, weight_decay=0, step=1)
-    assert not low.lerp_small and low.lerp_weight == np.float32(0.7) - 1
+# (kind, lr, betas, eps, weight_decay, world, clip): every constant in play, lerp from m and
+# from g, gradients summed over 6 ranks and clipped, or pre-divided and not clipped.
+CONSTANT_CASES = {
+    "adam-l2": ("adam", 0.1, (0.9, 0.999), 1e-8, 0.5, 6, 0.25),
+    "adamw": ("adamw", 0.1, (0.9, 0.999), 1e-8, 0.5, 6, 0.3),
+    "adamw-lowbeta": ("adamw", 3e-3, (0.3, 0.95), 1e-6, 0.01, None, 1.0),
+}
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", list(CONSTANT_CASES))
+def test_step_constants_are_the_floats_torch_uses(implementation, case):
+    """torch.optim steps a crafted state from step 6 to 7; our step with ``step_constants``
+    gives the same bits, and moving any one constant by one ulp does not. So each constant is
+    the float32 torch computes with, whatever formula produced it.
+
+    The state makes every constant visible: parameters that are exactly 0 (the update alone),
+    dead units (zero gradient and second moment, where the denominator is ``eps``), fresh
+    ones (zero second moment only, which is then ``(1 − β2)·g²`` alone), tensor sizes with a
+    tail for fused.
+    """
+    kind, lr, betas, eps, wd, world, clip = CONSTANT_CASES[case]
+    rng = np.random.default_rng(7)
+    sizes = [4099, 13]
+    n = sum(sizes)
+    bounds = np.cumsum([0] + sizes)
+    dead = rng.random(n) < 0.1
+    p = rng.standard_normal(n).astype(np.float32)
+    p[rng.random(n) < 0.2] = 0
+    m = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+    fresh = rng.random(n) < 0.1
+    v = np.where(dead | fresh, 0, rng.random(n) * 1e-4).astype(np.float32)
+    g = np.where(dead, 0, rng.standard_normal(n) * 1e-2).astype(np.float32)
+
+    grad = torch.from_numpy(g.copy())
+    if world:
+        grad.div_(world)
+    if clip != 1:
+        grad.mul_(torch.tensor(np.float32(clip)))     # clip_grad_norm_'s _foreach_mul_
+    tensors = [torch.nn.Parameter(torch.from_numpy(p[a:b].copy())) for a, b in zip(bounds, bounds[1:])]
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    optimizer = cls(tensors, lr=lr, betas=betas, eps=eps, weight_decay=wd, **TORCH_IMPL[implementation])
+    for t, a, b in zip(tensors, bounds, bounds[1:]):
+        t.grad = grad[a:b].clone()
+        optimizer.state[t] = {"step": torch.tensor(6.0), "exp_avg": torch.from_numpy(m[a:b].copy()),
+                              "exp_avg_sq": torch.from_numpy(v[a:b].copy())}
+    optimizer.step()
+    theirs = np.concatenate([np.concatenate([t.detach().numpy() for t in tensors]),
+                             np.concatenate([optimizer.state[t]["exp_avg"].numpy() for t in tensors]),
+                             np.concatenate([optimizer.state[t]["exp_avg_sq"].numpy() for t in tensors])])
+
+    root = SQRT_IEEE if implementation == "fused" else SQRT_TORCH
+    work = work_spans(sizes, implementation)
+
+    def ours(c):
+        state = [a.copy() for a in (p, m, v)]
+        adam_step(implementation, state[0], g, state[1], state[2], work, c, sqrt=root)
+        return np.concatenate(state)
+
+    c = step_constants(implementation, decoupled=kind == "adamw", lr=lr, betas=betas, eps=eps,
+                       weight_decay=wd, step=7, world=world, clip=clip)
+    assert np.array_equal(ours(c).view(np.uint32), theirs.view(np.uint32))
+    unused = {"l2"} if not c.use_l2 else set()
+    unused |= {"world"} if not c.divide else set()
+    floats = [f for f in c._fields if isinstance(getattr(c, f), np.float32) and f not in unused]
+    assert len(floats) >= 8
+    for field in floats:
+        moved = c._replace(**{field: np.nextafter(getattr(c, field), np.float32(np.inf))})
+        assert not np.array_equal(ours(moved).view(np.uint32), theirs.view(np.uint32)), field
 
 
 def test_work_spans():
@@ -150,9 +215,11 @@ def test_validation():
     with pytest.raises(GradtapError, match="work list"):
         adam_step("fused", p, g, m, v, work_spans([9], "fused"), c, sqrt=SQRT_IEEE)
     with pytest.raises(GradtapError, match="IEEE root"):
-        adam_step("fused", p, g, m, v, work, c, sqrt=SQRT_MKL)
+        adam_step("fused", p, g, m, v, work, c, sqrt=SQRT_MKL_SSE)
     with pytest.raises(GradtapError, match="not one of"):
-        adam_step("lamb", p, g, m, v, work, c, sqrt=SQRT_MKL)
+        adam_step("lamb", p, g, m, v, work, c, sqrt=SQRT_TORCH)
+    with pytest.raises(GradtapError, match="not one of"):
+        adam_step("single_tensor", p, g, m, v, work_spans([n], "single_tensor"), c, sqrt="mkl")
     with pytest.raises(GradtapError, match="wire dtype"):
         adam_step("fused", p, g, m, v, work, c, wire="fp8", sqrt=SQRT_IEEE)
     ro = p.copy()
@@ -175,26 +242,57 @@ def test_widen_gradient_is_the_trainers_grad():
         assert np.array_equal(out, torch.from_numpy(g32).div_(3).numpy())
 
 
-@pytest.mark.parametrize("implementation", ["single_tensor", "fused"])
-def test_results_do_not_depend_on_the_thread_count(implementation):
-    import numba
+def test_an_mkl_root_that_is_not_this_hosts_is_refused():
+    """adam_step runs an MKL root only where it is this host's torch.sqrt (judged here by
+    torch.sqrt itself on a sample of its own)."""
+    n = 10
+    p, m, v, g = (np.zeros(n, np.float32) for _ in range(4))
+    c = step_constants("single_tensor", decoupled=False, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                       weight_decay=0, step=1)
+    for root in MKL_ROOTS:
+        if torch_uses(root):
+            adam_step("single_tensor", p, g, m, v, work_spans([n], "single_tensor"), c, sqrt=root)
+        else:
+            with pytest.raises(GradtapError, match="is not this host's torch.sqrt"):
+                adam_step("single_tensor", p, g, m, v, work_spans([n], "single_tensor"), c, sqrt=root)
 
+
+@pytest.mark.parametrize("implementation,root", EVERY_PATH)
+def test_results_do_not_depend_on_the_thread_count(implementation, root):
+    """One and two Numba threads, 4096- and 1000-element spans, and a serial reference that
+    steps each tensor alone in one thread and one span give the same bits."""
+    require(root)
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip(f"Numba's thread pool has {numba.config.NUMBA_NUM_THREADS} thread "
+                    "(NUMBA_NUM_THREADS); comparing thread counts needs 2")
     rng = np.random.default_rng(9)
     sizes = [50001, 7, 30000]
     n = sum(sizes)
+    bounds = np.cumsum([0] + sizes)
     start = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    start[2] = np.abs(start[2])
     g = rng.standard_normal(n).astype(np.float32)
     c = step_constants(implementation, decoupled=True, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
                        step=2)
-    results = []
+
+    def step(threads, chunk):
+        numba.set_num_threads(threads)
+        assert numba.get_num_threads() == threads
+        p, m, v = (a.copy() for a in start)
+        adam_step(implementation, p, g, m, v, work_spans(sizes, implementation, chunk=chunk), c, sqrt=root)
+        return np.concatenate([p, m, v]).view(np.uint32)
+
+    def serial():
+        numba.set_num_threads(1)
+        p, m, v = (a.copy() for a in start)
+        for a, b in zip(bounds, bounds[1:]):
+            adam_step(implementation, p[a:b], g[a:b], m[a:b], v[a:b],
+                      work_spans([b - a], implementation, chunk=b - a), c, sqrt=root)
+        return np.concatenate([p, m, v]).view(np.uint32)
+
     before = numba.get_num_threads()
     try:
-        for threads in sorted({1, before}):
-            numba.set_num_threads(threads)
-            p, m, v = (a.copy() for a in start)
-            v = np.abs(v)
-            adam_step(implementation, p, g, m, v, work_spans(sizes, implementation), c, sqrt=ROOTS[implementation])
-            results.append(np.concatenate([p, m, v]).view(np.uint32))
+        results = [step(1, kernels.CHUNK), step(2, kernels.CHUNK), step(2, 1000), serial()]
     finally:
         numba.set_num_threads(before)
-    assert all(np.array_equal(results[0], r) for r in results)
+    assert all(np.array_equal(results[0], r) for r in results[1:])

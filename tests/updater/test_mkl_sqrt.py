@@ -1,24 +1,19 @@
-"""The reproduced MKL root equals torch.sqrt bit for bit (brute force), and differs from the
-correctly rounded root, which is why it exists."""
+"""Each reproduced MKL root equals torch.sqrt bit for bit (brute force) where it is this host's
+root, the product's probe says so exactly where torch.sqrt does, and torch's root is not the
+correctly rounded one, which is why they exist."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
+from gradtap.core.errors import GradtapError
 from gradtap.updater import mkl_sqrt
-from gradtap.updater.intrinsics import has_avx512f
-
-pytestmark = pytest.mark.skipif(not has_avx512f(), reason="the reproduced root needs AVX-512F")
+from tests.updater.roots import MKL_ROOTS, require, torch_sqrt, torch_uses
 
 
-def torch_sqrt(x):
-    return torch.sqrt(torch.from_numpy(x)).numpy()
-
-
-def assert_bits_equal(x):
-    ours = mkl_sqrt.sqrt(x).view(np.uint32)
+def assert_bits_equal(x, kernel):
+    ours = mkl_sqrt.sqrt(x, kernel).view(np.uint32)
     theirs = torch_sqrt(x).view(np.uint32)
     differ = np.flatnonzero(ours != theirs)
     first = differ[:4]
@@ -26,53 +21,81 @@ def assert_bits_equal(x):
                               f"ours {ours[first]}, torch {theirs[first]}")
 
 
-def test_reproduces_torch_on_this_host():
-    assert mkl_sqrt.reproduces_torch()
+@pytest.mark.parametrize("kernel", MKL_ROOTS)
+def test_the_probe_agrees_with_torch(kernel):
+    """``reproduces_torch`` (the product's probe set) says yes exactly where torch.sqrt on a
+    sample of its own does, and no where the kernel cannot run."""
+    assert mkl_sqrt.reproduces_torch(kernel) == torch_uses(kernel)
+    if not mkl_sqrt.available(kernel):
+        assert not mkl_sqrt.reproduces_torch(kernel)
 
 
-def test_every_float_in_two_binades_and_the_scaled_range():
+@pytest.mark.parametrize("kernel", MKL_ROOTS)
+def test_every_float_in_two_binades_and_the_edges(kernel):
     # [1, 4): every mantissa at both exponent parities. Below 2**-70: subnormals and tiny
-    # normals, where MKL forms the residual at scale (every 61st bit pattern).
-    assert_bits_equal(np.arange(0x3F800000, 0x40800000, dtype=np.uint32).view(np.float32))
-    assert_bits_equal(np.arange(0, 0x1C800000, 61, dtype=np.uint32).view(np.float32))
+    # normals (AVX512 forms the residual at scale, SSE takes its scalar path), every 61st
+    # bit pattern. The largest 4096 floats (SSE's scalar path again).
+    require(kernel)
+    assert_bits_equal(np.arange(0x3F800000, 0x40800000, dtype=np.uint32).view(np.float32), kernel)
+    assert_bits_equal(np.arange(0, 0x1C800000, 61, dtype=np.uint32).view(np.float32), kernel)
+    assert_bits_equal(np.arange(0x7F7FF000, 0x7F800000, dtype=np.uint32).view(np.float32), kernel)
 
 
-def test_random_floats_over_the_whole_range():
+@pytest.mark.parametrize("kernel", MKL_ROOTS)
+def test_random_floats_over_the_whole_range(kernel):
+    require(kernel)
     rng = np.random.default_rng(0)
     bits = rng.integers(0, 0x7F800000, 20_000_000, dtype=np.uint32)
-    assert_bits_equal(bits.view(np.float32))
+    assert_bits_equal(bits.view(np.float32), kernel)
 
 
-def test_specials():
-    x = np.array([0.0, np.inf, np.finfo(np.float32).max, np.finfo(np.float32).tiny,
+@pytest.mark.parametrize("kernel", MKL_ROOTS)
+def test_specials(kernel):
+    require(kernel)
+    x = np.array([0.0, -0.0, np.inf, np.finfo(np.float32).max, np.finfo(np.float32).tiny,
                   np.float32(1e-45), 1.0, 4.0], np.float32)
-    assert_bits_equal(x)
-    assert np.isnan(mkl_sqrt.sqrt(np.array([-1.0, np.nan], np.float32))).all()
+    assert_bits_equal(x, kernel)
+    assert np.isnan(mkl_sqrt.sqrt(np.array([-1.0, -1e-45, -np.inf, np.nan], np.float32), kernel)).all()
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 15, 16, 17, 31, 32, 33, 1023])
-def test_lengths_not_multiple_of_16(n):
+@pytest.mark.parametrize("kernel", MKL_ROOTS)
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 7, 15, 16, 17, 31, 32, 33, 1023])
+def test_lengths_not_multiple_of_the_lanes(kernel, n):
+    """Short tensors and tails: torch's (MKL's) and ours take their remainders differently."""
+    require(kernel)
     rng = np.random.default_rng(n)
     x = rng.integers(0x3F800000, 0x40800000, n, dtype=np.uint32).view(np.float32)
-    assert_bits_equal(x)
+    assert_bits_equal(x, kernel)
+
+
+def test_a_kernel_this_cpu_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setattr(mkl_sqrt, "has_feature", lambda feature: False)
+    for kernel in MKL_ROOTS:
+        assert not mkl_sqrt.available(kernel)
+        with pytest.raises(GradtapError, match=f"{kernel} needs .* which this CPU does not have"):
+            mkl_sqrt.sqrt(np.ones(4, np.float32), kernel)
+    with pytest.raises(GradtapError, match="is not one of"):
+        mkl_sqrt.sqrt(np.ones(4, np.float32), "mkl")
 
 
 def test_the_correctly_rounded_root_is_not_torchs():
     x = np.arange(0x3F800000, 0x3F800000 + (1 << 20), dtype=np.uint32).view(np.float32)
-    ieee = np.sqrt(x).view(np.uint32)
-    theirs = torch_sqrt(x).view(np.uint32)
-    low = np.flatnonzero(ieee != theirs)
-    assert low.size > 1000                              # ~0.6 % of inputs
-    assert np.all(theirs[low] == ieee[low] - 1)          # always one unit low
+    ieee = np.sqrt(x).view(np.uint32).astype(np.int64)
+    theirs = torch_sqrt(x).view(np.uint32).astype(np.int64)
+    differ = np.flatnonzero(ieee != theirs)
+    assert differ.size > 1000                                   # 0.6 % (AVX512) to 17 % (SSE)
+    assert np.all(np.abs(theirs[differ] - ieee[differ]) == 1)   # always by one unit
 
 
 @pytest.mark.slow
-def test_every_non_negative_float32():
+@pytest.mark.parametrize("kernel", MKL_ROOTS)
+def test_every_non_negative_float32(kernel):
     """All 2**31 non-negative bit patterns (finite, inf and NaN), in blocks of 2**24."""
+    require(kernel)
     block = 1 << 24
     for start in range(0, 1 << 31, block):
         x = np.arange(start, start + block, dtype=np.uint32).view(np.float32)
-        ours = mkl_sqrt.sqrt(x)
+        ours = mkl_sqrt.sqrt(x, kernel)
         theirs = torch_sqrt(x)
         finite = ~np.isnan(theirs)
         assert np.array_equal(ours[finite].view(np.uint32), theirs[finite].view(np.uint32)), hex(start)

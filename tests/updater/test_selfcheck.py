@@ -1,5 +1,6 @@
-"""The start-up self-check picks the fast exact path on this host, refuses an inexact one, and
-the kernels equal torch without the JIT too (the plain-Python twins)."""
+"""The start-up self-check picks the fastest exact path on this host (judged by torch.sqrt
+itself), falls back to torch.sqrt's roots, refuses an inexact one, and the kernels equal torch
+without the JIT too (the plain-Python twins)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,30 @@ import numpy as np
 import pytest
 
 from gradtap.core.errors import GradtapError
-from gradtap.updater import kernels, mkl_sqrt, selfcheck
+from gradtap.updater import kernels, selfcheck
 from gradtap.workload.spec import OptimizerSpec
+from tests.updater.roots import MKL_ROOTS, torch_uses
 
 
 def test_fast_roots_on_this_host():
+    """The first reproduced MKL root (in the product's order) that torch.sqrt agrees with on
+    a sample of the test's own, else torch.sqrt's roots; IEEE for fused."""
+    want = next((root for root in MKL_ROOTS if torch_uses(root)), kernels.SQRT_TORCH)
     for impl in ("single_tensor", "foreach"):
-        want = kernels.SQRT_MKL if mkl_sqrt.reproduces_torch() else kernels.SQRT_TORCH
         assert selfcheck.root_source(OptimizerSpec(implementation=impl)) == want
     assert selfcheck.root_source(OptimizerSpec(kind="adamw", implementation="fused",
                                                weight_decay=0.1)) == kernels.SQRT_IEEE
+
+
+def test_without_an_mkl_root_the_roots_come_from_torch(monkeypatch, caplog):
+    monkeypatch.setattr(selfcheck, "mkl_roots", lambda: [])
+    cfg = OptimizerSpec(kind="adamw", implementation="single_tensor", weight_decay=0.01, lr=3e-3)
+    selfcheck.root_source.cache_clear()
+    try:
+        assert selfcheck.root_source(cfg) == kernels.SQRT_TORCH
+    finally:
+        selfcheck.root_source.cache_clear()
+    assert "takes its roots from torch.sqrt" in caplog.text
 
 
 def test_an_inexact_kernel_is_refused(monkeypatch):
@@ -47,8 +62,9 @@ import numba, numpy as np
 assert numba.config.DISABLE_JIT
 from tests.updater.test_kernels import assert_same, run_both
 from tests.updater.test_replica import assert_equal_state, drive, job
-from gradtap.updater import kernels, mkl_sqrt
-assert not mkl_sqrt.reproduces_torch()
+from gradtap.updater import kernels, mkl_sqrt, selfcheck
+assert not any(mkl_sqrt.available(k) or mkl_sqrt.reproduces_torch(k) for k in mkl_sqrt.KERNELS)
+assert selfcheck.mkl_roots() == []
 for impl in ("single_tensor", "fused"):
     assert_same(*run_both(impl, "adamw-lowbeta", "bf16", 3, steps=3, sizes=[1, 9, 17],
                           sqrt=kernels.SQRT_TORCH if impl != "fused" else kernels.SQRT_IEEE))

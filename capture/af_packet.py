@@ -29,12 +29,14 @@ import struct
 import numpy as np
 from numba import njit
 
-from gradtap.core.memory import load_acquire, store_release
 from gradtap.capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
+from gradtap.capture.shared_memory import unmap
 from gradtap.capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
     require_root
+from gradtap.core.bytes import write_be
 from gradtap.core.errors import CaptureError
 from gradtap.core.jit import JIT
+from gradtap.core.memory import load_acquire, store_release
 
 # linux/if_packet.h and linux/if_ether.h.
 SOL_PACKET = 263
@@ -115,10 +117,8 @@ def _drain(blocks8, blocks16, blocks32, block_size, nblocks, current,
                     tci = blocks32[(p + _P_TCI) // 4]
                     ring_store(data, slot_size, slot, 0, blocks8, src, _MAC_ADDRS)
                     tag = slot * slot_size + _MAC_ADDRS      # slot_size >= 64: the tag fits
-                    data[tag] = (tpid >> 8) & 0xFF
-                    data[tag + 1] = tpid & 0xFF
-                    data[tag + 2] = (tci >> 8) & 0xFF
-                    data[tag + 3] = tci & 0xFF
+                    write_be(data, tag, tpid, 2)
+                    write_be(data, tag + 2, tci, 2)
                     n = _MAC_ADDRS + 4 + ring_store(data, slot_size, slot, _MAC_ADDRS + 4, blocks8,
                                                     src + _MAC_ADDRS, snap - _MAC_ADDRS)
                     snap += 4
@@ -267,10 +267,7 @@ class AfPacketSource(CaptureSource):
     def close(self) -> None:
         if self._map is not None:
             self._views = None
-            try:
-                self._map.close()
-            except BufferError:
-                pass      # a compiled kernel's argument cache still views it; unmapped with it
+            unmap(self._map)
             self._map = None
         if self._sock is not None:
             self.counters()       # keep the final kernel counts

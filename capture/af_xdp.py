@@ -42,12 +42,13 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError as PyrouteNetlinkError
 
 from gradtap.capture import bpf
-from gradtap.core.memory import load_acquire, store_release
 from gradtap.capture.ring import FrameRing, ring_begin, ring_publish, ring_reserve, ring_store
+from gradtap.capture.shared_memory import unmap
 from gradtap.capture.source import CaptureSource, available_memory, in_netns, interface_index, privilege_problem, \
     require_root
 from gradtap.core.errors import CaptureError
 from gradtap.core.jit import JIT
+from gradtap.core.memory import load_acquire, store_release
 
 # linux/if_xdp.h, linux/socket.h.
 AF_XDP, SOL_XDP = 44, 283
@@ -148,10 +149,7 @@ class _MappedRing:
 
     def close(self) -> None:
         self.u32 = self.desc64 = self.desc32 = None
-        try:
-            self.map.close()
-        except BufferError:
-            pass          # a compiled kernel's argument cache still views it; unmapped with it
+        unmap(self.map)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -407,8 +405,5 @@ class AfXdpSource(CaptureSource):
                 setattr(self, name, None)
         if self._umem is not None:
             self._umem_view = None
-            try:
-                self._umem.close()
-            except BufferError:
-                pass
+            unmap(self._umem)
             self._umem = None

@@ -29,11 +29,14 @@ import os
 import struct
 
 import numpy as np
-from numba import config, njit, types
+from numba import njit
 
 from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
+from gradtap.capture.shared_memory import unmap
+from gradtap.core.bytes import read_uint, write_le
 from gradtap.core.errors import CaptureError
 from gradtap.core.jit import JIT
+from gradtap.core.memory import copy_bytes
 
 log = logging.getLogger(__name__)
 
@@ -62,38 +65,11 @@ _EOF, _FULL, _BLOCK, _TRUNCATED, _BAD_BLOCK_LEN, _BAD_TRAILER, _BAD_IFACE, _BAD_
 _IF_MUL, _IF_DIV, _IF_POW2, _IF_OFFSET_NS, _IF_SNAPLEN = range(5)
 
 
-if config.DISABLE_JIT:
-    def _copy(dst, dst_pos, src, src_pos, n):
-        dst[dst_pos:dst_pos + n] = src[src_pos:src_pos + n]
-else:
-    _libc_memcpy = types.ExternalFunction(
-        "memcpy", types.voidptr(types.uintp, types.uintp, types.uintp))
-
-    @njit(**JIT, inline="always")
-    def _copy(dst, dst_pos, src, src_pos, n):
-        """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]`` by libc memcpy: Numba's slice
-        assignment is an element loop several times slower. Callers check the bounds."""
-        _libc_memcpy(dst.ctypes.data + dst_pos, src.ctypes.data + src_pos, n)
-
-
-@njit(**JIT, inline="always")
-def _u16(buf, pos, big):
-    a, b = np.int64(buf[pos]), np.int64(buf[pos + 1])
-    return (a << 8) | b if big else (b << 8) | a
-
-
-@njit(**JIT, inline="always")
-def _u32(buf, pos, big):
-    if big:
-        return (_u16(buf, pos, True) << 16) | _u16(buf, pos + 2, True)
-    return (_u16(buf, pos + 2, False) << 16) | _u16(buf, pos, False)
-
-
 @njit(**JIT, inline="always")
 def _put(out, used, buf, src, caplen, offsets, caplens, wirelens, ts_ns, n, wirelen, ts):
     """Frame ``n``: copied to ``out[used:]``, or (``out`` empty: no copy) left in ``buf``."""
     if len(out):
-        _copy(out, used, buf, src, caplen)
+        copy_bytes(out, used, buf, src, caplen)
         offsets[n] = used
     else:
         offsets[n] = src
@@ -113,16 +89,16 @@ def _walk_pcap(buf, pos, end, big, frac_ns, n, used, budget, out, offsets, caple
             return n, used, pos, _FULL
         if end - pos < PCAP_RECORD_LEN:
             return n, used, pos, _TRUNCATED
-        caplen = _u32(buf, pos + 8, big)
+        caplen = read_uint(buf, pos + 8, 4, big)
         if caplen > MAX_CAPLEN:
             return n, used, pos, _BAD_CAPLEN
         if end - pos - PCAP_RECORD_LEN < caplen:
             return n, used, pos, _TRUNCATED
         if used + caplen > budget:
             return n, used, pos, _FULL
-        ts = _u32(buf, pos, big) * 1_000_000_000 + _u32(buf, pos + 4, big) * frac_ns
+        ts = read_uint(buf, pos, 4, big) * 1_000_000_000 + read_uint(buf, pos + 4, 4, big) * frac_ns
         _put(out, used, buf, pos + PCAP_RECORD_LEN, caplen, offsets, caplens, wirelens, ts_ns,
-             n, _u32(buf, pos + 12, big), ts)
+             n, read_uint(buf, pos + 12, 4, big), ts)
         used += caplen
         n += 1
         pos += PCAP_RECORD_LEN + caplen
@@ -153,36 +129,36 @@ def _walk_pcapng(buf, pos, end, big, ifaces, n, used, budget, out, offsets, capl
             return n, used, pos, _FULL
         if end - pos < 8:
             return n, used, pos, _TRUNCATED
-        btype = _u32(buf, pos, big)
+        btype = read_uint(buf, pos, 4, big)
         if btype == PCAPNG_SHB or btype == PCAPNG_IDB:
             return n, used, pos, _BLOCK
-        blen = _u32(buf, pos + 4, big)
+        blen = read_uint(buf, pos + 4, 4, big)
         if blen < 12 or blen % 4 != 0:
             return n, used, pos, _BAD_BLOCK_LEN
         if blen > end - pos:
             return n, used, pos, _TRUNCATED
-        if _u32(buf, pos + blen - 4, big) != blen:
+        if read_uint(buf, pos + blen - 4, 4, big) != blen:
             return n, used, pos, _BAD_TRAILER
         if btype == PCAPNG_EPB or btype == PCAPNG_OPB:
             if blen < 32:
                 return n, used, pos, _BAD_BLOCK_LEN
             if btype == PCAPNG_EPB:
-                iface = _u32(buf, pos + 8, big)
+                iface = read_uint(buf, pos + 8, 4, big)
             else:
-                iface = _u16(buf, pos + 8, big)
-            caplen = _u32(buf, pos + 20, big)
-            wirelen = _u32(buf, pos + 24, big)
+                iface = read_uint(buf, pos + 8, 2, big)
+            caplen = read_uint(buf, pos + 20, 4, big)
+            wirelen = read_uint(buf, pos + 24, 4, big)
             data = pos + 28
             if iface >= len(ifaces):
                 return n, used, pos, _BAD_IFACE
-            ts = _ts_to_ns((_u32(buf, pos + 12, big) << 32) | _u32(buf, pos + 16, big),
+            ts = _ts_to_ns((read_uint(buf, pos + 12, 4, big) << 32) | read_uint(buf, pos + 16, 4, big),
                            ifaces[iface])
         elif btype == PCAPNG_SPB:
             if blen < 16:
                 return n, used, pos, _BAD_BLOCK_LEN
             if len(ifaces) == 0:
                 return n, used, pos, _BAD_IFACE
-            wirelen = _u32(buf, pos + 8, big)
+            wirelen = read_uint(buf, pos + 8, 4, big)
             caplen = wirelen  # the spec's min(original length, snaplen); no caplen field
             if ifaces[0, _IF_SNAPLEN] > 0:
                 caplen = min(caplen, ifaces[0, _IF_SNAPLEN])
@@ -416,13 +392,8 @@ class PcapReader:
 
     def close(self) -> None:
         if self._map is not None:
-            del self._buf
-            try:
-                self._map.close()
-            except BufferError:
-                # Numba keeps a reference to the arguments of the call that compiled a
-                # kernel; the mapping is then unmapped when that last view goes away.
-                pass
+            self._buf = None
+            unmap(self._map)
             self._map = None
 
     def __enter__(self):
@@ -438,12 +409,6 @@ def read_pcap(path) -> FrameBatch:
         return FrameBatch.concat(list(reader))
 
 
-@njit(**JIT, inline="always")
-def _put_le32(out, pos, value):
-    for k in range(4):
-        out[pos + k] = (value >> (8 * k)) & 0xFF
-
-
 @njit(**JIT)
 def _pack_records(data, offsets, caplens, wirelens, ts_ns, snaplen, frac_div, pcapng, out):
     """Per frame: record header (pcap) or EPB header (pcapng, interface 0, ns units), the
@@ -454,24 +419,24 @@ def _pack_records(data, offsets, caplens, wirelens, ts_ns, snaplen, frac_div, pc
         caplen = min(caplens[i], snaplen)
         if pcapng:
             blen = 32 + (caplen + 3) // 4 * 4
-            _put_le32(out, pos, PCAPNG_EPB)
-            _put_le32(out, pos + 4, blen)
-            _put_le32(out, pos + 8, 0)
-            _put_le32(out, pos + 12, ts_ns[i] >> 32)
-            _put_le32(out, pos + 16, ts_ns[i] & 0xFFFFFFFF)
+            write_le(out, pos, PCAPNG_EPB, 4)
+            write_le(out, pos + 4, blen, 4)
+            write_le(out, pos + 8, 0, 4)
+            write_le(out, pos + 12, ts_ns[i] >> 32, 4)
+            write_le(out, pos + 16, ts_ns[i] & 0xFFFFFFFF, 4)
             head = 20
         else:
             blen = PCAP_RECORD_LEN + caplen
-            _put_le32(out, pos, ts_ns[i] // 1_000_000_000)
-            _put_le32(out, pos + 4, ts_ns[i] % 1_000_000_000 // frac_div)
+            write_le(out, pos, ts_ns[i] // 1_000_000_000, 4)
+            write_le(out, pos + 4, ts_ns[i] % 1_000_000_000 // frac_div, 4)
             head = 8
-        _put_le32(out, pos + head, caplen)
-        _put_le32(out, pos + head + 4, wirelens[i])
+        write_le(out, pos + head, caplen, 4)
+        write_le(out, pos + head + 4, wirelens[i], 4)
         head += 8
-        _copy(out, pos + head, data, offsets[i], caplen)
+        copy_bytes(out, pos + head, data, offsets[i], caplen)
         if pcapng:
             out[pos + head + caplen:pos + blen - 4] = 0
-            _put_le32(out, pos + blen - 4, blen)
+            write_le(out, pos + blen - 4, blen, 4)
         pos += blen
     return pos
 

@@ -2,22 +2,19 @@
 
 Frames come from :class:`gradtap.capture.pcap.PcapReader` in bounded batches and are copied into
 the ring in file order, as fast as the consumer takes them: a file has no wire to lose
-frames on, so a full ring makes the source wait (in bounded sleeps) rather than drop.
+frames on, so a full ring makes the source wait (``wait_until``: bounded sleeps) rather
+than drop.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader
-from gradtap.capture.ring import FrameRing
+from gradtap.capture.ring import FrameRing, wait_until
 from gradtap.capture.source import CaptureSource
 from gradtap.core.errors import CaptureError
-
-# Waiting for room in the ring: the consumer frees slots a batch at a time.
-_WAIT_MIN_S, _WAIT_MAX_S = 50e-6, 2e-3
 
 
 class PcapSource(CaptureSource):
@@ -52,20 +49,15 @@ class PcapSource(CaptureSource):
             self._pending, self._next = next(self._batches, None), 0
             if self._pending is None:
                 return None
-        deadline = time.monotonic() + timeout
-        pause, moved = _WAIT_MIN_S, 0
-        while True:
-            stop = ring.push(self._pending, drop=False, start=self._next)
-            moved += stop - self._next
-            self._next = stop
-            if stop == len(self._pending):
-                self._pending = None
-                break
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            time.sleep(min(pause, deadline - now))
-            pause = min(2 * pause, _WAIT_MAX_S)
+        first = self._next
+
+        def pushed_all() -> bool:
+            self._next = ring.push(self._pending, drop=False, start=self._next)
+            return self._next == len(self._pending)
+
+        if wait_until(pushed_all, timeout):
+            self._pending = None
+        moved = self._next - first
         self.received += moved
         return moved
 

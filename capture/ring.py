@@ -33,9 +33,9 @@ import numpy as np
 from numba import njit
 
 from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
-from gradtap.core.memory import acquire, copy_bytes, load_acquire, release, store_release
 from gradtap.capture.shared_memory import HugePages, SharedMemory
 from gradtap.core.jit import JIT
+from gradtap.core.memory import acquire, copy_bytes, load_acquire, release, store_release
 
 HEADER_BYTES = 4096
 MAGIC = 0x31474E4952544701  # "\x01GTRING1" little-endian: a mapping that is a frame ring
@@ -52,10 +52,26 @@ _FRAMES, _BYTES, _RING_DROPS, _TRUNCATED, _CLOSED = 17, 18, 19, 20, 21
 _TAIL = 32                                    # byte 256: consumer's cache line
 _SOURCE = 64                                  # bytes 512..767: source counters
 
-# Backoff of a consumer waiting for frames: short first (a producer publishes a pass every
-# few hundred microseconds under load), then capped so a quiet ring costs ~1000 wake-ups a
-# second, not a core. Each wake-up costs a few microseconds of CPU.
+# Backoff of a side waiting for the other (frames to read, room to write): short first (a
+# producer publishes a pass every few hundred microseconds under load, a consumer frees a
+# batch at a time), then capped so a quiet ring costs ~1000 wake-ups a second, not a core.
+# Each wake-up costs a few microseconds of CPU.
 _WAIT_MIN_S, _WAIT_MAX_S = 100e-6, 1e-3
+
+
+def wait_until(done, timeout: float) -> bool:
+    """Call ``done()`` until it returns True or ``timeout`` seconds have passed, sleeping
+    between calls (from 100 µs, doubling up to 1 ms). Whether ``done()`` last returned True;
+    it is called at least once."""
+    deadline = time.monotonic() + timeout
+    pause = _WAIT_MIN_S
+    while not done():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(pause, deadline - now))
+        pause = min(2 * pause, _WAIT_MAX_S)
+    return True
 
 
 @njit(**JIT, inline="always")
@@ -230,18 +246,10 @@ class FrameRing:
         if max_frames < 1:
             raise ValueError(f"max_frames = {max_frames}; must be >= 1")
         self.release()
-        tail = int(self._hdr[_TAIL])
-        deadline = time.monotonic() + timeout
-        pause = _WAIT_MIN_S
-        while True:
-            head = int(acquire(self._hdr, _HEAD))
-            if head > tail or int(acquire(self._hdr, _CLOSED)) or (stop is not None and stop.is_set()):
-                break
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            time.sleep(min(pause, deadline - now))
-            pause = min(2 * pause, _WAIT_MAX_S)
+        hdr, tail = self._hdr, int(self._hdr[_TAIL])
+        wait_until(lambda: int(acquire(hdr, _HEAD)) > tail or bool(acquire(hdr, _CLOSED))
+                   or (stop is not None and stop.is_set()), timeout)
+        head = int(acquire(hdr, _HEAD))
         first = tail % self.slots
         n = min(head - tail, max_frames, self.slots - first)
         self._lent = n

@@ -22,10 +22,11 @@ from numba import njit
 
 from gradtap.capture.af_packet import SOL_PACKET, layout
 from gradtap.capture.frames import FrameBatch
-from gradtap.core.memory import copy_bytes, load_acquire, store_release
+from gradtap.capture.shared_memory import unmap
 from gradtap.capture.source import in_netns, interface_index, require_root
 from gradtap.core.errors import CaptureError
 from gradtap.core.jit import JIT
+from gradtap.core.memory import copy_bytes, load_acquire, store_release
 
 PACKET_VERSION, PACKET_TX_RING, PACKET_QDISC_BYPASS = 10, 13, 20
 TPACKET_V2 = 1
@@ -126,10 +127,7 @@ class FrameSender:
     def close(self) -> None:
         if self._map is not None:
             self._views = None
-            try:
-                self._map.close()
-            except BufferError:
-                pass
+            unmap(self._map)
             self._map = None
         if self._sock is not None:
             self._sock.close()

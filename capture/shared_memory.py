@@ -104,14 +104,21 @@ class SharedMemory:
     def close(self) -> None:
         """Unmap and close the descriptor; the pages go when no process maps them."""
         if self.buf is not None:
-            try:
-                self.buf.close()
-            except BufferError:
-                # NumPy views (or Numba's reference to a compiled call's arguments) still
-                # point into the mapping; it is unmapped when the last view goes away.
-                pass
+            unmap(self.buf)
             self.buf = None
             os.close(self.fd)
+
+
+def unmap(mapping: mmap.mmap) -> None:
+    """Close ``mapping`` once its owner has dropped its own NumPy views of it.
+
+    A view that outlives them (Numba keeps the arguments of the call that compiled a kernel;
+    a consumer may still hold a batch) makes ``close`` raise ``BufferError``; the mapping is
+    then unmapped when that last view goes away."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass
 
 
 def _attach(dup, size: int, page_size: int, huge: bool) -> SharedMemory:

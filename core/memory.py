@@ -1,4 +1,4 @@
-"""Memory primitives shared by the capture kernels: acquire loads, release stores, memcpy.
+"""Native memory operations of the kernels: acquire loads, release stores, memcpy, memcmp.
 
 Every ring gradtap touches is single-producer/single-consumer with free-running indices,
 the protocol of the kernel's own rings (``Documentation/core-api/circular-buffers.rst``,
@@ -18,13 +18,18 @@ the entry writes past the index store. On arm64 they become ``ldar``/``stlr``. R
 counters (frames, drops) are plain stores: each has one writer and is read only as a
 statistic, or after an acquire of a flag the writer released.
 
-Under ``NUMBA_DISABLE_JIT=1`` the same names are plain element reads and writes. Each is a
-separate NumPy call from the interpreter, so nothing is cached or reordered by a compiler;
-that path is for coverage runs on x86 only.
+``copy_bytes`` and ``compare_bytes`` call libc's ``memcpy`` and ``memcmp`` (Numba's slice
+assignment and comparison are byte loops). They are declared by symbol name, which keeps the
+kernels that call them cacheable.
+
+Under ``NUMBA_DISABLE_JIT=1`` the same names are plain element reads and writes and NumPy
+slice copies and comparisons. Each is a separate NumPy call from the interpreter, so nothing
+is cached or reordered by a compiler; that path is for coverage runs on x86 only.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import config, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -37,12 +42,18 @@ if config.DISABLE_JIT:
         return arr[index]
 
     def store_release(arr, index, value):
-        """``arr[index] = value`` with release ordering (plain write without the JIT)."""
-        arr[index] = value
+        """``arr[index] = value`` with release ordering (plain write without the JIT). The
+        value is cast to the element type as the compiled store does (an out-of-range
+        integer wraps instead of raising)."""
+        arr[index] = np.asarray(value).astype(arr.dtype)
 
     def copy_bytes(dst, dst_pos, src, src_pos, n):
         """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]``."""
         dst[dst_pos:dst_pos + n] = src[src_pos:src_pos + n]
+
+    def compare_bytes(a, a_pos, b, b_pos, n):
+        """0 when ``a[a_pos:a_pos+n]`` equals ``b[b_pos:b_pos+n]``, else nonzero."""
+        return 0 if (a[a_pos:a_pos + n] == b[b_pos:b_pos + n]).all() else 1
 else:
     def _element_pointer(context, builder, arrty, array, index, indexty):
         ary = context.make_array(arrty)(context, builder, array)
@@ -85,11 +96,20 @@ else:
     _libc_memcpy = types.ExternalFunction(
         "memcpy", types.voidptr(types.uintp, types.uintp, types.uintp))
 
+    _libc_memcmp = types.ExternalFunction(
+        "memcmp", types.intc(types.uintp, types.uintp, types.uintp))
+
     @njit(**JIT, inline="always")
     def copy_bytes(dst, dst_pos, src, src_pos, n):
-        """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]`` by libc memcpy (Numba's slice
-        assignment is a byte loop). The caller checks the bounds."""
+        """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]`` (uint8 arrays, ``n >= 0`` bytes)
+        by libc memcpy. The caller checks the bounds."""
         _libc_memcpy(dst.ctypes.data + dst_pos, src.ctypes.data + src_pos, n)
+
+    @njit(**JIT, inline="always")
+    def compare_bytes(a, a_pos, b, b_pos, n):
+        """libc memcmp of ``a[a_pos:a_pos+n]`` and ``b[b_pos:b_pos+n]`` (uint8 arrays, ``n >= 0``
+        bytes): 0 when equal. The caller checks the bounds."""
+        return _libc_memcmp(a.ctypes.data + a_pos, b.ctypes.data + b_pos, n)
 
 
 @njit(**JIT)

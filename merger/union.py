@@ -20,27 +20,21 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-from numba import config, njit, types
+from numba import njit
 
 from gradtap.core.jit import JIT
+from gradtap.core.memory import compare_bytes
 
-if config.DISABLE_JIT:
-    def _blocks_differ(a, b, start, nbytes, check):
-        return np.array([bool(c) and not np.array_equal(a[s:s + n], b[s:s + n])
-                         for s, n, c in zip(start, nbytes, check)], bool)
-else:
-    _libc_memcmp = types.ExternalFunction("memcmp", types.intc(types.uintp, types.uintp, types.uintp))
 
-    @njit(**JIT)
-    def _blocks_differ(a, b, start, nbytes, check):
-        """``bool[k]``: block j is checked and ``a`` and ``b`` differ in its bytes
-        ``[start[j], start[j] + nbytes[j])``. The caller checks the bounds."""
-        out = np.zeros(len(start), np.bool_)
-        pa, pb = a.ctypes.data, b.ctypes.data
-        for j in range(len(start)):
-            if check[j] and nbytes[j] > 0:
-                out[j] = _libc_memcmp(pa + start[j], pb + start[j], nbytes[j]) != 0
-        return out
+@njit(**JIT)
+def _blocks_differ(a, b, start, nbytes, check):
+    """``bool[k]``: block j is checked and ``a`` and ``b`` differ in its bytes
+    ``[start[j], start[j] + nbytes[j])``. The caller checks the bounds."""
+    out = np.zeros(len(start), np.bool_)
+    for j in range(len(start)):
+        if check[j] and nbytes[j] > 0:
+            out[j] = compare_bytes(a, start[j], b, start[j], nbytes[j]) != 0
+    return out
 
 
 @dataclass(frozen=True)

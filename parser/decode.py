@@ -47,6 +47,7 @@ import numpy as np
 from numba import njit, prange
 
 from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
+from gradtap.core.bytes import read_be, read_be_u64, read_le
 from gradtap.core.jit import JIT, JIT_PARALLEL
 from gradtap.wire.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
                            DECODE_ETH_TRUNCATED, DECODE_EXT_TRUNCATED, DECODE_FRAME_TRUNCATED,
@@ -95,36 +96,9 @@ V4_MAPPED_PREFIX = np.frombuffer(ipaddress.IPv6Address("::ffff:0.0.0.0").packed,
 
 
 @njit(**JIT, inline="always")
-def _be(data, pos, size):
-    """The big-endian unsigned word of ``size`` (at most 4) bytes at ``data[pos]``, int64."""
-    word = np.int64(0)
-    for k in range(size):
-        word = (word << 8) | np.int64(data[pos + k])
-    return word
-
-
-@njit(**JIT, inline="always")
-def _be_u64(data, pos, size):
-    """The big-endian unsigned word of ``size`` (at most 8) bytes at ``data[pos]``, uint64."""
-    word = np.uint64(0)
-    for k in range(size):
-        word = (word << np.uint64(8)) | np.uint64(data[pos + k])
-    return word
-
-
-@njit(**JIT, inline="always")
 def _field(data, pos, size, mask, shift):
     """A bit-field declared in a header layout: ``(word & mask) >> shift``."""
-    return (_be(data, pos, size) & mask) >> shift
-
-
-@njit(**JIT, inline="always")
-def _le32(data, pos):
-    """The little-endian uint32 at ``data[pos]`` (the ICRC is stored so)."""
-    word = np.int64(0)
-    for k in range(ICRC_LEN - 1, -1, -1):
-        word = (word << 8) | np.int64(data[pos + k])
-    return word
+    return (read_be(data, pos, size) & mask) >> shift
 
 
 @njit(**JIT, inline="always")
@@ -161,7 +135,7 @@ def _clear(rec):
 @njit(**JIT, inline="always")
 def _check_icrc(data, l3, is_ipv6, end, rec):
     crc = icrc_frame(data, l3, is_ipv6, end)
-    rec["icrc"] = ICRC_OK if np.int64(crc) == _le32(data, end - ICRC_LEN) else ICRC_BAD
+    rec["icrc"] = ICRC_OK if np.int64(crc) == read_le(data, end - ICRC_LEN, ICRC_LEN) else ICRC_BAD
 
 
 @njit(**JIT)
@@ -171,7 +145,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
     cut = caplen < wirelen
     if start + ETH_LEN > cap_end:
         return _short(cut, DECODE_ETH_TRUNCATED)
-    ethertype = _be(data, start + ETH_OFF_TYPE, ETH_SIZE_TYPE)
+    ethertype = read_be(data, start + ETH_OFF_TYPE, ETH_SIZE_TYPE)
     pos = start + ETH_LEN
     tagged = False
     # Each tag moves ``pos`` on by VLAN_LEN, so the loop ends within caplen / VLAN_LEN rounds.
@@ -182,7 +156,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
             rec["vlan"] = _field(data, pos + VLAN_OFF_VID, VLAN_SIZE_VID, VLAN_VID_MASK,
                               VLAN_VID_SHIFT)
             tagged = True
-        ethertype = _be(data, pos + VLAN_OFF_TYPE, VLAN_SIZE_TYPE)
+        ethertype = read_be(data, pos + VLAN_OFF_TYPE, VLAN_SIZE_TYPE)
         pos += VLAN_LEN
 
     l3 = pos
@@ -195,7 +169,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
         if _field(data, l3 + IPV4_OFF_VERSION, IPV4_SIZE_VERSION, IPV4_VERSION_MASK,
                   IPV4_VERSION_SHIFT) != 4 or hlen < IPV4_LEN:
             return DECODE_IPV4_BAD_HEADER
-        total = _be(data, l3 + IPV4_OFF_TOTAL_LENGTH, IPV4_SIZE_TOTAL_LENGTH)
+        total = read_be(data, l3 + IPV4_OFF_TOTAL_LENGTH, IPV4_SIZE_TOTAL_LENGTH)
         if total < hlen:
             return DECODE_IPV4_BAD_HEADER
         ip_end = l3 + total
@@ -216,7 +190,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
         for k in range(IPV4_SIZE_SRC):
             rec["src_ip"][prefix + k] = data[l3 + IPV4_OFF_SRC + k]
             rec["dst_ip"][prefix + k] = data[l3 + IPV4_OFF_DST + k]
-        if _be(data, l3 + IPV4_OFF_PROTO, IPV4_SIZE_PROTO) != IPPROTO_UDP:
+        if read_be(data, l3 + IPV4_OFF_PROTO, IPV4_SIZE_PROTO) != IPPROTO_UDP:
             return OTHER_NON_UDP
         l4 = l3 + hlen
     elif is_ipv6:
@@ -225,7 +199,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
         if _field(data, l3 + IPV6_OFF_VERSION, IPV6_SIZE_VERSION, IPV6_VERSION_MASK,
                   IPV6_VERSION_SHIFT) != 6:
             return DECODE_IPV6_BAD_HEADER
-        ip_end = l3 + IPV6_LEN + _be(data, l3 + IPV6_OFF_PAYLOAD_LENGTH, IPV6_SIZE_PAYLOAD_LENGTH)
+        ip_end = l3 + IPV6_LEN + read_be(data, l3 + IPV6_OFF_PAYLOAD_LENGTH, IPV6_SIZE_PAYLOAD_LENGTH)
         if ip_end > cap_end and not cut:
             return DECODE_IPV6_TRUNCATED
         rec["ip_version"] = 6
@@ -233,7 +207,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
             rec["src_ip"][k] = data[l3 + IPV6_OFF_SRC + k]
             rec["dst_ip"][k] = data[l3 + IPV6_OFF_DST + k]
         # RoCEv2 puts UDP right after the fixed header; an extension header is not RoCEv2.
-        if _be(data, l3 + IPV6_OFF_NEXT_HEADER, IPV6_SIZE_NEXT_HEADER) != IPPROTO_UDP:
+        if read_be(data, l3 + IPV6_OFF_NEXT_HEADER, IPV6_SIZE_NEXT_HEADER) != IPPROTO_UDP:
             return OTHER_NON_UDP
         l4 = l3 + IPV6_LEN
     else:
@@ -243,10 +217,10 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
         return DECODE_UDP_TRUNCATED
     if l4 + UDP_LEN > cap_end:
         return DECODE_FRAME_TRUNCATED
-    rec["udp_sport"] = _be(data, l4 + UDP_OFF_SPORT, UDP_SIZE_SPORT)
-    if _be(data, l4 + UDP_OFF_DPORT, UDP_SIZE_DPORT) != ROCEV2_UDP_PORT:
+    rec["udp_sport"] = read_be(data, l4 + UDP_OFF_SPORT, UDP_SIZE_SPORT)
+    if read_be(data, l4 + UDP_OFF_DPORT, UDP_SIZE_DPORT) != ROCEV2_UDP_PORT:
         return OTHER_NON_ROCE
-    udp_len = _be(data, l4 + UDP_OFF_LENGTH, UDP_SIZE_LENGTH)
+    udp_len = read_be(data, l4 + UDP_OFF_LENGTH, UDP_SIZE_LENGTH)
     if udp_len < UDP_LEN or l4 + udp_len > ip_end:
         return DECODE_UDP_BAD_LENGTH
     end = l4 + udp_len  # one past the ICRC
@@ -256,7 +230,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
     if bth + BTH_LEN > cap_end:
         return DECODE_FRAME_TRUNCATED
 
-    opcode = _be(data, bth + BTH_OFF_OPCODE, BTH_SIZE_OPCODE)
+    opcode = read_be(data, bth + BTH_OFF_OPCODE, BTH_SIZE_OPCODE)
     padcnt = _field(data, bth + BTH_OFF_PADCNT, BTH_SIZE_PADCNT, BTH_PADCNT_MASK, BTH_PADCNT_SHIFT)
     rec["opcode"] = opcode
     rec["padcnt"] = padcnt
@@ -284,14 +258,14 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
     if payload_off <= cap_end:
         if OPCODE_RETH_OFF[opcode] >= 0:
             reth = ext + OPCODE_RETH_OFF[opcode]
-            rec["reth_va"] = _be_u64(data, reth + RETH_OFF_VA, RETH_SIZE_VA)
-            rec["reth_rkey"] = _be(data, reth + RETH_OFF_RKEY, RETH_SIZE_RKEY)
-            rec["reth_len"] = _be(data, reth + RETH_OFF_DMA_LENGTH, RETH_SIZE_DMA_LENGTH)
+            rec["reth_va"] = read_be_u64(data, reth + RETH_OFF_VA, RETH_SIZE_VA)
+            rec["reth_rkey"] = read_be(data, reth + RETH_OFF_RKEY, RETH_SIZE_RKEY)
+            rec["reth_len"] = read_be(data, reth + RETH_OFF_DMA_LENGTH, RETH_SIZE_DMA_LENGTH)
         if OPCODE_IMMDT_OFF[opcode] >= 0:
-            rec["imm"] = _be(data, ext + OPCODE_IMMDT_OFF[opcode] + IMMDT_OFF_IMM, IMMDT_SIZE_IMM)
+            rec["imm"] = read_be(data, ext + OPCODE_IMMDT_OFF[opcode] + IMMDT_OFF_IMM, IMMDT_SIZE_IMM)
         if OPCODE_AETH_OFF[opcode] >= 0:
             # The record keeps the whole word: syndrome << 24 | MSN.
-            rec["aeth"] = _be(data, ext + OPCODE_AETH_OFF[opcode] + AETH_OFF_SYNDROME,
+            rec["aeth"] = read_be(data, ext + OPCODE_AETH_OFF[opcode] + AETH_OFF_SYNDROME,
                            AETH_SIZE_SYNDROME)
     if payload_len < 0:
         return DECODE_BAD_PADDING

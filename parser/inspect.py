@@ -44,63 +44,55 @@ import numpy as np
 from numba import njit
 
 from gradtap.capture.pcap import PcapReader
+from gradtap.core.bytes import read_le_u64
 from gradtap.core.errors import CaptureError
 from gradtap.core.jit import JIT
 from gradtap.parser.decode import decode_batch, is_roce
+from gradtap.parser.stream_tables import ip16
 from gradtap.wire.events import DECODE_OK
 from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK
-from gradtap.wire.headers.bth import PSN_MODULUS
 from gradtap.wire.headers.opcodes import (KIND_ATOMIC, KIND_READ_REQUEST, KIND_SEND, KIND_WRITE,
                                     OPCODE_KIND, OPCODE_RETH_OFF, OPCODE_VALID)
+from gradtap.wire.ll import LL_FLAG1_OFF, LL_FLAG2_OFF, LL_HALF_BYTES, LL_LINE_BYTES
+from gradtap.wire.ll128 import LL128_FLAG_OFF, LL128_LINE_BYTES, LL128_WORD_BYTES
+from gradtap.wire.protocol import Protocol
+from gradtap.wire.psn import PSN_HALF, psn_ahead, psn_delta
 from gradtap.workload.layout import job_plan
-from gradtap.workload.nccl import LL128_DATA_WORDS, LL128_LINE_BYTES, LL_LINE_BYTES
 from gradtap.workload.wire_plan import CTS, PHASE_AG, PHASE_RS
 
 MAX_SAMPLES = 64
-PROTOCOLS = ("unknown", "Simple", "LL", "LL128")
-# union ncclLLFifoLine (src/include/device.h): data1, flag1, data2, flag2, 4 bytes each.
-LL_FLAG1, LL_FLAG2 = 4, 12
-LL128_FLAG = 8 * LL128_DATA_WORDS  # the flag is the last uint64 of each 128-byte line
 LL128_FLAG_LIMIT = 1 << 32
 
 # Columns of the per-flow state (int64[flows, N_COLUMNS]).
 FRAMES, PAYLOAD, PSN_FIRST, PSN_LAST, TOP, UTOP, GAPS, SAMPLED, LL_PASS, LL128_PASS, SPORT = range(11)
 N_COLUMNS = 11
-_HALF = PSN_MODULUS // 2
 
 
-@njit(**JIT, inline="always")
-def _le(data, pos, size):
-    word = np.uint64(0)
-    for k in range(size - 1, -1, -1):
-        word = (word << np.uint64(8)) | np.uint64(data[pos + k])
-    return word
+@njit(**JIT)
+def _line_flag(data, off, n, line_bytes, flag_off, flag_bytes):
+    """The flag at ``flag_off`` of the first line if every ``line_bytes`` line of the packet
+    ``data[off:off + n]`` holds the same one there; 0 otherwise (uint64)."""
+    if n % line_bytes:
+        return np.uint64(0)
+    flag = read_le_u64(data, off + flag_off, flag_bytes)
+    for line in range(off, off + n, line_bytes):
+        if read_le_u64(data, line + flag_off, flag_bytes) != flag:
+            return np.uint64(0)
+    return flag
 
 
 @njit(**JIT)
 def _is_ll(data, off, n):
-    if n % LL_LINE_BYTES:
-        return False
-    flag = _le(data, off + LL_FLAG1, 4)
-    if flag == 0:
-        return False
-    for line in range(off, off + n, LL_LINE_BYTES):
-        if _le(data, line + LL_FLAG1, 4) != flag or _le(data, line + LL_FLAG2, 4) != flag:
-            return False
-    return True
+    """Both 32-bit flags of every 16-byte line equal one nonzero flag."""
+    flag = _line_flag(data, off, n, LL_LINE_BYTES, LL_FLAG1_OFF, LL_HALF_BYTES)
+    return flag != 0 and _line_flag(data, off, n, LL_LINE_BYTES, LL_FLAG2_OFF, LL_HALF_BYTES) == flag
 
 
 @njit(**JIT)
 def _is_ll128(data, off, n):
-    if n % LL128_LINE_BYTES:
-        return False
-    flag = _le(data, off + LL128_FLAG, 8)
-    if flag == 0 or flag >= np.uint64(LL128_FLAG_LIMIT):
-        return False
-    for line in range(off, off + n, LL128_LINE_BYTES):
-        if _le(data, line + LL128_FLAG, 8) != flag:
-            return False
-    return True
+    """The last word of every 128-byte line equals one flag, nonzero and below 2**32."""
+    flag = _line_flag(data, off, n, LL128_LINE_BYTES, LL128_FLAG_OFF, LL128_WORD_BYTES)
+    return flag != 0 and flag < np.uint64(LL128_FLAG_LIMIT)
 
 
 @njit(**JIT)
@@ -132,9 +124,9 @@ def _accumulate(records, flow_ids, data, state, opcodes, upsn):
                 state[f, UTOP] = psn
                 upsn[i] = psn
             else:
-                ahead = (psn - state[f, TOP]) % PSN_MODULUS
-                upsn[i] = state[f, UTOP] + (ahead if ahead < _HALF else ahead - PSN_MODULUS)
-                if 0 < ahead < _HALF:
+                ahead = psn_ahead(state[f, TOP], psn)
+                upsn[i] = state[f, UTOP] + psn_delta(state[f, TOP], psn)
+                if 0 < ahead < PSN_HALF:
                     state[f, GAPS] += ahead > 1
                     state[f, TOP] = psn
                     state[f, UTOP] += ahead
@@ -186,11 +178,11 @@ class _Flows:
         if row[SAMPLED] == 0:
             protocol = "unknown"
         elif row[LL_PASS] == row[SAMPLED]:
-            protocol = "LL"
+            protocol = Protocol.LL.nccl_name
         elif row[LL128_PASS] == row[SAMPLED]:
-            protocol = "LL128"
+            protocol = Protocol.LL128.nccl_name
         else:
-            protocol = "Simple"
+            protocol = Protocol.SIMPLE.nccl_name
         return {"src": address(key["src"], key["version"]), "dst": address(key["dst"], key["version"]),
                 "dest_qp": int(key["qp"]), "udp_sport": int(row[SPORT]), "frames": int(row[FRAMES]),
                 "opcodes": {str(op): int(c) for op, c in enumerate(self.opcodes[f]) if c},
@@ -291,7 +283,7 @@ class PlanMatcher:
         self.keys = keys
         self.candidates: dict[tuple, list[int]] = {}
         for p, flow in enumerate(self.plan.flows):
-            pair = (_packed(job.ring.ranks[flow["src"]].ip), _packed(job.ring.ranks[flow["dst"]].ip))
+            pair = (ip16(job.ring.ranks[flow["src"]].ip).tobytes(), ip16(job.ring.ranks[flow["dst"]].ip).tobytes())
             self.candidates.setdefault(pair, []).append(p)
         self.pending: dict[int, list[np.ndarray]] = {}
         self.aligned: dict[int, tuple[int, int, int]] = {}   # flow -> (plan flow, base, alignments)
@@ -399,9 +391,3 @@ def _phase(message) -> str:
     if message["kind"] == CTS:
         return "CTS"
     return {PHASE_RS: "reduce-scatter", PHASE_AG: "allgather"}.get(int(message["phase"]), "other")
-
-
-def _packed(ip: str) -> bytes:
-    """A rank's address as the 16 bytes of a frame record."""
-    addr = ipaddress.ip_address(ip)
-    return (ipaddress.IPv6Address(f"::ffff:{addr}") if addr.version == 4 else addr).packed

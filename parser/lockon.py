@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradtap.parser.stream_tables import StreamTables
 from gradtap.wire import events as ev
 from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND, OPCODE_RETH_OFF
-from gradtap.parser.stream_tables import StreamTables
-
-PSN_MOD = 1 << 24
+from gradtap.wire.psn import psn_add, psn_delta
 
 
 @dataclass
@@ -60,7 +59,6 @@ def flow_of(recs: np.ndarray, t: StreamTables) -> np.ndarray:
 @dataclass
 class LockOn:
     tables: StreamTables
-    messages: np.ndarray
     gap_ns: int
     candidates: dict[int, set[int]] = field(default_factory=dict)   # flow -> bases mod period, from ref
     ref: dict[int, int] = field(default_factory=dict)               # flow -> first PSN seen
@@ -124,22 +122,17 @@ class LockOn:
             if len(mine) == 0 or f not in self.candidates:
                 continue
             psn = int(recs["psn"][mine[0]])
-            pos = min(_signed(psn - self.ref[f] - c) % int(t.period[f]) for c in self.candidates[f])
-            base_psn[f] = (psn - pos) % PSN_MOD
+            pos = min(psn_delta(self.ref[f] + c, psn) % int(t.period[f]) for c in self.candidates[f])
+            base_psn[f] = psn_add(psn, -pos)
 
     def _narrow(self, f: int, psn: int, length: int) -> None:
         t = self.tables
-        m = self.messages[t.msg_start[f]:t.msg_start[f] + t.msg_count[f]]
+        m = t.messages[t.msg_start[f]:t.msg_start[f] + t.msg_count[f]]
         period = int(t.period[f])
         ref = self.ref.setdefault(f, psn)
-        self.span[f] = max(self.span.get(f, 0), _signed(psn - ref))
-        cands = {_signed(psn - int(off) - ref) % period for off in m["psn_offset"][m["wire_bytes"] == length]}
+        self.span[f] = max(self.span.get(f, 0), psn_delta(ref, psn))
+        cands = {psn_delta(ref + int(off), psn) % period for off in m["psn_offset"][m["wire_bytes"] == length]}
         # A write the plan does not have (corruption is caught by the ICRC; this is another
         # job or a plan mismatch) narrows nothing.
         if cands:
             self.candidates[f] = self.candidates.get(f, cands) & cands or cands
-
-
-def _signed(delta: int) -> int:
-    """A 24-bit PSN difference as a signed number in [-2^23, 2^23)."""
-    return (delta + (PSN_MOD >> 1)) % PSN_MOD - (PSN_MOD >> 1)

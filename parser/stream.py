@@ -21,15 +21,15 @@ import numpy as np
 from numba import njit
 
 from gradtap.capture.frames import FrameBatch
-from gradtap.core.memory import copy_bytes
 from gradtap.core.errors import ConfigError
 from gradtap.core.jit import JIT
-from gradtap.wire import events as ev
-from gradtap.parser.assemble import NEED_ADVANCE, assemble
+from gradtap.core.memory import copy_bytes
+from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble
 from gradtap.parser.decode import decode_batch
-from gradtap.parser.lockon import PSN_MOD, LockOn
+from gradtap.parser.lockon import LockOn
 from gradtap.parser.stream_tables import stream_tables
-from gradtap.workload import nccl
+from gradtap.wire import events as ev
+from gradtap.wire.psn import psn_add
 from gradtap.workload.spec import JobSpec
 from gradtap.workload.wire_plan import WirePlan
 
@@ -83,25 +83,21 @@ class StreamParser:
                               "with a switch-local SPAN session (encapsulation: none)")
         self.tables = t = stream_tables(job, plan, self.mirror)
         self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
-        self.imm_big_endian = nccl.era_facts(job.nccl).imm_big_endian
-        self.bucket_offsets = np.asarray(plan.bucket_offsets, np.int64)
         self.need = plan.blocks["need"].astype(np.int32)
         nconn = len(t.conn_steps)
-        self.base_psn = np.full(len(t.qpn), -1, np.int64)
-        self.step_base = np.full(nconn, -1, np.int64)
-        self.va_ref = np.full(nconn, -1, np.int64)
-        self.va_step = np.zeros(nconn, np.int64)
-        # One array per slot: a retired slot's array is handed out as it is and the slot gets
-        # a zeroed one (recycled, see recycle(), or fresh), so retiring copies nothing.
-        self.grads = tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots))
+        self.state = StreamState(base_psn=np.full(len(t.qpn), -1, np.int64), step_base=np.full(nconn, -1, np.int64),
+                                 va_ref=np.full(nconn, -1, np.int64), va_step=np.zeros(nconn, np.int64))
+        # One gradient array per slot: a retired slot's array is handed out as it is and the
+        # slot gets a zeroed one (recycled, see recycle(), or fresh), so retiring copies nothing.
+        self.slots = Slots(grads=tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots)),
+                           got=np.zeros((slots, len(plan.blocks)), np.int32),
+                           seen=np.zeros((slots, t.seen_bits), np.uint8),
+                           start_ns=np.full(slots, -1, np.int64))
         self._spare: list[np.ndarray] = []
-        self.got = np.zeros((slots, len(plan.blocks)), np.int32)
-        self.seen = np.zeros((slots, t.seen_bits), np.uint8)
-        self.slot_start = np.full(slots, -1, np.int64)   # first frame time seen per slot
         self.slot0 = 0
         self.iteration = 0            # iteration held by slot0
         self.counters = ev.new_counters()
-        self.lockon = LockOn(t, plan.messages, gap_ns)
+        self.lockon = LockOn(t, gap_ns)
         self.lock_ts: int | None = None
         self.hold_bytes = hold_bytes
         self._pending = None          # the first boundary seen, while flows are not yet resolved
@@ -142,7 +138,7 @@ class StreamParser:
         return out
 
     def _assemble(self, recs, start, data) -> list[AssembledIteration]:
-        self.lockon.place(recs, start, self.base_psn)
+        self.lockon.place(recs, start, self.state.base_psn)
         out = []
         while True:
             status, i = self._run(recs, start, len(recs), data)
@@ -167,10 +163,11 @@ class StreamParser:
         duplicate and is dropped), so a consumer may take covered blocks from here early.
         """
         out = []
-        for r in range(len(self.grads)):
-            s = (self.slot0 + r) % len(self.grads)
-            if self.slot_start[s] >= 0:
-                out.append((self.iteration + r, int(self.slot_start[s]), self.grads[s], self.got[s]))
+        slots = self.slots
+        for r in range(len(slots.grads)):
+            s = (self.slot0 + r) % len(slots.grads)
+            if slots.start_ns[s] >= 0:
+                out.append((self.iteration + r, int(slots.start_ns[s]), slots.grads[s], slots.got[s]))
         return out
 
     def placed(self) -> dict[int, int]:
@@ -178,10 +175,11 @@ class StreamParser:
         positions) seen. A count that grew between two calls means frames of that iteration
         arrived in between (duplicates and refused frames do not count)."""
         out = {}
-        for r in range(len(self.grads)):
-            s = (self.slot0 + r) % len(self.grads)
-            if self.slot_start[s] >= 0:
-                out[self.iteration + r] = int(np.count_nonzero(self.seen[s]))
+        slots = self.slots
+        for r in range(len(slots.grads)):
+            s = (self.slot0 + r) % len(slots.grads)
+            if slots.start_ns[s] >= 0:
+                out[self.iteration + r] = int(np.count_nonzero(slots.seen[s]))
         return out
 
     def recycle(self, grad: np.ndarray) -> None:
@@ -193,37 +191,32 @@ class StreamParser:
                 or not grad.flags.writeable:
             raise ValueError(f"recycle: not a gradient array of stream {self.mirror.name} "
                              f"({grad.dtype}{grad.shape}, needs uint8 ({self.tables.grad_bytes},))")
-        if len(self._spare) < len(self.grads) and all(grad is not g for g in (*self.grads, *self._spare)):
+        if len(self._spare) < len(self.slots.grads) and all(grad is not g for g in (*self.slots.grads, *self._spare)):
             self._spare.append(grad)
 
     def flush(self) -> list[AssembledIteration]:
         """Hand back every iteration still held (end of input)."""
         out = []
-        for _ in range(len(self.grads)):
-            if self.seen[self.slot0].any():
+        for _ in range(len(self.slots.grads)):
+            if self.slots.seen[self.slot0].any():
                 out.append(self._retire())
             else:
                 self._advance()
         return out
 
     def _run(self, recs, start, stop, data):
-        t = self.tables
-        return assemble(recs[:stop], start, data, t.qpn, t.src_ip, t.dst_ip, t.is_data, t.period,
-                        t.msg_start, t.msg_count, t.seen_base, t.conn, t.conn_steps, self.plan.messages,
-                        self.bucket_offsets, t.protocol, t.elem, t.mtu, t.step_bytes, self.imm_big_endian,
-                        self.base_psn, self.step_base, self.va_ref, self.va_step, self.slot0, self.slot_start,
-                        self.grads, self.got, self.seen, self.counters)
+        return assemble(recs[:stop], start, data, self.tables, self.state, self.slots, self.slot0, self.counters)
 
     def _retire(self) -> AssembledIteration:
-        s = self.slot0
-        out = AssembledIteration(self.mirror.name, self.iteration, int(self.slot_start[s]),
-                                 self.grads[s], self.got[s].copy(), self.need)
+        s, slots = self.slot0, self.slots
+        out = AssembledIteration(self.mirror.name, self.iteration, int(slots.start_ns[s]),
+                                 slots.grads[s], slots.got[s].copy(), self.need)
         if self._spare:
             fresh = self._spare.pop()
             fresh.fill(0)
         else:
             fresh = np.zeros(self.tables.grad_bytes, np.uint8)
-        self.grads = self.grads[:s] + (fresh,) + self.grads[s + 1:]
+        self.slots = slots._replace(grads=slots.grads[:s] + (fresh,) + slots.grads[s + 1:])
         self._advance()
         return out
 
@@ -231,17 +224,16 @@ class StreamParser:
         """Drop the oldest slot: every flow's base moves one period, connections' steps too.
         Its gradient array is zero: a retired slot got a fresh one, and nothing is written
         to a slot without marking it seen."""
-        s = self.slot0
-        self.got[s] = 0
-        self.seen[s] = 0
-        self.slot_start[s] = -1
-        t = self.tables
-        locked = self.base_psn >= 0
-        self.base_psn[locked] = (self.base_psn[locked] + t.period[locked]) % PSN_MOD
-        known = self.step_base >= 0
-        self.step_base[known] += t.conn_steps[known]
-        self.va_step -= t.conn_steps
-        self.slot0 = (s + 1) % len(self.grads)
+        s, slots, state, t = self.slot0, self.slots, self.state, self.tables
+        slots.got[s] = 0
+        slots.seen[s] = 0
+        slots.start_ns[s] = -1
+        locked = state.base_psn >= 0
+        state.base_psn[locked] = psn_add(state.base_psn[locked], t.period[locked])
+        known = state.step_base >= 0
+        state.step_base[known] += t.conn_steps[known]
+        state.va_step[:] -= t.conn_steps
+        self.slot0 = (s + 1) % len(slots.grads)
         self.iteration += 1
 
 

@@ -1,4 +1,4 @@
-"""What one mirror stream must know of the wire plan, as flat arrays for the kernels.
+"""What one mirror stream must know of the wire plan, as one record of arrays for the kernels.
 
 A stream (a rank's port, one or both directions) sees a subset of the plan's flows. Each is
 identified on the wire by its destination QPN and its source and destination addresses.
@@ -10,14 +10,14 @@ iteration (the PSN period), and where its packets sit in the stream's per-iterat
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from gradtap.wire.protocol import Protocol
+from gradtap.workload import nccl
 from gradtap.workload.spec import JobSpec, MirrorSpec
 from gradtap.workload.wire_plan import DATA, WirePlan
-
-PROTOCOL_CODE = {"Simple": 0, "LL": 1, "LL128": 2}
 
 
 def ip16(address: str) -> np.ndarray:
@@ -28,12 +28,10 @@ def ip16(address: str) -> np.ndarray:
     return np.frombuffer(ip.packed, np.uint8).copy()
 
 
-@dataclass(frozen=True)
-class StreamTables:
-    """Flows of one stream (index ``f``) and the plan arrays the kernel reads."""
+class StreamTables(NamedTuple):
+    """Flows of one stream (index ``f``), its connections (index ``c``) and the plan facts
+    the assembly kernel reads; a NamedTuple so the kernel takes it whole."""
 
-    name: str
-    plan_flow: np.ndarray      # int64[F]: index into plan.flows
     qpn: np.ndarray            # uint32[F]: destination QPN on the wire
     src_ip: np.ndarray         # uint8[F, 16]
     dst_ip: np.ndarray         # uint8[F, 16]
@@ -43,12 +41,15 @@ class StreamTables:
     msg_count: np.ndarray      # int64[F]
     seen_base: np.ndarray      # int64[F]: first bit of the flow in the seen bitmap (data flows)
     conn: np.ndarray           # int64[F]: connection index channel * n + sender position
-    seen_bits: int             # packets of all data flows per iteration
-    conn_steps: np.ndarray     # int64[channels * n]: FIFO steps per iteration per connection
-    protocol: int              # PROTOCOL_CODE
+    conn_steps: np.ndarray     # int64[C]: FIFO steps per iteration per connection
+    messages: np.ndarray       # MESSAGE_DTYPE[M]: plan.messages
+    bucket_offsets: np.ndarray  # int64[buckets]: first element of each bucket in the flat gradient
+    protocol: Protocol
     elem: int                  # bytes per element on the wire
-    mtu: int
-    step_bytes: int
+    mtu: int                   # payload bytes per full packet
+    step_bytes: int            # bytes of one FIFO slot
+    imm_big_endian: bool       # ImmDt carries the message size big-endian (else NCCL's little-endian)
+    seen_bits: int             # packets of all data flows per iteration
     grad_bytes: int            # bytes of the whole flat gradient in the wire dtype
 
     @property
@@ -65,8 +66,6 @@ def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTab
     seen_base[is_data] = np.concatenate([[0], np.cumsum(f["npkts"][is_data])[:-1]]) if is_data.any() else []
     n = plan.world_size
     return StreamTables(
-        name=mirror.name,
-        plan_flow=flows.astype(np.int64),
         qpn=f["dst_qpn"].astype(np.uint32),
         src_ip=np.stack([ip16(ranks[s].ip) for s in f["src"]]) if len(f) else np.zeros((0, 16), np.uint8),
         dst_ip=np.stack([ip16(ranks[d].ip) for d in f["dst"]]) if len(f) else np.zeros((0, 16), np.uint8),
@@ -76,11 +75,14 @@ def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTab
         msg_count=f["msg_count"].astype(np.int64),
         seen_base=seen_base,
         conn=(f["channel"].astype(np.int64) * n + f["src"]),
-        seen_bits=int(f["npkts"][is_data].sum()),
         conn_steps=plan.steps_per_iteration.reshape(-1).astype(np.int64),
-        protocol=PROTOCOL_CODE[plan.protocol],
+        messages=plan.messages,
+        bucket_offsets=np.asarray(plan.bucket_offsets, np.int64),
+        protocol=plan.protocol,
         elem=plan.elem_size,
         mtu=plan.mtu,
         step_bytes=plan.geometry.step_bytes,
+        imm_big_endian=nccl.era_facts(job.nccl).imm_big_endian,
+        seen_bits=int(f["npkts"][is_data].sum()),
         grad_bytes=plan.total_elems * plan.elem_size,
     )

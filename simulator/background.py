@@ -13,9 +13,11 @@ import struct
 
 import numpy as np
 
-from gradtap.wire.headers import eth, ipv4, ipv6
-from gradtap.wire.headers import opcodes as op
 from gradtap.simulator.frames import PACKET_DTYPE, Routes
+from gradtap.simulator.traffic import ACK_SYNDROME
+from gradtap.wire.headers import aeth, eth, ipv4, ipv6
+from gradtap.wire.headers import opcodes as op
+from gradtap.wire.psn import PSN_MODULUS, psn_add
 from gradtap.workload.spec import JobSpec
 
 P2P_BYTES = (40000, 15424, 24576)   # the p2p message sizes seen in the real captures
@@ -51,7 +53,7 @@ class Background:
             self.routes[p] = (out, back, cm)
         self.arena = np.concatenate([self.rng.integers(0, 256, max(P2P_BYTES), dtype=np.uint8),
                                      self.rng.integers(0, 256, CM_BYTES, dtype=np.uint8)])
-        self.psn = {p: int(self.rng.integers(0, 1 << 24)) for p in self.positions}
+        self.psn = {p: int(self.rng.integers(0, PSN_MODULUS)) for p in self.positions}
 
     def packets(self, t0: int, mtu: int, arena_base: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """RoCE packets (p2p and CM) of one iteration starting at ``t0``; payload offsets
@@ -67,7 +69,7 @@ class Background:
             pk["opcode"][:npk] = np.where(k == 0, op.RC_RDMA_WRITE_FIRST, op.RC_RDMA_WRITE_MIDDLE)
             pk["opcode"][npk - 1] = op.RC_RDMA_WRITE_LAST_WITH_IMMEDIATE if npk > 1 else op.RC_RDMA_WRITE_ONLY_WITH_IMMEDIATE
             pk["dest_qpn"][:npk] = P2P_QPN + p
-            pk["psn"][:npk] = (self.psn[p] + k) % (1 << 24)
+            pk["psn"][:npk] = psn_add(self.psn[p], k)
             pk["reth_va"][:npk] = 0x7E0000000000
             pk["reth_rkey"][:npk] = 0xBEEF
             pk["reth_len"][:npk] = size
@@ -81,9 +83,9 @@ class Background:
             pk["opcode"][npk] = op.RC_ACKNOWLEDGE
             pk["dest_qpn"][npk] = P2P_QPN + 0x100 + p
             pk["psn"][npk] = pk["psn"][npk - 1]
-            pk["aeth"][npk] = 0x1F << 24
+            pk["aeth"][npk] = aeth.word(ACK_SYNDROME, 0)
             pk["ts_ns"][npk] = pk["ts_ns"][npk - 1] + 2000
-            self.psn[p] = (self.psn[p] + npk) % (1 << 24)
+            self.psn[p] = psn_add(self.psn[p], npk)
             mad = np.zeros(1, PACKET_DTYPE)
             mad["route"] = cm
             mad["opcode"] = op.UD_SEND_ONLY

@@ -15,18 +15,25 @@ import ipaddress
 import numpy as np
 from numba import njit
 
+from gradtap.core.bytes import read_be, write_be, write_le
 from gradtap.core.jit import JIT
+from gradtap.core.memory import copy_bytes
 from gradtap.wire.headers import eth, ipv4, ipv6, udp
-from gradtap.wire.headers.aeth import AETH_OFF_SYNDROME
-from gradtap.wire.headers.deth import DETH_OFF_QKEY, DETH_OFF_SRCQP
-from gradtap.wire.headers.bth import BTH_LEN, BTH_OFF_DESTQP, BTH_OFF_OPCODE, BTH_OFF_PKEY, BTH_OFF_PSN, BTH_OFF_SE, \
-    BTH_PADCNT_SHIFT, BTH_TVER_SHIFT
-from gradtap.wire.headers.immdt import IMMDT_OFF_IMM
-from gradtap.wire.headers.ipv4 import IPV4_LEN, IPV4_OFF_CHECKSUM, IPV4_OFF_TOTAL_LENGTH
-from gradtap.wire.headers.ipv6 import IPV6_LEN, IPV6_OFF_PAYLOAD_LENGTH
-from gradtap.wire.headers.opcodes import OPCODE_AETH_OFF, OPCODE_DETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, OPCODE_RETH_OFF
-from gradtap.wire.headers.reth import RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA
-from gradtap.wire.headers.udp import UDP_LEN, UDP_OFF_LENGTH
+from gradtap.wire.headers.aeth import AETH_OFF_SYNDROME, AETH_SIZE_SYNDROME
+from gradtap.wire.headers.bth import BTH, BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH_DESTQP_MASK, BTH_DESTQP_SHIFT, \
+    BTH_LEN, BTH_OFF_ACKREQ, BTH_OFF_DESTQP, BTH_OFF_OPCODE, BTH_OFF_PADCNT, BTH_OFF_PKEY, BTH_PADCNT_MASK, \
+    BTH_PADCNT_SHIFT, BTH_PSN_MASK, BTH_PSN_SHIFT, BTH_SIZE_ACKREQ, BTH_SIZE_DESTQP, BTH_SIZE_OPCODE, \
+    BTH_SIZE_PADCNT, BTH_SIZE_PKEY
+from gradtap.wire.headers.deth import DETH_OFF_QKEY, DETH_OFF_SRCQP, DETH_SIZE_QKEY, DETH_SIZE_SRCQP
+from gradtap.wire.headers.immdt import IMMDT_OFF_IMM, IMMDT_SIZE_IMM
+from gradtap.wire.headers.ipv4 import IPV4_LEN, IPV4_OFF_CHECKSUM, IPV4_OFF_TOTAL_LENGTH, IPV4_SIZE_CHECKSUM, \
+    IPV4_SIZE_TOTAL_LENGTH
+from gradtap.wire.headers.ipv6 import IPV6_LEN, IPV6_OFF_PAYLOAD_LENGTH, IPV6_SIZE_PAYLOAD_LENGTH
+from gradtap.wire.headers.opcodes import OPCODE_AETH_OFF, OPCODE_DETH_OFF, OPCODE_EXT_LEN, OPCODE_IMMDT_OFF, \
+    OPCODE_RETH_OFF
+from gradtap.wire.headers.reth import RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_OFF_VA, RETH_SIZE_DMA_LENGTH, \
+    RETH_SIZE_RKEY, RETH_SIZE_VA
+from gradtap.wire.headers.udp import UDP_LEN, UDP_OFF_LENGTH, UDP_SIZE_LENGTH
 from gradtap.wire.icrc import ICRC_LEN, icrc_frame
 
 PACKET_DTYPE = np.dtype([
@@ -50,6 +57,9 @@ ROCE_DSCP = 0    # as in the real captures (traffic class 0x02); the ICRC masks 
 ROCE_ECN = 2     # ECT(0)
 PREFIX_MAX = eth.ETH_LEN + IPV6_LEN + UDP_LEN
 GSI_QKEY = 0x80010000  # the well-known Q_Key of QP1, which connection-manager MADs use (IBTA §13.5.1)
+GSI_QPN = 1            # the source QP of those MADs
+PKEY = BTH.fields["pkey"].default   # the default partition key, 0xFFFF
+PAD_TO = 4             # the payload is padded to a multiple of 4 bytes (BTH PadCnt)
 
 
 class Routes:
@@ -88,15 +98,52 @@ class Routes:
 
 def frame_lengths(packets: np.ndarray, prefix_len: int) -> np.ndarray:
     """Length in bytes of each packet's frame (no FCS)."""
-    pad = (-packets["payload_len"]) % 4
+    pad = (-packets["payload_len"]) % PAD_TO
     ext = OPCODE_EXT_LEN[packets["opcode"]]
     return prefix_len + BTH_LEN + ext + packets["payload_len"] + pad + ICRC_LEN
 
 
 @njit(**JIT, inline="always")
-def _put(buf, at, value, size):
-    for k in range(size):
-        buf[at + k] = (value >> (8 * (size - 1 - k))) & 0xFF
+def _set_ipv4_checksum(out, l3):
+    """RFC 1071 checksum of the option-less IPv4 header at ``out[l3]``, stored in place."""
+    total = 0
+    for k in range(0, IPV4_LEN, IPV4_SIZE_CHECKSUM):
+        if k != IPV4_OFF_CHECKSUM:
+            total += read_be(out, l3 + k, IPV4_SIZE_CHECKSUM)
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    write_be(out, l3 + IPV4_OFF_CHECKSUM, ~total & 0xFFFF, IPV4_SIZE_CHECKSUM)
+
+
+@njit(**JIT, inline="always")
+def _put_bth(out, b, p, pad):
+    """The BTH of packet ``p`` at ``out[b]``: FECN, BECN, SE, M, TVer and reserved bits 0."""
+    write_be(out, b + BTH_OFF_OPCODE, p["opcode"], BTH_SIZE_OPCODE)
+    write_be(out, b + BTH_OFF_PADCNT, (np.int64(pad) << BTH_PADCNT_SHIFT) & BTH_PADCNT_MASK, BTH_SIZE_PADCNT)
+    write_be(out, b + BTH_OFF_PKEY, PKEY, BTH_SIZE_PKEY)
+    write_be(out, b + BTH_OFF_DESTQP, (np.int64(p["dest_qpn"]) << BTH_DESTQP_SHIFT) & BTH_DESTQP_MASK,
+             BTH_SIZE_DESTQP)
+    # AckReq and PSN share one word (BTH_OFF_ACKREQ == BTH_OFF_PSN).
+    write_be(out, b + BTH_OFF_ACKREQ, ((np.int64(p["ackreq"]) << BTH_ACKREQ_SHIFT) & BTH_ACKREQ_MASK) |
+             ((np.int64(p["psn"]) << BTH_PSN_SHIFT) & BTH_PSN_MASK), BTH_SIZE_ACKREQ)
+
+
+@njit(**JIT, inline="always")
+def _put_ext(out, e, p):
+    """The extended transport headers the opcode of ``p`` carries, from ``out[e]`` on."""
+    op = p["opcode"]
+    if OPCODE_RETH_OFF[op] >= 0:
+        r = e + OPCODE_RETH_OFF[op]
+        write_be(out, r + RETH_OFF_VA, p["reth_va"], RETH_SIZE_VA)
+        write_be(out, r + RETH_OFF_RKEY, p["reth_rkey"], RETH_SIZE_RKEY)
+        write_be(out, r + RETH_OFF_DMA_LENGTH, p["reth_len"], RETH_SIZE_DMA_LENGTH)
+    if OPCODE_IMMDT_OFF[op] >= 0:
+        write_be(out, e + OPCODE_IMMDT_OFF[op] + IMMDT_OFF_IMM, p["imm"], IMMDT_SIZE_IMM)
+    if OPCODE_DETH_OFF[op] >= 0:
+        write_be(out, e + OPCODE_DETH_OFF[op] + DETH_OFF_QKEY, GSI_QKEY, DETH_SIZE_QKEY)
+        write_be(out, e + OPCODE_DETH_OFF[op] + DETH_OFF_SRCQP, GSI_QPN, DETH_SIZE_SRCQP)
+    if OPCODE_AETH_OFF[op] >= 0:
+        write_be(out, e + OPCODE_AETH_OFF[op] + AETH_OFF_SYNDROME, p["aeth"], AETH_SIZE_SYNDROME)
 
 
 @njit(**JIT)
@@ -108,49 +155,27 @@ def _encode(packets, routes, ipv6_family, arena, out, offsets, lengths):
         p = packets[i]
         o = offsets[i]
         n = lengths[i]
-        out[o:o + prefix] = routes[p.route]
+        out[o:o + prefix] = routes[p["route"]]
         udp_len = n - l4
         if ipv6_family:
-            _put(out, o + l3 + IPV6_OFF_PAYLOAD_LENGTH, udp_len, 2)
+            write_be(out, o + l3 + IPV6_OFF_PAYLOAD_LENGTH, udp_len, IPV6_SIZE_PAYLOAD_LENGTH)
         else:
-            _put(out, o + l3 + IPV4_OFF_TOTAL_LENGTH, n - l3, 2)
-            total = 0
-            for k in range(0, IPV4_LEN, 2):
-                if k != IPV4_OFF_CHECKSUM:
-                    total += (out[o + l3 + k] << 8) | out[o + l3 + k + 1]
-            while total >> 16:
-                total = (total & 0xFFFF) + (total >> 16)
-            _put(out, o + l3 + IPV4_OFF_CHECKSUM, ~total & 0xFFFF, 2)
-        _put(out, o + l4 + UDP_OFF_LENGTH, udp_len, 2)
+            write_be(out, o + l3 + IPV4_OFF_TOTAL_LENGTH, n - l3, IPV4_SIZE_TOTAL_LENGTH)
+            _set_ipv4_checksum(out, o + l3)
+        write_be(out, o + l4 + UDP_OFF_LENGTH, udp_len, UDP_SIZE_LENGTH)
         b = o + prefix
-        pad = (-p.payload_len) % 4
-        out[b + BTH_OFF_OPCODE] = p.opcode
-        out[b + BTH_OFF_SE] = (pad << BTH_PADCNT_SHIFT) | (0 << BTH_TVER_SHIFT)
-        _put(out, b + BTH_OFF_PKEY, 0xFFFF, 2)
-        _put(out, b + BTH_OFF_DESTQP, p.dest_qpn & 0xFFFFFF, 4)
-        _put(out, b + BTH_OFF_PSN, (p.ackreq << 31) | (p.psn & 0xFFFFFF), 4)
+        pad = (-p["payload_len"]) % PAD_TO
+        _put_bth(out, b, p, pad)
         e = b + BTH_LEN
-        if OPCODE_RETH_OFF[p.opcode] >= 0:
-            r = e + OPCODE_RETH_OFF[p.opcode]
-            _put(out, r + RETH_OFF_VA, p.reth_va, 8)
-            _put(out, r + RETH_OFF_RKEY, p.reth_rkey, 4)
-            _put(out, r + RETH_OFF_DMA_LENGTH, p.reth_len, 4)
-        if OPCODE_IMMDT_OFF[p.opcode] >= 0:
-            _put(out, e + OPCODE_IMMDT_OFF[p.opcode] + IMMDT_OFF_IMM, p.imm, 4)
-        if OPCODE_DETH_OFF[p.opcode] >= 0:
-            _put(out, e + OPCODE_DETH_OFF[p.opcode] + DETH_OFF_QKEY, GSI_QKEY, 4)
-            _put(out, e + OPCODE_DETH_OFF[p.opcode] + DETH_OFF_SRCQP, 1, 4)
-        if OPCODE_AETH_OFF[p.opcode] >= 0:
-            _put(out, e + OPCODE_AETH_OFF[p.opcode] + AETH_OFF_SYNDROME, p.aeth, 4)
-        d = e + OPCODE_EXT_LEN[p.opcode]
-        out[d:d + p.payload_len] = arena[p.payload_off:p.payload_off + p.payload_len]
-        out[d + p.payload_len:d + p.payload_len + pad] = 0
+        _put_ext(out, e, p)
+        d = e + OPCODE_EXT_LEN[p["opcode"]]
+        copy_bytes(out, d, arena, p["payload_off"], p["payload_len"])
+        out[d + p["payload_len"]:d + p["payload_len"] + pad] = 0
         crc = icrc_frame(out, o + l3, ipv6_family, o + n)
-        for k in range(ICRC_LEN):
-            out[o + n - ICRC_LEN + k] = (crc >> (8 * k)) & 0xFF
-        if p.corrupt:
+        write_le(out, o + n - ICRC_LEN, crc, ICRC_LEN)
+        if p["corrupt"]:
             # Damage after the CRC: the last payload byte (or the ICRC itself when empty).
-            out[o + n - ICRC_LEN - 1 - pad if p.payload_len else o + n - 1] ^= 0x01
+            out[o + n - ICRC_LEN - 1 - pad if p["payload_len"] else o + n - 1] ^= 0x01
 
 
 def encode_frames(packets: np.ndarray, routes: Routes, arena: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -48,30 +48,24 @@ import numpy as np
 from numba import njit
 
 from gradtap.core.jit import JIT
-from gradtap.wire.ll128 import LL128_DATA_TO_WIRE, LL128_SLICE_DATA, LL128_SLICE_WIRE
-from gradtap.workload.nccl import (LL128_DATA_WORDS_PER_WARP, LL128_LINE_WORDS, LL128_WIRE_WORDS_PER_WARP,
-                           LL_DATA_PER_LINE, LL_LINE_BYTES)
+from gradtap.wire.ll import LL_DATA1_OFF, LL_DATA2_OFF, LL_FLAG1_OFF, LL_FLAG2_OFF, LL_HALF_BYTES, LL_LINE_BYTES, \
+    LL_LINE_DATA_BYTES
+from gradtap.wire.ll128 import LL128_DATA_TO_WIRE, LL128_FLAG_WORD, LL128_LINE_WORDS, LL128_SLICE_DATA_WORDS, \
+    LL128_SLICE_WIRE_WORDS
+from gradtap.wire.protocol import Protocol
 
-PROTOCOLS = ("Simple", "LL", "LL128")
-
-
-_LL128_WIRE_FROM_DATA = np.zeros(LL128_WIRE_WORDS_PER_WARP, dtype=np.int64)   # flag words: overwritten
-_LL128_WIRE_FROM_DATA[LL128_DATA_TO_WIRE] = np.arange(LL128_DATA_WORDS_PER_WARP)
-_UNIT = {"Simple": 1, "LL": LL_DATA_PER_LINE, "LL128": LL128_SLICE_DATA}          # data bytes per unit
-_WIRE_UNIT = {"Simple": 1, "LL": LL_LINE_BYTES, "LL128": LL128_SLICE_WIRE}        # wire bytes per unit
-
-
-def wire_size(protocol: str, data_bytes: int) -> int:
-    """Wire bytes of a send carrying ``data_bytes`` bytes of elements."""
-    _check_protocol(protocol)
-    return -(-data_bytes // _UNIT[protocol]) * _WIRE_UNIT[protocol]
+_LL128_WIRE_FROM_DATA = np.zeros(LL128_SLICE_WIRE_WORDS, dtype=np.int64)   # flag words: overwritten
+_LL128_WIRE_FROM_DATA[LL128_DATA_TO_WIRE] = np.arange(LL128_SLICE_DATA_WORDS)
+# uint32 words of an LL line: the data halves and the flags.
+_LL_DATA_WORDS = [LL_DATA1_OFF // LL_HALF_BYTES, LL_DATA2_OFF // LL_HALF_BYTES]
+_LL_FLAG_WORDS = [LL_FLAG1_OFF // LL_HALF_BYTES, LL_FLAG2_OFF // LL_HALF_BYTES]
 
 
-def encode(protocol: str, data: np.ndarray, flag: int) -> np.ndarray:
+def encode(protocol: Protocol, data: np.ndarray, flag: int) -> np.ndarray:
     """The wire payload (uint8) of one send whose element bytes are ``data`` (uint8, 1-D)."""
-    _check_protocol(protocol)
+    protocol = _check_protocol(protocol)
     data = _check_data(data)
-    unit = _UNIT[protocol]
+    unit = protocol.unit[0]
     if len(data) % unit:
         padded = np.zeros(-(-len(data) // unit) * unit, dtype=np.uint8)
         padded[:len(data)] = data
@@ -80,7 +74,7 @@ def encode(protocol: str, data: np.ndarray, flag: int) -> np.ndarray:
     return _layout(protocol, padded, np.uint64(flag))
 
 
-def encode_batch(protocol: str, data: np.ndarray, offsets: np.ndarray,
+def encode_batch(protocol: Protocol, data: np.ndarray, offsets: np.ndarray,
                  flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Encode many sends at once; equal to :func:`encode` of each, concatenated.
 
@@ -93,33 +87,32 @@ def encode_batch(protocol: str, data: np.ndarray, offsets: np.ndarray,
     Returns ``(wire, wire_offsets)``: the concatenated wire payloads (uint8) and ``[m+1]``
     int64 offsets, send ``i`` being ``wire[wire_offsets[i]:wire_offsets[i+1]]``.
     """
-    _check_protocol(protocol)
+    protocol = _check_protocol(protocol)
     data = _check_data(data)
     offsets, flags = _check_offsets(offsets, flags, len(data))
     sizes = np.diff(offsets)
-    units = -(-sizes // _UNIT[protocol])
-    wire_offsets = np.concatenate([[0], np.cumsum(units * _WIRE_UNIT[protocol])]).astype(np.int64)
-    padded = _pad(data[offsets[0]:offsets[-1]], sizes, units * _UNIT[protocol])
+    unit, wire_unit = protocol.unit
+    units = -(-sizes // unit)
+    wire_offsets = np.concatenate([[0], np.cumsum(units * wire_unit)]).astype(np.int64)
+    padded = _pad(data[offsets[0]:offsets[-1]], sizes, units * unit)
     return _layout(protocol, padded, np.repeat(flags, units)), wire_offsets
 
 
-def _layout(protocol: str, padded: np.ndarray, unit_flags) -> np.ndarray:
+def _layout(protocol: Protocol, padded: np.ndarray, unit_flags) -> np.ndarray:
     """Wire bytes of whole protocol units of data; ``unit_flags`` is one flag per unit
     (LL line, LL128 slice) or a single flag for all."""
-    if protocol == "Simple":
+    if protocol == Protocol.SIMPLE:
         return padded.copy()
     unit_flags = np.asarray(unit_flags, dtype=np.uint64)
-    if protocol == "LL":
-        lines = np.empty((len(padded) // LL_DATA_PER_LINE, 4), dtype="<u4")
-        lines[:, 0::2] = padded.view("<u4").reshape(-1, 2)
-        low = unit_flags.astype("<u4")                  # NCCL_LL_FLAG: the low 32 bits
-        lines[:, 1] = low
-        lines[:, 3] = low
+    if protocol == Protocol.LL:
+        lines = np.empty((len(padded) // LL_LINE_DATA_BYTES, LL_LINE_BYTES // LL_HALF_BYTES), dtype="<u4")
+        lines[:, _LL_DATA_WORDS] = padded.view("<u4").reshape(-1, 2)
+        lines[:, _LL_FLAG_WORDS] = unit_flags.astype("<u4")[..., None]   # NCCL_LL_FLAG: the low 32 bits
         return lines.reshape(-1).view(np.uint8)
-    words = padded.view("<u8").reshape(-1, LL128_DATA_WORDS_PER_WARP)
+    words = padded.view("<u8").reshape(-1, LL128_SLICE_DATA_WORDS)
     # A gather (each wire word from its data word) is several times faster than the scatter.
     slices = np.take(words, _LL128_WIRE_FROM_DATA, axis=1)
-    slices[:, LL128_LINE_WORDS - 1::LL128_LINE_WORDS] = unit_flags.astype("<u8")[..., None]
+    slices[:, LL128_FLAG_WORD::LL128_LINE_WORDS] = unit_flags.astype("<u8")[..., None]
     return slices.reshape(-1).view(np.uint8)
 
 
@@ -143,9 +136,11 @@ def _copy_segments(src, src_starts, lengths, dst, dst_starts):
         dst[dst_starts[i]:dst_starts[i] + n] = src[src_starts[i]:src_starts[i] + n]
 
 
-def _check_protocol(protocol: str) -> None:
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
+def _check_protocol(protocol) -> Protocol:
+    if not isinstance(protocol, Protocol):
+        raise ValueError(f"protocol {protocol!r} is not one of {', '.join(p.name for p in Protocol)} "
+                         f"(a gradtap.wire.protocol.Protocol)")
+    return protocol
 
 
 def _check_data(data) -> np.ndarray:

@@ -14,16 +14,27 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradtap.wire.headers import opcodes as op
 from gradtap.simulator.frames import PACKET_DTYPE, Routes
 from gradtap.simulator.payload import encode
+from gradtap.wire.headers import aeth, eth, ipv6, udp
+from gradtap.wire.headers import opcodes as op
+from gradtap.wire.headers.bth import BTH_LEN
+from gradtap.wire.headers.immdt import IMMDT_LEN
+from gradtap.wire.headers.reth import RETH_LEN
+from gradtap.wire.icrc import ICRC_LEN
+from gradtap.wire.psn import PSN_MODULUS, psn_add
 from gradtap.workload import nccl as N
 from gradtap.workload.spec import JobSpec
-from gradtap.workload.wire_plan import CTS, DATA, NO_VA, PSN_MOD, WirePlan
+from gradtap.workload.wire_plan import CTS, DATA, NO_VA, WirePlan
 
-ACK_SYNDROME = 0x1F            # ACK, credit field "invalid" (end-to-end credits unused by RoCE NICs)
-NAK_SEQ_ERR_SYNDROME = 0x60    # NAK, PSN sequence error (IBTA §9.3.5.1)
-HEADER_OVERHEAD = 14 + 40 + 8 + 12 + 16 + 4 + 4 + 24  # upper bound per packet, plus preamble/IFG
+# ACK with the credit field "invalid" (end-to-end credits unused by RoCE NICs); NAK for a
+# PSN sequence error (IBTA §9.3.5.1).
+ACK_SYNDROME = aeth.syndrome_byte(aeth.SYNDROME_ACK, 0x1F)
+NAK_SEQ_ERR_SYNDROME = aeth.syndrome_byte(aeth.SYNDROME_NAK, aeth.NAK_PSN_SEQUENCE_ERROR)
+ETHERNET_FRAMING = 8 + 12 + 4  # preamble + SFD, inter-frame gap, FCS (bytes on the link per frame)
+# Bytes on the link per packet besides its payload, at most (IPv6, RETH and ImmDt).
+HEADER_OVERHEAD = (eth.ETH_LEN + ipv6.IPV6_LEN + udp.UDP_LEN + BTH_LEN + RETH_LEN + IMMDT_LEN + ICRC_LEN
+                   + ETHERNET_FRAMING)
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class ConnectionState:
             step_base=np.zeros((nch, n), np.int64),
             fifo_base=np.zeros((nch, n), np.int64),
             # Some flows start close to 2^24 so PSN wrap-around occurs in short runs.
-            psn_base=rng.integers(PSN_MOD - 4096, PSN_MOD + 4096, size=len(plan.flows)) % PSN_MOD,
+            psn_base=rng.integers(PSN_MODULUS - 4096, PSN_MODULUS + 4096, size=len(plan.flows)) % PSN_MODULUS,
             msn=np.zeros(len(plan.flows), np.int64),
             buffer_va=page,
             fifo_va=page + (1 << 28),
@@ -77,8 +88,8 @@ class ConnectionState:
     def advance(self, plan: WirePlan) -> None:
         self.step_base += plan.steps_per_iteration
         self.fifo_base += plan.fifo_per_iteration
-        self.psn_base = (self.psn_base + plan.flows["npkts"]) % PSN_MOD
-        self.msn = (self.msn + plan.flows["msg_count"]) % PSN_MOD
+        self.psn_base = psn_add(self.psn_base, plan.flows["npkts"])
+        self.msn = (self.msn + plan.flows["msg_count"]) % aeth.MSN_MODULUS
 
 
 @dataclass
@@ -214,7 +225,7 @@ class TrafficBuilder:
         pk["opcode"] = _write_opcodes(k, npk[w], m["imm"] == 1)
         pk["ackreq"] = last
         pk["dest_qpn"] = plan.flows["dst_qpn"][m["flow"]]
-        pk["psn"] = (state.psn_base[m["flow"]] + m["psn_offset"] + k) % PSN_MOD
+        pk["psn"] = psn_add(state.psn_base[m["flow"]], m["psn_offset"] + k)
         src = plan.flows["src"][m["flow"]]
         dst = plan.flows["dst"][m["flow"]]
         c = m["channel"]
@@ -241,8 +252,7 @@ class TrafficBuilder:
         acks["dest_qpn"] = plan.flows["src_qpn"][m["flow"][lp]]
         acks["psn"] = pk["psn"][lp]
         in_flow = index[w[lp]] - plan.flows["msg_start"][m["flow"][lp]]
-        msn = (state.msn[m["flow"][lp]] + in_flow + 1) % PSN_MOD
-        acks["aeth"] = (ACK_SYNDROME << 24) | msn
+        acks["aeth"] = aeth.word(ACK_SYNDROME, state.msn[m["flow"][lp]] + in_flow + 1)
         acks["ts_ns"] = pk["ts_ns"][lp] + self.timing.ack_delay_ns
         extra, esrc, edst, ekeep, injected = self._retransmissions(pk, psrc, pdst, w, k, npk, m)
         packets = np.concatenate([pk, acks, extra])
@@ -282,7 +292,7 @@ class TrafficBuilder:
             nak["opcode"] = op.RC_ACKNOWLEDGE
             nak["dest_qpn"] = self.plan.flows["src_qpn"][m["flow"][i]]
             nak["psn"] = pk["psn"][i]
-            nak["aeth"] = NAK_SEQ_ERR_SYNDROME << 24
+            nak["aeth"] = aeth.word(NAK_SEQ_ERR_SYNDROME, 0)
             nak["ts_ns"] = pk["ts_ns"][rest[-1]] + rtt // 2
             out += [nak, again]
             srcs += [pdst[i:i + 1], psrc[rest]]

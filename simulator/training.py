@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import ConfigError, GradtapError, PlanError
-from gradtap.simulator.data import Batch, batch_loss
+from gradtap.workload.data import Batch, batch_loss
 from gradtap.workload.buckets import Bucket, ParamLike
 from gradtap.workload.schedule import learning_rate
 
@@ -133,7 +133,7 @@ class Trainer:
         (see the module docstring).
     data:
         ``data.batch(rank, iteration)`` gives rank's micro-batch
-        (``gradtap.simulator.data.ClassificationData`` / ``TokenData``).
+        (``gradtap.workload.data.ClassificationData`` / ``TokenData``).
     allreduce:
         The reduction of one bucket across ranks (see :data:`Allreduce`).
     start_iteration:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradtap.core.errors import ConfigError, PlanError
-from gradtap.simulator.data import Batch, ClassificationData, TokenData, batch_loss
+from gradtap.workload.data import Batch, ClassificationData, TokenData, batch_loss
 from gradtap.workload.spec import ParamSpec
 
 
@@ -223,7 +223,7 @@ def param_specs(model: nn.Module) -> tuple[ParamSpec, ...]:
 def grad_ready_order(model: nn.Module, batch: Batch) -> tuple[int, ...]:
     """Indices into :func:`param_specs` in the order their gradients become ready.
 
-    Runs one forward and backward pass of :func:`gradtap.simulator.data.batch_loss` and records
+    Runs one forward and backward pass of :func:`gradtap.workload.data.batch_loss` and records
     when each parameter's gradient accumulator finishes, the event DDP's reducer hooks.
     Works on the ``meta`` device (shapes only). Leaves every ``.grad`` as ``None``.
     """

@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from gradtap.workload.nccl import LL128_DATA_WORDS, LL128_LINE_WORDS, LL128_SHMEM_WORDS_PER_THREAD, WARP_SIZE, ProtocolGeometry
+from gradtap.wire.ll import LL_LINE_DATA_BYTES
+from gradtap.wire.ll128 import (LL128_LINE_DATA_WORDS, LL128_LINE_WORDS, LL128_SHMEM_WORDS_PER_THREAD,
+                                LL128_WORD_BYTES, WARP_SIZE)
+from gradtap.wire.protocol import Protocol
+from gradtap.workload.nccl import ProtocolGeometry
 
 RS, AG = 0, 1  # phases: reduce-scatter, allgather
 
@@ -61,31 +65,31 @@ class CallSchedule:
         self.nchannels, self.nthreads, self.geo = nchannels, nthreads, geo
         self.chunk_elems = geo.data_bytes_per_step // elem_size * geo.chunk_steps
         self.loop_elems = nchannels * nranks * self.chunk_elems
-        if geo.protocol == "LL":
-            self.min_chunk = nthreads * (8 // elem_size)
-        elif geo.protocol == "LL128":
-            grain = LL128_SHMEM_WORDS_PER_THREAD * LL128_DATA_WORDS * 8 // LL128_LINE_WORDS
+        if geo.protocol == Protocol.LL:
+            self.min_chunk = nthreads * (LL_LINE_DATA_BYTES // elem_size)
+        elif geo.protocol == Protocol.LL128:
+            grain = LL128_SHMEM_WORDS_PER_THREAD * LL128_LINE_DATA_WORDS * LL128_WORD_BYTES // LL128_LINE_WORDS
             self.min_chunk = nthreads * (grain // elem_size) // 2
         else:
             self.min_chunk = 0
 
     def _real_chunk(self, grid_offset: int) -> int:
         rem = self.count - grid_offset
-        if self.geo.protocol == "Simple":
+        if self.geo.protocol == Protocol.SIMPLE:
             real = min(self.chunk_elems, _div_up(rem, self.nchannels * self.nranks))
             return _round_up(real, (self.nthreads - WARP_SIZE) * 8 // self.elem_size)
         per = self.nchannels * self.nranks * self.min_chunk
         return min(self.chunk_elems, _div_up(rem, per) * self.min_chunk)
 
     def _chunk_offset(self, grid_offset: int, real: int, channel: int, chunk: int) -> int:
-        if self.geo.protocol == "Simple":
+        if self.geo.protocol == Protocol.SIMPLE:
             return grid_offset + channel * self.nranks * real + chunk * real
         # LL and LL128 interleave channels within a loop.
         return grid_offset + (chunk * self.nchannels + channel) * real
 
     def _slices(self, nelem: int) -> Iterator[tuple[int, int]]:
         """(offset, size) of each slice of a chunk send; Simple cuts a chunk in two slices."""
-        if self.geo.protocol != "Simple":
+        if self.geo.protocol != Protocol.SIMPLE:
             yield 0, nelem
             return
         slices = self.geo.chunk_steps // self.geo.slice_steps

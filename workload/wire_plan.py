@@ -19,17 +19,18 @@ from typing import Sequence
 
 import numpy as np
 
-from gradtap.workload import nccl as N
-from gradtap.wire.ll128 import LL128_SLICE_DATA, LL128_SLICE_WIRE
-from gradtap.workload.ring_schedule import CallSchedule, step_phase
 from gradtap.core.errors import PlanError
+from gradtap.wire.ll import LL_LINE_BYTES, LL_LINE_DATA_BYTES
+from gradtap.wire.ll128 import LL128_SLICE_DATA_BYTES, LL128_SLICE_LINES, LL128_SLICE_WIRE_BYTES
+from gradtap.wire.protocol import Protocol
+from gradtap.workload import nccl as N
+from gradtap.workload.ring_schedule import CallSchedule, step_phase
 from gradtap.workload.spec import WIRE_DTYPE_BYTES, JobSpec
 
 DATA, CTS = 0, 1                 # message kinds
 PHASE_RS, PHASE_AG, PHASE_OTHER = 0, 1, 2
 NO_VA = -1                       # remote_offset of the zero-length immediate write of adaptive routing
-PSN_MOD = 1 << 24
-LL128_SLICE_LINES_MASK = (1 << (LL128_SLICE_WIRE // N.LL128_LINE_BYTES)) - 1   # 16 lines of 128 B
+LL128_SLICE_LINES_MASK = (1 << LL128_SLICE_LINES) - 1   # the 16 lines of a warp slice
 
 MESSAGE_DTYPE = np.dtype([
     ("flow", "i4"),          # index into the flow table
@@ -101,7 +102,7 @@ class WirePlan:
     """The plan of one iteration. ``messages`` is sorted by flow, then posting order."""
 
     job_name: str
-    protocol: str
+    protocol: Protocol
     world_size: int
     elem_size: int
     mtu: int
@@ -237,7 +238,7 @@ def _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo) -> WirePlan
     offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(bucket_numels)[:-1]]))
     blocks = _coverage_blocks(messages, offsets, geo, elem, job.nccl.mtu,
                               job.nccl.qps_per_connection if N.split_data_on_qps(job.nccl) else 1)
-    return WirePlan(job_name=job.name, protocol=job.nccl.protocol, world_size=n, elem_size=elem,
+    return WirePlan(job_name=job.name, protocol=geo.protocol, world_size=n, elem_size=elem,
                     mtu=job.nccl.mtu, geometry=geo, bucket_numels=tuple(int(x) for x in bucket_numels),
                     bucket_offsets=offsets, flows=flow_arr, messages=messages,
                     steps_per_iteration=steps, fifo_per_iteration=fifo, blocks=blocks)
@@ -261,7 +262,7 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeomet
     rows: list[tuple] = []
     groups: dict[tuple, int] = {}
     part_base: dict[tuple, int] = {}
-    slice_wire, slice_data = LL128_SLICE_WIRE, LL128_SLICE_DATA
+    slice_wire, slice_data = LL128_SLICE_WIRE_BYTES, LL128_SLICE_DATA_BYTES
     for i in ag:
         m = messages[i]
         key = (int(m["bucket"]), int(m["loop"]), int(m["channel"]), int(m["chunk"]), int(m["slice"]))
@@ -270,12 +271,13 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeomet
             flat = bucket_offsets[key[0]] + int(m["elem_offset"])
             nbytes, total = int(m["nelem"]) * elem, int(m["msg_bytes"])
             parts = send_parts(total, nparts)
-            if geo.protocol == "LL128":
+            if geo.protocol == Protocol.LL128:
                 for s in range(-(-total // slice_wire)):
                     rows.append(_block(key[0], flat, s * slice_data, (s + 1) * slice_data, nbytes, elem,
                                        LL128_SLICE_LINES_MASK))
             else:
-                per_wire = 2 if geo.protocol == "LL" else 1   # LL: 16 wire bytes carry 8 data bytes
+                # LL: 16 wire bytes carry 8 data bytes
+                per_wire = LL_LINE_BYTES // LL_LINE_DATA_BYTES if geo.protocol == Protocol.LL else 1
                 for q, (off, length) in enumerate(parts):
                     part_base[key + (q,)] = len(rows) - groups[key]
                     for k in range(-(-length // mtu)):

@@ -6,7 +6,6 @@ import json
 import logging
 import struct
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -5,7 +5,6 @@ source says when the file is over."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 

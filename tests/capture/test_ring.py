@@ -9,14 +9,13 @@ import logging
 import multiprocessing
 import time
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
-from gradtap.capture.ring import FrameRing
+from gradtap.capture.ring import FrameRing, wait_until
 from gradtap.core.errors import CaptureError
 from gradtap.parser.decode import decode_batch
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
@@ -217,3 +216,14 @@ def test_without_huge_pages_auto_falls_back_with_one_log_line(monkeypatch, caplo
     assert (r.hugepages, r.page_size) == (False, 4096)
     assert len(caplog.records) == 1 and "no huge pages" in caplog.records[0].getMessage()
     r.close()
+
+
+def test_wait_until_asks_at_least_once_and_gives_up_at_the_timeout():
+    calls = []
+    assert wait_until(lambda: calls.append(1) or True, timeout=0) and len(calls) == 1
+    start = time.monotonic()
+    assert not wait_until(lambda: calls.append(1) or False, timeout=0.05)
+    waited = time.monotonic() - start
+    assert 0.05 <= waited < 2 and 2 < len(calls) < 600      # backed-off sleeps, not a spin
+    answers = iter([False, False, True])
+    assert wait_until(lambda: next(answers), timeout=5)

@@ -6,15 +6,17 @@ same pages; with the pool empty, ``auto`` falls back to normal pages with one lo
 from __future__ import annotations
 
 import logging
+import mmap
 import multiprocessing
 import os
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.ring import FrameRing
-from gradtap.capture.shared_memory import SharedMemory, hugepage_pool
+from gradtap.capture.shared_memory import SharedMemory, hugepage_pool, unmap
 from gradtap.core.errors import CaptureError
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(60),
@@ -86,3 +88,14 @@ def test_an_empty_pool_falls_back_once_or_refuses(caplog):
             ring.close()
         with pytest.raises(CaptureError, match=r"needs huge pages.*sysctl vm.nr_hugepages"):
             SharedMemory.create(1 << 20, hugepages="require")
+
+
+def test_unmap_leaves_a_mapping_still_viewed_to_its_last_view():
+    mapping = mmap.mmap(-1, 4096)
+    view = np.frombuffer(mapping, np.uint8)
+    unmap(mapping)                     # BufferError inside: the view keeps the pages
+    view[0] = 7
+    assert not mapping.closed and view[0] == 7
+    del view
+    unmap(mapping)
+    assert mapping.closed

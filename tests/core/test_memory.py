@@ -4,12 +4,14 @@ load would let LLVM cache a producer index across a polling loop)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from numba import config, njit
 
-from gradtap.core.memory import acquire, copy_bytes, load_acquire, release, store_release
-
+from gradtap.core.memory import acquire, compare_bytes, copy_bytes, load_acquire, release, store_release
+from tests.core.no_jit import run_without_jit
 
 
 @njit
@@ -45,3 +47,41 @@ def test_copy_bytes_copies_the_range():
     dst = np.zeros(50, np.uint8)
     copy(dst, 10, src, 30, 20)
     assert dst[10:30].tolist() == list(range(30, 50)) and not dst[:10].any() and not dst[30:].any()
+
+
+@njit
+def _compare(a, ap, b, bp, n):
+    return compare_bytes(a, ap, b, bp, n)
+
+
+def test_compare_bytes_is_zero_exactly_when_equal():
+    a = np.arange(64, dtype=np.uint8)
+    b = a.copy()
+    b[40] ^= 1
+    assert _compare(a, 0, b, 0, 40) == 0 and _compare(a, 0, b, 0, 41) != 0
+    assert _compare(a, 41, b, 41, 23) == 0 and _compare(a, 1, b, 0, 10) != 0 and _compare(a, 5, b, 9, 0) == 0
+
+
+def results() -> dict:
+    """The operations' effects, JSON-ready: stores that wrap as the compiled cast does, copies
+    and comparisons."""
+    words = np.zeros(4, np.uint32)
+    _handover(words, 1, 2 ** 32 + 5)
+    release(words, 2, -1)
+    src, dst = np.arange(32, dtype=np.uint8), np.zeros(32, np.uint8)
+    _copy(dst, 3, src, 7, 11)
+    return {"words": words.tolist(), "loaded": int(acquire(words, 2)), "copied": dst.tolist(),
+            "compared": [int(_compare(src, 0, dst, 0, 3) == 0), int(_compare(src, 7, dst, 3, 11) == 0),
+                         int(_compare(src, 7, dst, 3, 12) == 0)]}
+
+
+@njit
+def _copy(dst, dp, src, sp, n):
+    copy_bytes(dst, dp, src, sp, n)
+
+
+def test_without_jit_the_operations_do_the_same():
+    plain = run_without_jit("import json\nfrom tests.core.test_memory import results\nprint(json.dumps(results()))")
+    expected = results()
+    assert expected["words"] == [0, 5, 2 ** 32 - 1, 0] and expected["compared"] == [0, 1, 0]
+    assert json.loads(plain) == expected

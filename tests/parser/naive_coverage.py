@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from tests import naive
-from gradtap.workload.wire_plan import DATA, PHASE_AG, PSN_MOD
+from gradtap.wire.protocol import Protocol
+from gradtap.wire.psn import PSN_MODULUS
+from gradtap.workload.wire_plan import DATA, PHASE_AG
 
 
 def first_psns(path, job, plan) -> dict[int, int]:
@@ -46,7 +48,7 @@ def coverage(path, job, plan, first: dict[int, int], iterations: int) -> list[np
         flow = _flow(plan, ranks[f["ip_src"]], ranks[f["ip_dst"]], f["dest_qp"])
         if flow is None:
             continue
-        it, pos = divmod((f["psn"] - first[flow]) % PSN_MOD, int(plan.flows["npkts"][flow]))
+        it, pos = divmod((f["psn"] - first[flow]) % PSN_MODULUS, int(plan.flows["npkts"][flow]))
         if it >= iterations:
             continue
         msgs = plan.flow_messages(flow)
@@ -57,7 +59,7 @@ def coverage(path, job, plan, first: dict[int, int], iterations: int) -> list[np
         wire = int(w["part_offset"]) + k * plan.mtu
         if len(f["payload"]) != min(plan.mtu, int(w["wire_bytes"]) - k * plan.mtu):
             continue
-        if plan.protocol == "LL128":
+        if plan.protocol == Protocol.LL128:
             for line in range(wire // 128, (wire + len(f["payload"])) // 128):
                 got[it][int(w["block"]) + line // 16] |= 1 << (line % 16)
         else:

@@ -23,11 +23,7 @@ differences from the naive decoder, each handled in :func:`expected_events`:
 from __future__ import annotations
 
 import ipaddress
-import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -40,10 +36,10 @@ from gradtap.parser.decode import decode_batch, is_roce
 from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
 from gradtap.wire.headers.opcodes import CNP
 from tests import naive
+from tests.core.no_jit import run_without_jit
 from tests.simulator.test_simulate import make_job, simulate
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
-ROOT = Path(__file__).resolve().parents[2]
 CAPTURES = GOLDEN_CAPTURES
 ROCE_FRAMES = {"allreduce+p2p.pcapng": 150, "allreduce_addstep.pcapng": 156,
                "iter_40000_p2p_iter10.pcapng": 1417, "iter_40000_p2p_iter10_3.pcapng": 665,
@@ -362,11 +358,10 @@ def test_input_is_validated():
 
 
 NO_JIT_SCRIPT = """
-import sys, numba
+import sys
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader
 from gradtap.parser.decode import decode_batch
-assert numba.config.DISABLE_JIT
 records, counters = decode_batch(FrameBatch.concat(list(PcapReader(sys.argv[1]))))
 sys.stdout.write(records.tobytes().hex() + " " + counters.tobytes().hex())
 """
@@ -375,8 +370,6 @@ sys.stdout.write(records.tobytes().hex() + " " + counters.tobytes().hex())
 @pytest.mark.slow
 def test_without_jit_the_records_are_the_same():
     path = CAPTURES / "rdma32.pcapng"
-    out = subprocess.run([sys.executable, "-c", NO_JIT_SCRIPT, str(path)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=dict(os.environ, NUMBA_DISABLE_JIT="1"))
-    assert out.returncode == 0, out.stderr
+    plain = run_without_jit(NO_JIT_SCRIPT, str(path), timeout=300)
     records, counters = decode_batch(read(path))
-    assert out.stdout.split() == [records.tobytes().hex(), counters.tobytes().hex()]
+    assert plain.split() == [records.tobytes().hex(), counters.tobytes().hex()]

@@ -7,6 +7,7 @@ gives the stream's port and direction, minus the blocks whose frames the mirror 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import subprocess
@@ -19,11 +20,12 @@ from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader, read_pcap
 from gradtap.wire import events as ev
 from gradtap.parser.stream import StreamParser
-from tests import naive
 from tests.parser import naive_coverage
 from tests.simulator.test_simulate import make_job, simulate
 from gradtap.workload.layout import job_plan
 from gradtap.workload.wire_plan import DATA, PHASE_AG
+from gradtap.wire.protocol import Protocol
+from tests.core.no_jit import run_without_jit
 
 FAULTS_ALL_BUT_MIRROR_LOSS = "link_loss=0.01,corrupt=0.01,reorder=0.02,duplicate=0.02,truncate=0.01"
 
@@ -57,8 +59,8 @@ def block_chunks(plan):
     ag = m[(m["kind"] == DATA) & (m["phase"] == PHASE_AG) & (m["block"] >= 0)]
     chunk = np.full(len(plan.blocks), -1)
     for w in ag:
-        n = 1 if plan.protocol == "LL128" else max(1, -(-int(w["wire_bytes"]) // plan.mtu))
-        if plan.protocol == "LL128":
+        n = 1 if plan.protocol == Protocol.LL128 else max(1, -(-int(w["wire_bytes"]) // plan.mtu))
+        if plan.protocol == Protocol.LL128:
             n = -(-int(w["msg_bytes"]) // 2048)
         chunk[w["block"]:w["block"] + n] = w["chunk"]
     assert (chunk >= 0).all()
@@ -194,6 +196,46 @@ def test_bad_stream_name_and_unsupported_encapsulation_are_config_errors():
     job = job.model_copy(update={"mirrors": (erspan,) + job.mirrors[1:]})
     with pytest.raises(ConfigError, match="decapsulation"):
         StreamParser(job, job_plan(job), erspan.name)
+
+
+def no_jit_job(protocol):
+    """A small job whose streams every protocol's stage 2 handles in seconds without the JIT."""
+    return make_job(2, protocol, 1, "fp32", mtu=1024)
+
+
+def parse_summary(out, job) -> dict:
+    """Per stream: the event counters and, per iteration, its coverage and a hash of the
+    whole gradient array; the covered blocks are checked against the truth on the way."""
+    plan = job_plan(job)
+    summary = {}
+    for mirror in job.mirrors:
+        parser, its = parse_stream(out, job, mirror.name)
+        assert its
+        assert_exact(its, out, plan)
+        summary[mirror.name] = {"counters": ev.as_dict(parser.counters), "iterations": [
+            [it.index, it.covered.tolist(), hashlib.sha256(it.grad.tobytes()).hexdigest()] for it in its]}
+    return summary
+
+
+NO_JIT_PARSE = """
+import json, sys
+from pathlib import Path
+from tests.parser.test_stream import no_jit_job, parse_summary
+print(json.dumps({p: parse_summary(Path(sys.argv[1]) / p, no_jit_job(p)) for p in sys.argv[2:]}))
+"""
+
+
+@pytest.mark.slow
+def test_without_jit_stage2_is_bit_exact(tmp_path):
+    """Stage 1 and 2 (lock-on, assembly kernel, retirement) run as plain Python under
+    NUMBA_DISABLE_JIT=1 on faulty streams of every protocol, and give the compiled parser's
+    counters, coverage and bytes."""
+    protocols = [p.nccl_name for p in Protocol]
+    for p in protocols:
+        simulate(tmp_path / p, no_jit_job(p), iterations=2, faults="mirror_loss=0.03," + FAULTS_ALL_BUT_MIRROR_LOSS)
+    plain = run_without_jit(NO_JIT_PARSE, str(tmp_path), *protocols)
+    compiled = {p: parse_summary(tmp_path / p, no_jit_job(p)) for p in protocols}
+    assert json.loads(plain) == json.loads(json.dumps(compiled))
 
 
 @pytest.mark.slow

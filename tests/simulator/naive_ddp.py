@@ -28,7 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradtap.workload import models
-from gradtap.simulator.data import ClassificationData, batch_loss
+from gradtap.workload.data import ClassificationData, batch_loss
 from gradtap.simulator.training import learning_rate, make_optimizer
 
 

@@ -16,9 +16,11 @@ import pytest
 from gradtap.simulator.faults import parse_faults
 from gradtap.simulator.run import Simulation
 from tests import naive
+from tests.core.no_jit import run_without_jit
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import parse_job
-from gradtap.workload.wire_plan import DATA, PHASE_AG, PSN_MOD
+from gradtap.wire.psn import PSN_MODULUS
+from gradtap.workload.wire_plan import DATA, PHASE_AG
 
 PAYLOAD_DECODERS = {"Simple": naive.decode_simple, "LL": naive.decode_ll, "LL128": naive.decode_ll128}
 WIRE_NP = {"fp32": np.float32, "bf16": np.uint16, "fp16": np.float16}
@@ -77,8 +79,8 @@ def check_allgather_matches_truth(out, job, iterations):
             base = pkts[0]["psn"]
             for k in range(iterations):
                 for m in plan.flow_messages(f):
-                    psn0 = (base + k * int(fl["npkts"]) + int(m["psn_offset"])) % PSN_MOD
-                    frames = [by_psn[(psn0 + j) % PSN_MOD] for j in range(m["npkts"])]
+                    psn0 = (base + k * int(fl["npkts"]) + int(m["psn_offset"])) % PSN_MODULUS
+                    frames = [by_psn[(psn0 + j) % PSN_MODULUS] for j in range(m["npkts"])]
                     payload = b"".join(p["payload"] for p in frames)
                     assert len(payload) == m["wire_bytes"]
                     if m["imm"]:
@@ -171,3 +173,25 @@ def test_link_faults_retransmit_and_are_visible_on_every_mirror(tmp_path):
                 seen[(f["dest_qp"], f["psn"])] += 1
         retransmitted += sum(v - 1 for v in seen.values())
     assert bad > 0 and retransmitted > 0
+
+
+NO_JIT_SIMULATE = """
+import sys
+from tests.simulator.test_simulate import make_job, simulate
+simulate(sys.argv[1], make_job(2, "LL128", 1, "fp32", ipv6=sys.argv[2] == "ipv6"), faults=sys.argv[3])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["ipv4", "ipv6"])
+def test_without_jit_the_captures_are_the_same(tmp_path, family):
+    """The frame encoder (and every kernel the simulator calls) runs as plain Python under
+    NUMBA_DISABLE_JIT=1 and writes the compiled simulator's captures byte for byte."""
+    faults = "link_loss=0.02,corrupt=0.02,mirror_loss=0.02,duplicate=0.02"
+    run_without_jit(NO_JIT_SIMULATE, str(tmp_path / "plain"), family, faults)
+    simulate(tmp_path / "compiled", make_job(2, "LL128", 1, "fp32", ipv6=family == "ipv6"), faults=faults)
+    names = sorted(p.name for p in (tmp_path / "compiled" / "streams").iterdir())
+    assert names and names == sorted(p.name for p in (tmp_path / "plain" / "streams").iterdir())
+    for name in names:
+        assert (tmp_path / "plain" / "streams" / name).read_bytes() == \
+            (tmp_path / "compiled" / "streams" / name).read_bytes(), name

@@ -9,7 +9,7 @@ import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.workload import models
-from gradtap.simulator.data import batch_loss
+from gradtap.workload.data import batch_loss
 from gradtap.simulator.training import (WIRE_DTYPES, WIRE_NUMPY, Trainer, from_wire_array, make_optimizer,
                                 to_wire_array)
 from gradtap.workload.schedule import learning_rate, lr_factor

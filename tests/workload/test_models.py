@@ -5,7 +5,7 @@ import torch
 
 from gradtap.core.errors import ConfigError, PlanError
 from gradtap.workload import models
-from gradtap.simulator.data import Batch
+from gradtap.workload.data import Batch
 
 TINY_GPT = {"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 97, "block_size": 16}
 

@@ -21,15 +21,15 @@ import shutil
 import struct
 import subprocess
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from gradtap.simulator.allreduce import chunk_index, ring_partials
+from gradtap.wire.psn import PSN_MODULUS
 from tests import naive
 from gradtap.workload.spec import parse_job
-from gradtap.workload.wire_plan import CTS, DATA, NO_VA, PHASE_AG, PHASE_RS, PSN_MOD, build_plan
+from gradtap.workload.wire_plan import CTS, DATA, NO_VA, PHASE_AG, PHASE_RS, build_plan
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
 CAPTURES = GOLDEN_CAPTURES
@@ -98,7 +98,7 @@ def reassemble(name: str, pkts: list) -> tuple[list[Write], list[str]]:
     dropped: list[str] = []
     for i, (number, f) in enumerate(pkts):
         if i:
-            assert f["psn"] == (pkts[i - 1][1]["psn"] + 1) % PSN_MOD, \
+            assert f["psn"] == (pkts[i - 1][1]["psn"] + 1) % PSN_MODULUS, \
                 f"{name} frame {number}: PSN {f['psn']} does not follow {pkts[i - 1][1]['psn']}"
         op = f["opcode"]
         if op in (0x06, 0x0A, 0x0B):
@@ -127,7 +127,7 @@ def reassemble(name: str, pkts: list) -> tuple[list[Write], list[str]]:
         if (prev is not None and w.opcodes == [0x0A] and prev.opcodes[-1] == 0x0A and prev.imm_le is None
                 and len(prev.payload) % MTU == 0 and len(w.payload) == prev.dma_lens[-1] == MTU
                 and w.va == prev.va + len(prev.payload) and w.rkey == prev.rkey
-                and w.psn == (prev.psn + prev.npkts) % PSN_MOD):
+                and w.psn == (prev.psn + prev.npkts) % PSN_MODULUS):
             prev.frames += w.frames
             prev.opcodes += w.opcodes
             prev.dma_lens += w.dma_lens
@@ -246,7 +246,7 @@ def test_data_writes_follow_the_plan(golden):
     for (p, c), key in golden["flows"].items():
         writes, rows = cap.flows[key], plan_flow(plan, DATA, p, c)
         where = f"{golden['name']} position {p} channel {c} ({key[0]} -> {key[1]} QP {key[2]:#x})"
-        psn_base = learned([(w.psn - int(r["psn_offset"])) % PSN_MOD for w, r in zip(writes, rows)], f"{where}: PSN base")
+        psn_base = learned([(w.psn - int(r["psn_offset"])) % PSN_MODULUS for w, r in zip(writes, rows)], f"{where}: PSN base")
         va_base = learned([w.va - int(r["remote_offset"]) for w, r in zip(writes, rows)
                            if r["remote_offset"] != NO_VA], f"{where}: buffer address")
         learned([w.rkey for w, r in zip(writes, rows) if r["remote_offset"] != NO_VA], f"{where}: R_Key")
@@ -254,7 +254,7 @@ def test_data_writes_follow_the_plan(golden):
             at = f"{where} write {i} (frames {w.frames[0]}-{w.frames[-1]})"
             assert len(w.payload) == r["wire_bytes"] == sum(w.dma_lens), at
             assert w.npkts == r["npkts"], at
-            assert (w.psn - psn_base) % PSN_MOD == r["psn_offset"], at
+            assert (w.psn - psn_base) % PSN_MODULUS == r["psn_offset"], at
             assert r["remote_offset"] == NO_VA or r["remote_offset"] == (r["step"] % 8) * geo.step_bytes, at
             if r["remote_offset"] == NO_VA:          # adaptive routing: zero-length, VA and R_Key 0
                 assert (w.va, w.rkey, w.payload) == (0, 0, b""), at
@@ -295,7 +295,7 @@ def test_cts_writes_follow_the_plan(golden):
         data_rkey = next(w.rkey for w, r in zip(data_writes, data_rows) if r["remote_offset"] != NO_VA)
         flag_base = learned([naive.decode_ll(w.payload)[1][0] - 1 - int(r["step"])
                              for w, r in zip(data_writes, data_rows) if w.payload], "flag base")
-        psn_base = learned([(w.psn - int(r["psn_offset"])) % PSN_MOD for w, r in zip(writes, rows)], "CTS PSN base")
+        psn_base = learned([(w.psn - int(r["psn_offset"])) % PSN_MODULUS for w, r in zip(writes, rows)], "CTS PSN base")
         fifo_base = learned([w.va - int(r["remote_offset"]) for w, r in zip(writes, rows)], "CTS fifo address")
         idx_base = learned([FIFO.unpack(w.payload)[5] - 1 - int(r["fifo_seq"]) for w, r in zip(writes, rows)],
                            "CTS idx base")
@@ -303,8 +303,9 @@ def test_cts_writes_follow_the_plan(golden):
         for i, (w, r) in enumerate(zip(writes, rows)):
             at = f"{where} write {i} (frame {w.frames[0]})"
             assert (w.npkts, w.imm_le, len(w.payload)) == (1, None, r["wire_bytes"]) == (1, None, 32), at
-            assert (w.psn - psn_base) % PSN_MOD == r["psn_offset"], at
-            assert w.va == fifo_base + r["remote_offset"] == fifo_base + (r["fifo_seq"] % 64) * 256, at
+            assert (w.psn - psn_base) % PSN_MODULUS == r["psn_offset"], at
+            # MAX_REQUESTS = 32 * 8 fifo slots of NCCL_NET_IB_MAX_RECVS = 8 entries of 32 bytes (NCCL 2.19).
+            assert w.va == fifo_base + r["remote_offset"] == fifo_base + (r["fifo_seq"] % (32 * 8)) * (8 * 32), at
             addr, size, rkey, nreqs, tag, idx = FIFO.unpack(w.payload)
             (slot,) = slot_rows["remote_offset"][slot_rows["fifo_seq"] == r["fifo_seq"]]
             assert addr == va_base + slot, at

@@ -128,6 +128,17 @@ def test_cts_mirror_every_data_send_in_reverse():
             assert cts["msg_count"][0] == plan.fifo_per_iteration[c, p]
 
 
+def test_cts_address_wraps_after_256_fifo_slots():
+    """NCCL 2.19 ``ncclIbPostFifo`` (src/transport/net_ib.cc): the CTS of receive ``fifoTail``
+    goes to slot ``fifoTail % MAX_REQUESTS``, MAX_REQUESTS = NCCL_NET_MAX_REQUESTS (32,
+    src/include/nccl_net.h) * NCCL_NET_IB_MAX_RECVS (8); a slot holds 8 entries of 32 bytes."""
+    plan = build_plan(job(2, "LL", 1), [1_300_000] * 2)
+    cts = plan.messages[plan.messages["kind"] == CTS]
+    assert cts["fifo_seq"].max() >= 256
+    assert (cts["remote_offset"] == (cts["fifo_seq"] % 256) * 256).all()
+    assert set(cts["remote_offset"][cts["fifo_seq"] == 64]) == {64 * 256}
+
+
 def test_adaptive_routing_adds_an_immediate_write_with_no_address():
     plan = build_plan(job(2, "LL", 1, adaptive_routing=True), [100_000])
     m = plan.flow_messages(0)

@@ -30,5 +30,21 @@ NAK_REMOTE_ACCESS_ERROR = 2
 NAK_REMOTE_OPERATIONAL_ERROR = 3
 NAK_INVALID_RD_REQUEST = 4
 
+# The MSN is a 24-bit counter of completed messages (§9.7.6.1.1).
+MSN_MODULUS = (AETH.fields["msn"].mask >> AETH.fields["msn"].shift) + 1
+
+
+def syndrome_byte(kind: int, value: int) -> int:
+    """The 8-bit syndrome of type ``kind`` (``SYNDROME_ACK``, ...) with its 5-bit ``value``."""
+    return SYNDROME.pack(type=kind, value=value)[0]
+
+
+def word(syndrome, msn):
+    """The AETH as one 32-bit big-endian word, ``syndrome << 24 | MSN`` (how frame records and
+    packet descriptors hold it); ``msn`` is taken modulo 2**24. Works on NumPy arrays."""
+    s, m = AETH.fields["syndrome"], AETH.fields["msn"]
+    return ((syndrome << s.shift) & s.mask) | ((msn << m.shift) & m.mask)
+
+
 pack = AETH.pack
 unpack = AETH.unpack

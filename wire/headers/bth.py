@@ -3,7 +3,8 @@
 Byte 4 holds FECN/BECN (congestion notification, IBTA Annex A10 and the RoCEv2 congestion
 management of Annex A17) and six reserved bits; the Linux rxe driver calls the whole byte
 ``resv8a``. The ICRC treats that byte as variant (see ``wire/icrc.py``). The 24-bit DestQP
-and PSN share their 32-bit words with that byte and with AckReq + 7 reserved bits.
+and PSN share their 32-bit words with that byte and with AckReq + 7 reserved bits. PSN
+arithmetic (modulo 2**24, from this table) is in ``wire/psn.py``.
 """
 
 from gradtap.wire.headers.layout import Bits, Layout
@@ -17,9 +18,6 @@ BTH = Layout("BTH", "IBTA Vol 1 Rel 1.4 §9.2; FECN/BECN per Annex A10/A17", (
 ))
 
 globals().update(BTH.constants())
-
-# PSNs are 24-bit serial numbers (§9.7.1): arithmetic on them is modulo this.
-PSN_MODULUS = (BTH.fields["psn"].mask >> BTH.fields["psn"].shift) + 1
 
 pack = BTH.pack
 unpack = BTH.unpack

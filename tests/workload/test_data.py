@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gradtap.core.errors import ConfigError
-from gradtap.simulator.data import ClassificationData, TokenData, batch_loss, shard_generator
+from gradtap.workload.data import ClassificationData, TokenData, batch_loss, shard_generator
 
 
 def test_shards_are_deterministic_and_distinct():

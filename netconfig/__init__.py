@@ -1,6 +1,7 @@
 """netconfig: from a cluster topology to switch mirroring that gradtap can rely on.
 
-- :mod:`gradtap.netconfig.topology` / :mod:`gradtap.netconfig.rail_fabric`: the topology file, validated;
+- :mod:`gradtap.netconfig.topology`: the topology file, validated; its hardware records are in
+  :mod:`gradtap.netconfig.hardware`, which :mod:`gradtap.netconfig.rail_fabric` also generates;
 - :mod:`gradtap.netconfig.layout`, :mod:`gradtap.netconfig.ring`: ranks, DP groups, and which allgather chunks a
   mirrored stream carries (NCCL's ring order);
 - :mod:`gradtap.netconfig.reliability`: FlowCheck Eq. (2) and the exact coverage model;

@@ -19,7 +19,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.topology import Direction, MirrorPolicy, Vendor
+from gradtap.netconfig.hardware import Vendor
+from gradtap.netconfig.topology import Direction, MirrorPolicy
 from gradtap.netconfig.validation import format_validation_error
 
 PLAN_FORMAT = "gradtap-netconfig-plan/1"

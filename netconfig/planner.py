@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 
 from gradtap.core.errors import ConfigError
 from gradtap.netconfig import vendors
+from gradtap.netconfig.hardware import LeafSwitch
 from gradtap.netconfig.layout import DpGroup, Seat, dp_groups
 from gradtap.netconfig.plan import CpuNodeUse, GroupPlan, Plan, PlannedSource, SwitchInfo
 from gradtap.netconfig.reliability import p_fail_eq2, p_fail_exact
 from gradtap.netconfig.ring import chunk_coverage, stream_hops
-from gradtap.netconfig.topology import Direction, LeafSwitch, Topology
+from gradtap.netconfig.topology import Direction, Topology
 from gradtap.netconfig.vendors.base import session_keys, session_limit
 
 _DIRECTION_ORDER = {"egress": 0, "ingress": 1, "both": 2}

@@ -13,10 +13,47 @@ Names are generated so that plans and configs stay readable:
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.topology import CpuNode, CpuPort, GpuNic, GpuNode, LeafSwitch, RailFabric, SwitchPort, Topology
+from gradtap.netconfig.hardware import CpuNode, CpuPort, GpuNic, GpuNode, LeafSwitch, SwitchPort, Vendor
 from gradtap.netconfig.validation import issue
+
+
+class RailFabric(BaseModel):
+    """A rail-optimised cluster: GPU k of every node is cabled to the rail-k leaf of its pod.
+
+    Node ``n`` sits in pod ``n // nodes_per_leaf``; each pod has one leaf per rail. Leaf
+    ports are used in this order: GPU downlinks, CPU-node ports, uplinks.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_nodes: int = Field(ge=1)
+    gpus_per_node: int = Field(ge=1)
+    nodes_per_leaf: int = Field(ge=1)
+    gpu_port_speed_gbps: float = Field(gt=0)
+    leaf_vendor: Vendor
+    leaf_ports: int = Field(ge=1)
+    uplink_ports: int = Field(0, ge=0)
+    #: Port names: ``{i}`` is the 0-based port index times ``port_index_step``, ``{n}`` is 1-based.
+    port_name_format: str = "Ethernet{i}"
+    port_index_step: int = Field(1, ge=1)
+    max_mirror_sessions: int | None = Field(None, ge=1)
+    cpu_nodes_per_leaf: int = Field(ge=1)
+    cpu_node_ports: int = Field(ge=1)
+    cpu_port_speed_gbps: float = Field(gt=0)
+    cpu_node_max_dp_groups: int = Field(1, ge=1)
+
+
+class Hardware(NamedTuple):
+    """The explicit lists a ``rail_fabric`` section stands for."""
+
+    gpu_nodes: list[GpuNode]
+    leaf_switches: list[LeafSwitch]
+    cpu_nodes: list[CpuNode]
 
 
 def leaf_name(pod: int, rail: int) -> str:
@@ -38,13 +75,9 @@ def _port_names(fabric: RailFabric, source: str) -> list[str]:
     return names
 
 
-def expand_rail_fabric(topo: Topology, source: str) -> Topology:
-    """Return ``topo`` with its ``rail_fabric`` turned into explicit hardware lists."""
-    fabric = topo.rail_fabric
-    assert fabric is not None
-    if topo.gpu_nodes or topo.leaf_switches or topo.cpu_nodes:
-        raise ConfigError(issue(source, ("rail_fabric",), "cannot be combined with explicit gpu_nodes, "
-                                "leaf_switches or cpu_nodes (use one or the other)"))
+def expand_rail_fabric(fabric: RailFabric, source: str) -> Hardware:
+    """The GPU nodes, leaf switches and CPU nodes that ``fabric`` describes; problems are
+    reported against ``source`` (the topology file's name)."""
     cpu_ports = fabric.cpu_nodes_per_leaf * fabric.cpu_node_ports
     needed = fabric.nodes_per_leaf + cpu_ports + fabric.uplink_ports
     if needed > fabric.leaf_ports:
@@ -77,4 +110,4 @@ def expand_rail_fabric(topo: Topology, source: str) -> Topology:
                                 for j in range(fabric.cpu_node_ports)])
                  for pod in range(pods) for rail in range(fabric.gpus_per_node)
                  for c in range(fabric.cpu_nodes_per_leaf)]
-    return topo.model_copy(update={"gpu_nodes": gpu_nodes, "leaf_switches": leaves, "cpu_nodes": cpu_nodes})
+    return Hardware(gpu_nodes, leaves, cpu_nodes)

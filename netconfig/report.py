@@ -1,7 +1,7 @@
 """The plan report: sessions per switch, CPU nodes and their load, failure probability, cost.
 
-One dictionary (:func:`report_dict`, the JSON form) feeds both outputs; :func:`print_report`
-lays it out as Rich tables. "Failure" is an iteration whose gradients cannot be recovered
+One dictionary (:func:`report_dict`, the JSON form) feeds both outputs; the shell
+(``gradtap netconfig plan``) lays it out as tables. "Failure" is an iteration whose gradients cannot be recovered
 from the mirrored streams; the job-level figures are the probability that any DP group
 fails in an iteration, with groups independent.
 """
@@ -9,9 +9,6 @@ fails in an iteration, with groups independent.
 from __future__ import annotations
 
 import math
-
-from rich.console import Console
-from rich.table import Table
 
 from gradtap.netconfig import vendors
 from gradtap.netconfig.plan import Plan
@@ -61,45 +58,3 @@ def report_dict(plan: Plan) -> dict:
         "cost": {"cpu_nodes": len(plan.cpu_nodes), "price_per_hour": price, "currency": mirror.currency,
                  "total_per_hour": len(plan.cpu_nodes) * price},
     }
-
-
-def _sci(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3g}"
-
-
-def print_report(plan: Plan, console: Console) -> None:
-    report = report_dict(plan)
-    table = Table(title=f"Mirror sources per DP group ({report['topology']}, p = {report['loss_rate']:g}, "
-                        f"K = {report['packets_per_iteration']:g} packets/iteration)")
-    for column in ("group", "ranks", "CPU node", "sources", "min c_k", "P(fail) exact", "P(fail) Eq. 2",
-                   "iterations between failures"):
-        table.add_column(column, justify="right" if column in ("ranks", "min c_k") else "left")
-    for g in report["groups"]:
-        iterations = g["iterations_between_failures"]
-        table.add_row(g["id"], str(g["ranks"]), g["cpu_node"], "\n".join(g["sources"]),
-                      str(g["min_chunk_coverage"]), _sci(g["p_fail_exact"]), _sci(g["p_fail_eq2"]),
-                      "unbounded" if iterations is None else f"{iterations:.3g}")
-    console.print(table)
-
-    switches = Table(title="Mirror sessions per switch")
-    for column in ("switch", "vendor", "sources", "sessions", "limit", "free ports"):
-        switches.add_column(column)
-    for s in report["switches"]:
-        switches.add_row(s["switch"], s["vendor"], str(s["sources"]), str(s["sessions"]),
-                         "none" if s["session_limit"] is None else str(s["session_limit"]), str(s["free_ports"]))
-    console.print(switches)
-
-    nodes = Table(title="CPU mirror nodes")
-    for column in ("CPU node", "DP groups", "load Gbps", "capacity Gbps"):
-        nodes.add_column(column)
-    for n in report["cpu_nodes"]:
-        nodes.add_row(n["name"], ", ".join(n["groups"]), f"{n['load_gbps']:g}", f"{n['capacity_gbps']:g}")
-    console.print(nodes)
-
-    job, cost = report["job"], report["cost"]
-    iterations = job["iterations_between_failures"]
-    console.print(f"job: {job['dp_groups']} DP groups, P(any group fails per iteration) = "
-                  f"{_sci(job['p_fail_exact'])} exact, {_sci(job['p_fail_eq2'])} Eq. 2; expected iterations "
-                  f"between failures: {'unbounded' if iterations is None else f'{iterations:.3g}'}")
-    console.print(f"cost: {cost['cpu_nodes']} CPU nodes x {cost['price_per_hour']:.2f} {cost['currency']}/h = "
-                  f"{cost['total_per_hour']:.2f} {cost['currency']}/h")

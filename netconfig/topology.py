@@ -5,15 +5,15 @@ switches with their ports and speeds, CPU mirror nodes and where each of their N
 is cabled), the job's parallel layout (DP/TP/PP sizes, rank order, ring order) and the
 mirror policy (loss rate, packets per iteration, sources per DP group, price).
 
-Hardware is listed explicitly, or generated from a compact ``rail_fabric`` section for
-rail-optimised clusters (see :mod:`gradtap.netconfig.rail_fabric`). Every problem is reported as
+Hardware (the records of :mod:`gradtap.netconfig.hardware`) is listed explicitly, or generated
+from a compact ``rail_fabric`` section for rail-optimised clusters (see
+:mod:`gradtap.netconfig.rail_fabric`). Every problem is reported as
 ``<file>: <field path>: <bad value> is not allowed (<what is>)``, all problems at once.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Literal
 
@@ -21,69 +21,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gradtap.core.errors import ConfigError
+from gradtap.netconfig.hardware import NAME, CpuNode, GpuNode, LeafSwitch, SwitchPort, Vendor
+from gradtap.netconfig.rail_fabric import RailFabric, expand_rail_fabric
 from gradtap.netconfig.validation import format_validation_error, issue, show_value
 
-Vendor = Literal["sonic", "eos", "nxos", "comware", "junos", "nvue", "linux"]
 #: A mirror direction, seen from the GPU NIC: ``egress`` = frames the NIC transmits.
 Direction = Literal["egress", "ingress", "both"]
 Axis = Literal["tp", "dp", "pp"]
 
-NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$"
-PORT_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_./:]{0,63}$"
-# The kernel's dev_valid_name(): 1..15 bytes, no '/', ':' or whitespace.
-LINUX_IFNAME = r"^[^/:\s]{1,15}$"
-
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SwitchPort(_Model):
-    name: str = Field(pattern=PORT_NAME)
-    speed_gbps: float = Field(gt=0)
-    #: Cabled to the spine layer: never free for a CPU node.
-    uplink: bool = False
-    #: The Linux interface that is this port, for the ``linux`` vendor (tc / pyroute2).
-    linux_ifname: str | None = Field(None, pattern=LINUX_IFNAME)
-
-
-class LeafSwitch(_Model):
-    name: str = Field(pattern=NAME)
-    vendor: Vendor
-    ports: list[SwitchPort] = Field(min_length=1)
-    #: Overrides the vendor's default limit on mirror sessions (the ASIC's real limit).
-    max_mirror_sessions: int | None = Field(None, ge=1)
-    #: First session number for vendors whose sessions are numbered (NX-OS, Comware, NVUE).
-    session_id_base: int | None = Field(None, ge=0)
-    #: Source address of ERSPAN packets this switch originates.
-    erspan_source_ip: IPv4Address | None = None
-
-
-class GpuNic(_Model):
-    nic: str = Field(pattern=NAME)
-    switch: str
-    port: str
-
-
-class GpuNode(_Model):
-    name: str = Field(pattern=NAME)
-    #: One entry per GPU, in local GPU order; each GPU's NIC and the leaf port it is cabled to.
-    gpus: list[GpuNic] = Field(min_length=1)
-
-
-class CpuPort(_Model):
-    nic: str = Field(pattern=NAME)
-    switch: str
-    port: str
-    #: Address that ERSPAN packets are sent to, if this port may receive ERSPAN.
-    ip: IPv4Address | None = None
-
-
-class CpuNode(_Model):
-    name: str = Field(pattern=NAME)
-    ports: list[CpuPort] = Field(min_length=1)
-    #: How many DP groups (gradtap appliances) this node may host.
-    max_dp_groups: int = Field(1, ge=1)
 
 
 class Layout(_Model):
@@ -128,30 +76,6 @@ class MirrorPolicy(_Model):
     currency: str = Field("USD", min_length=1, max_length=8)
 
 
-class RailFabric(_Model):
-    """A rail-optimised cluster: GPU k of every node is cabled to the rail-k leaf of its pod.
-
-    Node ``n`` sits in pod ``n // nodes_per_leaf``; each pod has one leaf per rail. Leaf
-    ports are used in this order: GPU downlinks, CPU-node ports, uplinks.
-    """
-
-    gpu_nodes: int = Field(ge=1)
-    gpus_per_node: int = Field(ge=1)
-    nodes_per_leaf: int = Field(ge=1)
-    gpu_port_speed_gbps: float = Field(gt=0)
-    leaf_vendor: Vendor
-    leaf_ports: int = Field(ge=1)
-    uplink_ports: int = Field(0, ge=0)
-    #: Port names: ``{i}`` is the 0-based port index times ``port_index_step``, ``{n}`` is 1-based.
-    port_name_format: str = "Ethernet{i}"
-    port_index_step: int = Field(1, ge=1)
-    max_mirror_sessions: int | None = Field(None, ge=1)
-    cpu_nodes_per_leaf: int = Field(ge=1)
-    cpu_node_ports: int = Field(ge=1)
-    cpu_port_speed_gbps: float = Field(gt=0)
-    cpu_node_max_dp_groups: int = Field(1, ge=1)
-
-
 class Topology(_Model):
     name: str = Field(pattern=NAME)
     description: str = ""
@@ -183,10 +107,12 @@ def parse_topology(data: object, source: str = "topology.yaml") -> Topology:
     except ValidationError as exc:
         raise ConfigError(format_validation_error(source, exc, Topology)) from None
     if topo.rail_fabric is not None:
-        # Imported here: rail_fabric builds the models of this module.
-        from gradtap.netconfig.rail_fabric import expand_rail_fabric
-
-        topo = expand_rail_fabric(topo, source)
+        if topo.gpu_nodes or topo.leaf_switches or topo.cpu_nodes:
+            raise ConfigError(issue(source, ("rail_fabric",), "cannot be combined with explicit gpu_nodes, "
+                                    "leaf_switches or cpu_nodes (use one or the other)"))
+        gpu_nodes, leaf_switches, cpu_nodes = expand_rail_fabric(topo.rail_fabric, source)
+        topo = topo.model_copy(update={"gpu_nodes": gpu_nodes, "leaf_switches": leaf_switches,
+                                       "cpu_nodes": cpu_nodes})
     problems = check_references(topo, source)
     if problems:
         raise ConfigError("\n".join(problems))

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gradtap.core.errors import ConfigError
+from gradtap.netconfig.hardware import LINUX_IFNAME
 from gradtap.netconfig.plan import SwitchInfo
-from gradtap.netconfig.topology import LINUX_IFNAME
 from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec
 
 SPEC = VendorSpec(

@@ -22,6 +22,9 @@ SPEC = VendorSpec(
 )
 #: GRE protocol type of ERSPAN type II, the YANG model's default ``gre_type``.
 GRE_TYPE_ERSPAN2 = "0x88be"
+#: ``config mirror_session erspan add`` takes the queue positionally before the source ports,
+#: so the commands must name one; CONFIG_DB states the same queue, so both renderings are equal.
+ERSPAN_QUEUE = "0"
 
 
 def _entry(session: Session) -> dict[str, str]:
@@ -32,7 +35,8 @@ def _entry(session: Session) -> dict[str, str]:
                 "direction": session.direction.upper()}
     e = session.erspan
     return {"type": "ERSPAN", "src_ip": e.src_ip, "dst_ip": e.dst_ip, "gre_type": GRE_TYPE_ERSPAN2,
-            "dscp": str(e.dscp), "ttl": str(e.ttl), "src_port": ports, "direction": session.direction.upper()}
+            "dscp": str(e.dscp), "ttl": str(e.ttl), "queue": ERSPAN_QUEUE, "src_port": ports,
+            "direction": session.direction.upper()}
 
 
 def _command(session: Session) -> str:
@@ -40,10 +44,9 @@ def _command(session: Session) -> str:
     if session.erspan is None:
         return (f"config mirror_session span add {session.id} {entry['dst_port']} {entry['src_port']} "
                 f"{entry['direction'].lower()}")
-    # Positional: name src_ip dst_ip dscp ttl [gre_type] [queue] [src_port] [direction]; queue 0 is
-    # given only to reach the source-port argument.
+    # Positional: name src_ip dst_ip dscp ttl [gre_type] [queue] [src_port] [direction].
     return (f"config mirror_session erspan add {session.id} {entry['src_ip']} {entry['dst_ip']} {entry['dscp']} "
-            f"{entry['ttl']} {entry['gre_type']} 0 {entry['src_port']} {entry['direction'].lower()}")
+            f"{entry['ttl']} {entry['gre_type']} {entry['queue']} {entry['src_port']} {entry['direction'].lower()}")
 
 
 def render(switch: SwitchInfo, sessions: list[Session]) -> SwitchConfig:

@@ -1,4 +1,5 @@
-"""The appliance end to end over simulated captures: bit-exact replica, resume, fallback, resync."""
+"""The appliance end to end over simulated captures: bit-exact replica, resume, fallback, resync,
+the merger's majority rule on a stream that lies, and DDP gradients summed rather than pre-divided."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import torch
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapWriter, read_pcap
-from gradtap.commands.replay import run_replay
 from gradtap.core.errors import ConfigError
-from gradtap.replay import match_streams
+from gradtap.simulator.faults import parse_faults
+from gradtap.simulator.run import Simulation
+from gradtap.replay import match_streams, run_replay
 from gradtap.verify import verify
 from gradtap.simulator.run import resume
 from gradtap.simulator.truth import optimizer_arrays
@@ -24,8 +26,10 @@ from tests.parser import naive_coverage
 from tests.simulator.test_simulate import make_job, simulate
 from gradtap.updater import snapshot
 from gradtap.workload.layout import job_params, job_plan
-from gradtap.workload.spec import load_job
-from gradtap.workload.wire_plan import PHASE_AG, PSN_MOD
+from gradtap.wire.icrc import compute_icrc
+from gradtap.wire.psn import PSN_MODULUS
+from gradtap.workload.spec import load_job, parse_job
+from gradtap.workload.wire_plan import DATA, PHASE_AG
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = "mirror_loss=1e-3,link_loss=1e-3,corrupt=1e-3,reorder=1e-3,duplicate=1e-3"
@@ -45,7 +49,7 @@ def test_replica_equals_the_trainer_after_every_iteration(tmp_path, protocol):
     job = make_job(4, protocol, 2, "fp32", nqps=2, mtu=1024)
     simulate(tmp_path / "sim", job, iterations=4, faults=FAULTS)
     _, sink = run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"),
-                         batch_frames=512, show_progress=False)
+                         batch_frames=512)
     v = verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job))
     assert v.ok and not v.stale, v
     assert v.digests_checked == [1, 2, 3, 4]
@@ -54,13 +58,10 @@ def test_replica_equals_the_trainer_after_every_iteration(tmp_path, protocol):
 
 @pytest.mark.slow
 def test_small_config_with_adamw_clipping_and_schedule(tmp_path):
-    from gradtap.simulator.faults import parse_faults
-    from gradtap.simulator.run import Simulation
     job = load_job(ROOT / "configs" / "small.yaml")
     Simulation(job, tmp_path / "sim", iterations=3, seed=1,
                faults=parse_faults(FAULTS, tuple(m.name for m in job.mirrors))).run()
-    run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"),
-               show_progress=False)
+    run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"))
     v = verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job))
     assert v.ok and v.digests_checked == [1, 2, 3] and v.snapshots_checked
 
@@ -69,8 +70,7 @@ def test_small_config_with_adamw_clipping_and_schedule(tmp_path):
 def test_a_trainer_resumed_from_a_snapshot_continues_bit_for_bit(tmp_path):
     job = make_job(3, "LL", 2, "fp32")
     simulate(tmp_path / "sim", job, iterations=4)
-    run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"),
-               show_progress=False)
+    run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"))
     snap = sorted((tmp_path / "replay" / "snapshots").glob("iteration-*"))[0]
     # The two lines a trainer runs (docs/updater.md), into a real torch training loop.
     model_sd = torch.load(snap / "model.pt", weights_only=True)
@@ -100,7 +100,7 @@ def drop_allgather(out: Path, job, ordinal: int, bucket: int) -> int:
             if f is not None and 0x06 <= f["opcode"] <= 0x0B and f["ip_src"] in ranks and f["ip_dst"] in ranks:
                 flow = naive_coverage._flow(plan, ranks[f["ip_src"]], ranks[f["ip_dst"]], f["dest_qp"])
                 if flow is not None:
-                    it, pos = divmod((f["psn"] - first[flow]) % PSN_MOD, int(plan.flows["npkts"][flow]))
+                    it, pos = divmod((f["psn"] - first[flow]) % PSN_MODULUS, int(plan.flows["npkts"][flow]))
                     msgs = plan.flow_messages(flow)
                     w = msgs[np.searchsorted(msgs["psn_offset"], pos, side="right") - 1]
                     if it == ordinal and w["phase"] == PHASE_AG and w["bucket"] == bucket:
@@ -150,7 +150,7 @@ def test_unrecoverable_iteration_falls_back_marks_stale_and_resync_restores_exac
     # The trainer's regular checkpoint after the lost iteration (3): what it sends when asked.
     checkpoint = resume(job, start_of(tmp_path / "sim"), seed=7, until=4).state_dict()
     _, sink = run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"),
-                         show_progress=False, resync=[checkpoint])
+                         resync=[checkpoint])
     events = [json.loads(line) for line in (tmp_path / "replay" / "events.jsonl").read_text().splitlines()]
     fallback = [e for e in events if e["event"] == "fallback"]
     assert [e["iteration"] for e in fallback] == [3]
@@ -172,3 +172,158 @@ def test_stream_names_and_files_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="not a file"):
         match_streams(job, ["m-both=" + str(tmp_path / "missing.pcap")])
     assert match_streams(job, [str(tmp_path / "m-egress.pcap")]) == {"m-egress": tmp_path / "m-egress.pcap"}
+
+
+# -- the majority rule, end to end -----------------------------------------------------------------
+
+def ring_job(name: str, n: int, mirrors: list[tuple[str, int, str]], *, protocol: str = "Simple",
+             grad_dtype: str = "fp32", predivide: bool = True, optimizer: dict | None = None):
+    ranks = [{"ip": f"198.18.{i}.1", "mac": f"02:00:00:00:03:{i + 1:02x}"} for i in range(n)]
+    return parse_job({
+        "name": name, "model": {"factory": "gradtap.workload.models:mlp", "kwargs": {"sizes": [64, 96, 10]}},
+        "ddp": {"bucket_cap_mb": 0.01, "grad_dtype": grad_dtype, "predivide": predivide},
+        "optimizer": optimizer or {"kind": "adam", "lr": 1e-3},
+        "nccl": {"protocol": protocol, "channels": 2, "mtu": 1024},
+        "ring": {"ranks": ranks}, "training": {"batch_size": 4},
+        "mirrors": [{"name": m, "rank": r, "direction": d} for m, r, d in mirrors],
+    })
+
+
+#: Egress of ring positions 0, 1 and 2 of a 4-rank ring: chunk 0 (missed only by position 3's
+#: egress) travels on all three links, the others on two.
+MAJORITY_MIRRORS = [("r0", 0, "egress"), ("r1", 1, "egress"), ("r2", 2, "egress")]
+LIAR = "r1"
+
+
+def carried_by_all(plan, job) -> np.ndarray:
+    """bool[blocks]: the coverage blocks every mirror stream of ``job`` carries."""
+    count = np.zeros(len(plan.blocks), np.int64)
+    msgs = plan.messages
+    for m in job.mirrors:
+        ag = msgs[np.isin(msgs["flow"], plan.flows_of(m.rank, m.direction)) & (msgs["kind"] == DATA)
+                  & (msgs["phase"] == PHASE_AG) & (msgs["block"] >= 0)]
+        mine = np.zeros(len(plan.blocks), bool)
+        for w in ag:
+            mine[w["block"]:w["block"] + w["npkts"]] = True
+        count += mine
+    return count == len(job.mirrors)
+
+
+def falsify_allgather(path: Path, job, plan, blocks: np.ndarray) -> dict[int, set[int]]:
+    """Rewrite one capture so that its allgather packets of ``blocks`` (every other one, in
+    every iteration) carry wrong gradient bytes -- the lowest mantissa bit of every fp32 word
+    flipped -- under a recomputed, valid ICRC: a lie only a comparison with other streams can
+    see. Frames whose ICRC was already bad (a training-link fault) are left alone.
+    Returns, per iteration ordinal, the blocks falsified."""
+    ranks = {r.ip: i for i, r in enumerate(job.ring.ranks)}
+    first = naive_coverage.first_psns(path, job, plan)
+    batch = read_pcap(path)
+    data = batch.data.copy()
+    lies: dict[int, set[int]] = {}
+    for o, c in zip(batch.offsets, batch.caplens):
+        frame = bytes(data[o:o + c])
+        f, _ = naive.decode_frame(frame)
+        if f is None or not f["icrc_ok"] or not 0x06 <= f["opcode"] <= 0x0B:
+            continue
+        if f["ip_src"] not in ranks or f["ip_dst"] not in ranks:
+            continue
+        flow = naive_coverage._flow(plan, ranks[f["ip_src"]], ranks[f["ip_dst"]], f["dest_qp"])
+        if flow is None:
+            continue
+        it, pos = divmod((f["psn"] - first[flow]) % PSN_MODULUS, int(plan.flows["npkts"][flow]))
+        msgs = plan.flow_messages(flow)
+        w = msgs[np.searchsorted(msgs["psn_offset"], pos, side="right") - 1]
+        if w["phase"] != PHASE_AG or w["block"] < 0:
+            continue
+        block = int(w["block"]) + pos - int(w["psn_offset"])      # Simple: one block per packet
+        if not blocks[block] or block % 2:
+            continue
+        end = f["l4_start"] + int.from_bytes(frame[f["l4_start"] + 4:f["l4_start"] + 6], "big")
+        stop = end - 4 - f["padcnt"]
+        start = stop - len(f["payload"])
+        assert len(f["payload"]) % 4 == 0
+        data[o + start:o + stop:4] ^= 1                            # little-endian fp32: the lowest bit
+        data[o + end - 4:o + end] = np.frombuffer(compute_icrc(bytes(data[o:o + c])).to_bytes(4, "little"),
+                                                  np.uint8)
+        lie, _ = naive.decode_frame(bytes(data[o:o + c]))
+        assert lie["icrc_ok"] and lie["payload"] != f["payload"]   # checked by the independent decoder
+        lies.setdefault(it, set()).add(block)
+    with PcapWriter(path) as out:
+        out.write_batch(FrameBatch(data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns, batch.linktype))
+    return lies
+
+
+@pytest.fixture(scope="module")
+def lying_stream(tmp_path_factory):
+    """Four iterations of a 4-rank job, mirrored on three links; one stream lies about chunk 0."""
+    out = tmp_path_factory.mktemp("majority")
+    job = ring_job("majority", 4, MAJORITY_MIRRORS)
+    plan = job_plan(job)
+    everyone = carried_by_all(plan, job)
+    assert 0 < everyone.sum() < len(everyone)
+    # Training-link loss and corruption (resent by the sender), but no mirror loss: a block one
+    # honest stream lost would leave one honest copy against one lie, a tie.
+    Simulation(job, out / "sim", iterations=4, seed=11,
+               faults=parse_faults("link_loss=2e-3,corrupt=2e-3", tuple(m.name for m in job.mirrors))).run()
+    lies = falsify_allgather(out / "sim" / "streams" / f"{LIAR}.pcap", job, plan, everyone)
+    assert sorted(lies) == [0, 1, 2, 3] and all(lies.values())
+    return job, out, lies
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position", [0, 1, 2])
+def test_the_majority_outvotes_a_stream_with_wrong_bytes_and_a_valid_icrc(lying_stream, position, tmp_path):
+    """Whatever the liar's position among the streams -- first, where a "first stream wins"
+    merge takes its bytes, or later -- the replica is the trainer's, bit for bit, and every
+    lie is reported as a duplicate mismatch that the two honest streams won."""
+    job, out, lies = lying_stream
+    honest = [m.name for m in job.mirrors if m.name != LIAR]
+    order = honest[:position] + [LIAR] + honest[position:]
+    pcaps = {name: out / "sim" / "streams" / f"{name}.pcap" for name in order}
+    assert list(pcaps)[position] == LIAR
+    _, sink = run_replay(job, pcaps, tmp_path / "replay", start_of(out / "sim"))
+    v = verify(tmp_path / "replay", out / "sim" / "truth", job_params(job))
+    assert v.ok and not v.stale and v.digests_checked == [1, 2, 3, 4], v
+    assert not sink.replica.stale
+    events = [json.loads(line) for line in (tmp_path / "replay" / "events.jsonl").read_text().splitlines()]
+    mismatches = [e for e in events if e["event"] == "duplicate_mismatch"]
+    assert [e["iteration"] for e in mismatches] == [1, 2, 3, 4]
+    for e in mismatches:
+        assert {b["block"] for b in e["blocks"]} == lies[e["iteration"] - 1]
+        for b in e["blocks"]:
+            assert b["resolved"] and [sorted(g) for g in b["groups"]] == [sorted(honest), [LIAR]], b
+
+
+# -- predivide: false ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_dtype", ["fp32", "bf16"])
+def test_summed_gradients_without_predivide_replay_bit_exactly(tmp_path, grad_dtype):
+    """DDP with ``predivide: false`` puts the plain sum of the ranks' gradients on the wire; the
+    replica divides by the world size itself. AdamW with weight decay and gradient clipping
+    makes the scale matter (Adam alone is almost scale-invariant)."""
+    optimizer = {"kind": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.05}
+    job = ring_job("summed", 3, [("m-egress", 0, "egress"), ("m-ingress", 1, "ingress"), ("m-both", 2, "both")],
+                   protocol="LL", grad_dtype=grad_dtype, predivide=False, optimizer=optimizer)
+    assert job.ddp.predivide is False
+    Simulation(job, tmp_path / "sim", iterations=3, seed=3,
+               faults=parse_faults(FAULTS, tuple(m.name for m in job.mirrors))).run()
+    truth = tmp_path / "sim" / "truth"
+    run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"))
+    v = verify(tmp_path / "replay", truth, job_params(job))
+    assert v.ok and not v.stale and v.digests_checked == [1, 2, 3] and v.snapshots_checked, v
+
+    # The last snapshot, tensor by tensor, against the trainer's state (independently of verify).
+    snap = sorted((tmp_path / "replay" / "snapshots").glob("iteration-*"))[-1]
+    k = snapshot.verify(snap)["iteration"]
+    model_sd = torch.load(snap / "model.pt", weights_only=True)
+    optim_sd = torch.load(snap / "optimizer.pt", weights_only=True)
+    with np.load(truth / f"iter_{k - 1:06d}" / "state.npz") as state:
+        for i, p in enumerate(job_params(job)):
+            assert model_sd[p.name].numpy().tobytes() == state[f"param/{p.name}"].tobytes(), p.name
+            assert optim_sd["state"][i]["exp_avg_sq"].numpy().tobytes() == state[f"exp_avg_sq/{p.name}"].tobytes()
+
+    # The same capture replayed as if DDP had pre-divided is not the trainer: the flag is load-bearing.
+    wrong = job.model_copy(update={"ddp": job.ddp.model_copy(update={"predivide": True})})
+    run_replay(wrong, streams_of(tmp_path / "sim", job), tmp_path / "wrong", start_of(tmp_path / "sim"))
+    assert verify(tmp_path / "wrong", truth, job_params(job)).differences

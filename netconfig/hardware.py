@@ -1,0 +1,74 @@
+"""The cluster's hardware as a topology file lists it: leaf switches and their ports, GPU nodes
+and the leaf port of each GPU's NIC, CPU mirror nodes and where their NIC ports are cabled.
+
+These records are shared by :mod:`gradtap.netconfig.topology` (which holds them in a
+:class:`~gradtap.netconfig.topology.Topology`) and :mod:`gradtap.netconfig.rail_fabric` (which
+generates them from a compact ``rail_fabric`` section). Living here, they let ``rail_fabric``
+depend on this module alone and ``topology`` on both, without an import cycle.
+"""
+
+from __future__ import annotations
+
+from ipaddress import IPv4Address
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Vendor = Literal["sonic", "eos", "nxos", "comware", "junos", "nvue", "linux"]
+
+NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$"
+PORT_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_./:]{0,63}$"
+# The kernel's dev_valid_name(): 1..15 bytes, no '/', ':' or whitespace.
+LINUX_IFNAME = r"^[^/:\s]{1,15}$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SwitchPort(_Model):
+    name: str = Field(pattern=PORT_NAME)
+    speed_gbps: float = Field(gt=0)
+    #: Cabled to the spine layer: never free for a CPU node.
+    uplink: bool = False
+    #: The Linux interface that is this port, for the ``linux`` vendor (tc / pyroute2).
+    linux_ifname: str | None = Field(None, pattern=LINUX_IFNAME)
+
+
+class LeafSwitch(_Model):
+    name: str = Field(pattern=NAME)
+    vendor: Vendor
+    ports: list[SwitchPort] = Field(min_length=1)
+    #: Overrides the vendor's default limit on mirror sessions (the ASIC's real limit).
+    max_mirror_sessions: int | None = Field(None, ge=1)
+    #: First session number for vendors whose sessions are numbered (NX-OS, Comware, NVUE).
+    session_id_base: int | None = Field(None, ge=0)
+    #: Source address of ERSPAN packets this switch originates.
+    erspan_source_ip: IPv4Address | None = None
+
+
+class GpuNic(_Model):
+    nic: str = Field(pattern=NAME)
+    switch: str
+    port: str
+
+
+class GpuNode(_Model):
+    name: str = Field(pattern=NAME)
+    #: One entry per GPU, in local GPU order; each GPU's NIC and the leaf port it is cabled to.
+    gpus: list[GpuNic] = Field(min_length=1)
+
+
+class CpuPort(_Model):
+    nic: str = Field(pattern=NAME)
+    switch: str
+    port: str
+    #: Address that ERSPAN packets are sent to, if this port may receive ERSPAN.
+    ip: IPv4Address | None = None
+
+
+class CpuNode(_Model):
+    name: str = Field(pattern=NAME)
+    ports: list[CpuPort] = Field(min_length=1)
+    #: How many DP groups (gradtap appliances) this node may host.
+    max_dp_groups: int = Field(1, ge=1)

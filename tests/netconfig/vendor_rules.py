@@ -1,0 +1,698 @@
+"""Each switch platform's own rules for a mirror configuration, written independently of the renderers.
+
+A validator reads a rendered configuration as the platform would (its own parser, written
+from the platform's documentation, sharing nothing with ``netconfig/vendors``), reports every
+rule it breaks, and returns what the configuration *does*: the set of :class:`Mirror` records
+``(source port, switch-port direction rx|tx, destination)``. The tests compare that meaning
+with the plan, so a renderer that emits well-formed text mirroring the wrong thing fails too.
+
+Sources of the rules (each check below names its rule):
+
+- **SONiC**: the ``sonic-mirror-session`` YANG model, sonic-net/sonic-buildimage
+  ``src/sonic-yang-models/yang-models/sonic-mirror-session.yang`` (revision 2021-06-15): list
+  ``MIRROR_SESSION_LIST`` keyed by ``name`` (pattern ``[a-zA-Z0-9]{1}([-a-zA-Z0-9_]{0,31})``,
+  length 1..32); ``type`` enum SPAN|ERSPAN (default ERSPAN); ``src_ip``/``dst_ip``
+  (inet:ip-address), ``gre_type`` (pattern ``0[xX][0-9a-fA-F]*`` or decimal 0..65535, length
+  1..6), ``dscp`` (uint8 0..63), ``ttl`` (uint8 0..255) only *when* type = ERSPAN; ``queue``
+  uint8; ``dst_port`` only when type = SPAN, a leafref to ``PORT_LIST/name`` or ``CPU``;
+  ``src_port`` string of length 1..2048; ``direction`` enum RX|TX|BOTH (default BOTH);
+  ``policer`` a leafref to ``POLICER_LIST``. The ``config mirror_session`` commands follow
+  sonic-net/sonic-utilities ``config/main.py``: ``span add <name> <dst_port> [src_port]
+  [direction] [queue]``, ``erspan add <name> <src_ip> <dst_ip> <dscp> <ttl> [gre_type] [queue]
+  [src_port] [direction]``, ``remove <name>``; ``validate_mirror_session_config`` and
+  ``interface_has_mirror_config`` reject an existing name, an unknown port, a destination that
+  is also a source, a destination already used by another session, and a source already
+  mirrored in the same direction (matched with ``re.search``, so ``Ethernet4`` also "matches"
+  ``Ethernet44``: sonic-net/sonic-buildimage issue #16604, modelled here because a real
+  switch behaves so).
+- **Arista EOS**: ``monitor session NAME source IF [rx|tx|both]`` (no direction = both) and
+  ``monitor session NAME destination IF | tunnel mode gre source A destination B``, the syntax
+  Arista AVD's ``eos_cli_config_gen/templates/eos/monitor-sessions.j2`` generates; a session
+  associates a set of source ports with a mirror destination port ("Introduction to Port
+  Mirroring", eos.arista.com), and a destination is not a source.
+- **Cisco NX-OS**: ``monitor session N [type local|erspan-source]`` (N 1..32) with ``source
+  interface IF [rx|tx|both]``, ``destination interface IF`` (a port in ``switchport monitor``
+  mode), ERSPAN ``erspan-id`` (1..1023), ``vrf``, ``destination ip``, a global ``monitor erspan
+  origin ip-address``, and ``no shut`` since sessions are created shut (Cisco Nexus 9000 NX-OS
+  System Management Configuration Guide 7.x, "Configuring SPAN": one destination port per SPAN
+  session, at most 48 source interfaces per session; the Nexus SPAN guides' "Characteristics of
+  Source/Destination Ports": a source port cannot be a destination port, and "the same
+  destination interface cannot be used for multiple SPAN sessions").
+- **Juniper Junos (ELS)**: ``set forwarding-options analyzer NAME input ingress|egress
+  interface IF.UNIT`` and ``... output interface IF.UNIT``; the output must be an
+  ``ethernet-switching`` family interface; no ``both`` keyword.
+- **H3C Comware**: ``mirroring-group N local``, ``mirroring-group N mirroring-port IF
+  inbound|outbound|both``, ``mirroring-group N monitor-port IF`` in system view, removed with
+  ``undo mirroring-group N``; a group must exist before ports join it, and a monitor port is
+  not a mirroring port.
+- **NVIDIA Cumulus NVUE**: ``nv set system port-mirror session ID span source-port IF``,
+  ``... span destination IF``, ``... span direction ingress|egress`` (ID "a number between 0
+  and 7"), ``nv unset system port-mirror session ID``, ``nv config apply`` (NVUE command
+  reference, "Port Mirror", docs.nvidia.com/networking-ethernet-software/nvue-reference).
+- **Linux tc**: ``tc qdisc add dev IF clsact`` before filters on IF (tc-bpf(8)/clsact);
+  ``tc filter add dev IF ingress|egress protocol all prio P u32 match u32 0 0 action mirred
+  egress mirror dev DEST`` (tc-u32(8), tc-mirred(8)); ``prio`` is 16 bits and 0 means "let the
+  kernel choose", so teardown by priority needs a fixed nonzero one; interface names follow
+  the kernel's ``dev_valid_name()`` (1..15 bytes, no ``/``, ``:`` or whitespace).
+
+Direction words, per platform, in the switch port's view (``rx`` = frames the port receives,
+which is what the attached GPU NIC transmits).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+import shlex
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+#: A planned source's direction is the GPU NIC's; the switch port sees it reversed.
+NIC_TO_PORT = {"egress": ("rx",), "ingress": ("tx",), "both": ("rx", "tx")}
+
+
+@dataclass(frozen=True, order=True)
+class Mirror:
+    """One mirrored (port, direction) and where its copies go (a port, or ``erspan:<ip>``)."""
+
+    port: str
+    direction: str
+    destination: str
+
+
+@dataclass
+class Result:
+    mirrors: set[Mirror] = field(default_factory=set)
+    problems: list[str] = field(default_factory=list)
+    sessions: list[str] = field(default_factory=list)          # session ids created, in order
+    removed: list[str] = field(default_factory=list)           # session ids the teardown removes
+
+    def bad(self, message: str) -> None:
+        self.problems.append(message)
+
+    def add(self, port: str, direction: str, destination: str) -> None:
+        legs = ("rx", "tx") if direction == "both" else (direction,)
+        for leg in legs:
+            mirror = Mirror(port, leg, destination)
+            if mirror in self.mirrors:
+                self.bad(f"{port} {leg} is mirrored to {destination} twice")
+            self.mirrors.add(mirror)
+
+
+def _lines(text: str, comment: tuple[str, ...] = ("#", "!")) -> list[str]:
+    return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith(comment)]
+
+
+def _ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _common(result: Result, ports: set[str], sources: dict[str, set[str]], destinations: dict[str, list[str]],
+            session_limit: int | None, exclusive_destination: bool = False) -> None:
+    """Rules every platform shares: ports exist, a destination is never a source, sessions
+    have sources; with ``exclusive_destination`` (where the platform documents it) a
+    destination port serves one session."""
+    for session, members in sources.items():
+        for port in members:
+            if port not in ports:
+                result.bad(f"session {session}: source {port!r} is not a port of this switch")
+    used_as_source = {p for members in sources.values() for p in members}
+    for port, sessions in destinations.items():
+        if port.startswith("erspan:"):
+            continue
+        if port not in ports:
+            result.bad(f"destination {port!r} is not a port of this switch")
+        if port in used_as_source:
+            result.bad(f"destination {port} is also a mirror source")
+        if exclusive_destination and len(sessions) > 1:
+            result.bad(f"destination {port} serves several sessions: {sessions}")
+    for session in sources:
+        if not sources[session]:
+            result.bad(f"session {session} has no source")
+    if session_limit is not None and len(sources) > session_limit:
+        result.bad(f"{len(sources)} sessions, but the switch allows {session_limit}")
+
+
+# -- SONiC ----------------------------------------------------------------------------------------
+
+YANG_NAME = re.compile(r"[a-zA-Z0-9]{1}([-a-zA-Z0-9_]{0,31})")
+YANG_GRE_TYPE = re.compile(r"0[xX][0-9a-fA-F]*|([0-9]|[1-5]?[0-9]{2,4}|6[1-4][0-9]{3}|65[1-4][0-9]{2}|655[1-2][0-9]"
+                           r"|6553[0-5])")
+YANG_LEAVES = {"type", "src_ip", "dst_ip", "gre_type", "dscp", "ttl", "queue", "dst_port", "src_port", "direction",
+               "policer"}
+YANG_ERSPAN_ONLY = {"src_ip", "dst_ip", "gre_type", "dscp", "ttl"}
+YANG_UINT8 = re.compile(r"0|[1-9][0-9]{0,2}")   # YANG integer lexical form, decimal
+
+
+def _yang_uint(value: str, low: int, high: int) -> bool:
+    return isinstance(value, str) and bool(YANG_UINT8.fullmatch(value)) and low <= int(value) <= high
+
+
+def sonic_config_db(doc: dict, ports: set[str], result: Result) -> dict[str, dict[str, str]]:
+    """Check CONFIG_DB JSON against the sonic-mirror-session YANG model; return its table."""
+    if set(doc) != {"MIRROR_SESSION"}:
+        result.bad(f"config_db.json holds tables {sorted(doc)}, expected only MIRROR_SESSION")
+    table = doc.get("MIRROR_SESSION", {})
+    for name, entry in table.items():
+        where = f"MIRROR_SESSION|{name}"
+        if not YANG_NAME.fullmatch(name) or not 1 <= len(name) <= 32:
+            result.bad(f"{where}: name does not match the YANG pattern/length")
+        if not all(isinstance(v, str) for v in entry.values()):
+            result.bad(f"{where}: CONFIG_DB fields are strings, got {entry}")
+            continue
+        if set(entry) - YANG_LEAVES:
+            result.bad(f"{where}: unknown leaves {sorted(set(entry) - YANG_LEAVES)}")
+        kind = entry.get("type", "ERSPAN")        # the YANG default
+        if kind not in ("SPAN", "ERSPAN"):
+            result.bad(f"{where}: type {kind!r} is not SPAN or ERSPAN")
+        direction = entry.get("direction", "BOTH")
+        if direction not in ("RX", "TX", "BOTH"):
+            result.bad(f"{where}: direction {direction!r} is not RX, TX or BOTH")
+        if kind == "SPAN":
+            present = set(entry) & YANG_ERSPAN_ONLY
+            if present:
+                result.bad(f"{where}: {sorted(present)} exist only when type = 'ERSPAN'")
+            dst = entry.get("dst_port")
+            if dst is None:
+                result.bad(f"{where}: a SPAN session needs dst_port")
+            elif dst != "CPU" and dst not in ports:
+                result.bad(f"{where}: dst_port {dst!r} is not in PORT (leafref)")
+        else:
+            if "dst_port" in entry:
+                result.bad(f"{where}: dst_port exists only when type = 'SPAN'")
+            for leaf in ("src_ip", "dst_ip"):
+                try:
+                    ipaddress.ip_address(entry.get(leaf, ""))
+                except ValueError:
+                    result.bad(f"{where}: {leaf} {entry.get(leaf)!r} is not an inet:ip-address")
+            gre = entry.get("gre_type", "0x88be")
+            if not YANG_GRE_TYPE.fullmatch(gre) or not 1 <= len(gre) <= 6:
+                result.bad(f"{where}: gre_type {gre!r} breaks its pattern/length")
+            if "dscp" in entry and not _yang_uint(entry["dscp"], 0, 63):
+                result.bad(f"{where}: dscp {entry['dscp']!r} is not in 0..63")
+            if "ttl" in entry and not _yang_uint(entry["ttl"], 0, 255):
+                result.bad(f"{where}: ttl {entry['ttl']!r} is not in 0..255")
+        if "queue" in entry and not _yang_uint(entry["queue"], 0, 255):
+            result.bad(f"{where}: queue {entry['queue']!r} is not a uint8")
+        if "policer" in entry:
+            result.bad(f"{where}: policer {entry['policer']!r} refers to no POLICER entry (leafref)")
+        src = entry.get("src_port", "")
+        if not 1 <= len(src) <= 2048:
+            result.bad(f"{where}: src_port has {len(src)} characters (YANG length 1..2048)")
+    return table
+
+
+def _gre_number(text: str) -> int:
+    return int(text, 16) if text.lower().startswith("0x") else int(text)
+
+
+def sonic_commands(text: str, ports: set[str], result: Result) -> dict[str, dict[str, str]]:
+    """Run ``config mirror_session`` lines the way sonic-utilities' click commands and
+    ``validate_mirror_session_config`` would, against an initially empty MIRROR_SESSION table."""
+    table: dict[str, dict[str, str]] = {}
+    for line in _lines(text, ("#",)):
+        words = shlex.split(line)
+        if words[:2] != ["config", "mirror_session"] or len(words) < 4:
+            result.bad(f"not a mirror_session command: {line!r}")
+            continue
+        verb = words[2:4]
+        args = words[4:]
+        if verb == ["span", "add"] and 2 <= len(args) <= 5:
+            name, dst_port, src_port, direction, queue = (args + [None] * 5)[:5]
+            entry = {"type": "SPAN", "dst_port": dst_port}
+        elif verb == ["erspan", "add"] and 5 <= len(args) <= 9:
+            name, src_ip, dst_ip, dscp, ttl, gre, queue, src_port, direction = (args + [None] * 9)[:9]
+            entry = {"type": "ERSPAN", "src_ip": src_ip, "dst_ip": dst_ip, "dscp": dscp, "ttl": ttl}
+            dst_port = None
+            if not (_ipv4(src_ip) and _ipv4(dst_ip)):
+                result.bad(f"{line!r}: src_ip/dst_ip must be IPv4 addresses (validate_ipv4_address)")
+            if not (dscp.isdigit() and int(dscp) <= 63) or not (ttl.isdigit() and int(ttl) <= 255):
+                result.bad(f"{line!r}: dscp must be in 0..63 and ttl in 0..255 (DSCP_RANGE, TTL_RANGE)")
+            if gre is not None:
+                try:
+                    assert 0 <= _gre_number(gre) <= 65535
+                    entry["gre_type"] = str(_gre_number(gre))     # validate_gre_type returns the number
+                except (ValueError, AssertionError):
+                    result.bad(f"{line!r}: {gre!r} is not a valid GRE type")
+        elif verb[0] == "remove" and len(words) == 4:
+            if words[3] not in table:
+                result.bad(f"{line!r}: no such session")
+            table.pop(words[3], None)
+            continue
+        else:
+            result.bad(f"{line!r}: wrong arguments for `config mirror_session {' '.join(verb)}`")
+            continue
+        if queue is not None:
+            if not (queue.isdigit() and int(queue) <= 255):
+                result.bad(f"{line!r}: queue {queue!r} is not in 0..255 (QUEUE_RANGE)")
+            entry["queue"] = queue
+        if src_port:
+            entry["src_port"] = src_port
+            entry["direction"] = (direction or "both").upper()     # gather_session_info
+        # validate_mirror_session_config
+        if name in table:
+            result.bad(f"{line!r}: {name} already exists")
+        if dst_port is not None and dst_port not in ports:
+            result.bad(f"{line!r}: Destination Interface {dst_port} is invalid")
+        for port in (src_port or "").split(",") if src_port else []:
+            if port not in ports:
+                result.bad(f"{line!r}: Source Interface {port} is invalid")
+            if dst_port == port:
+                result.bad(f"{line!r}: Destination Interface can't be same as Source Interface")
+        for other, v in table.items():     # interface_has_mirror_config
+            for port in src_port.split(",") if src_port else []:
+                if v.get("dst_port") == port:
+                    result.bad(f"{line!r}: Source Interface {port} already has mirror config ({other})")
+                if "src_port" in v and re.search(port, v["src_port"]) and (
+                        v.get("direction") == "BOTH" or (direction or "both").upper() in ("BOTH", v.get("direction"))):
+                    result.bad(f"{line!r}: Source Interface {port} already has mirror config in same direction "
+                               f"({other})")
+            if dst_port and (v.get("dst_port") == dst_port or re.search(dst_port, v.get("src_port", "^$"))):
+                result.bad(f"{line!r}: Destination Interface {dst_port} already has mirror config ({other})")
+        if direction is not None and direction not in ("rx", "tx", "both"):
+            result.bad(f"{line!r}: Direction {direction} is invalid")
+        table[name] = entry
+    return table
+
+
+def _same_entry(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Equal CONFIG_DB entries, with gre_type compared as a number (the CLI stores it so)."""
+    norm = lambda e: {k: (_gre_number(v) if k == "gre_type" else v) for k, v in e.items()}  # noqa: E731
+    return norm(a) == norm(b)
+
+
+def check_sonic(files: dict[str, str], teardown: dict[str, str], ports: set[str],
+                session_limit: int | None) -> Result:
+    result = Result()
+    table = sonic_config_db(json.loads(files["config_db.json"]), ports, result)
+    cli = sonic_commands(files["commands.sh"], ports, result)
+    if set(cli) != set(table) or any(not _same_entry(cli[n], table[n]) for n in table):
+        result.bad(f"commands.sh builds {cli}, config_db.json holds {table}")
+    sources, destinations = {}, defaultdict(list)
+    for name, e in table.items():
+        dest = e.get("dst_port") if e.get("type", "ERSPAN") == "SPAN" else f"erspan:{e.get('dst_ip')}"
+        members = e.get("src_port", "").split(",")
+        sources[name] = set(members)
+        destinations[dest].append(name)
+        for port in members:
+            result.add(port, {"RX": "rx", "TX": "tx", "BOTH": "both"}.get(e.get("direction", "BOTH"), "?"), dest)
+    _common(result, ports, sources, destinations, session_limit)
+    result.sessions = list(table)
+    patch = json.loads(teardown["apply-patch.json"])
+    removed = []
+    for op in patch:
+        m = re.fullmatch(r"/MIRROR_SESSION/([^/]+)", op.get("path", ""))
+        if op.get("op") != "remove" or not m or set(op) != {"op", "path"}:
+            result.bad(f"apply-patch.json: {op} is not a JSON-patch removal of a MIRROR_SESSION entry")
+        else:
+            removed.append(m.group(1))
+    cli_removed = [shlex.split(line)[3] for line in _lines(teardown["commands.sh"], ("#",))
+                   if shlex.split(line)[:3] == ["config", "mirror_session", "remove"]]
+    if cli_removed != removed or len(_lines(teardown["commands.sh"], ("#",))) != len(cli_removed):
+        result.bad(f"teardown commands.sh removes {cli_removed}, apply-patch.json removes {removed}")
+    result.removed = removed
+    return result
+
+
+# -- Arista EOS -----------------------------------------------------------------------------------
+
+EOS_SOURCE = re.compile(r"monitor session (\S+) source (\S+)(?: (rx|tx|both))?")
+EOS_DEST = re.compile(r"monitor session (\S+) destination (?:tunnel mode gre source (\S+) destination (\S+)|(\S+))")
+EOS_REMOVE = re.compile(r"no monitor session (\S+)")
+
+
+def check_eos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
+              session_limit: int | None) -> Result:
+    result = Result()
+    sources: dict[str, set[str]] = {}
+    members: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    dests: dict[str, list[str]] = {}
+    for line in _lines(files["cfg"], ("!",)):
+        if m := EOS_SOURCE.fullmatch(line):
+            name, port, direction = m.groups()
+            members[name].append((port, direction or "both"))
+            sources.setdefault(name, set()).add(port)
+        elif m := EOS_DEST.fullmatch(line):
+            name, gre_src, gre_dst, port = m.groups()
+            if port in ("tunnel", "cpu") or (gre_src is not None and not (_ipv4(gre_src) and _ipv4(gre_dst))):
+                result.bad(f"{line!r}: not a destination EOS accepts")
+            dests.setdefault(name, []).append(port if port else f"erspan:{gre_dst}")
+        else:
+            result.bad(f"{line!r}: not an EOS monitor-session command")
+    destinations: dict[str, list[str]] = defaultdict(list)
+    for name in {**sources, **dests}:
+        if not re.fullmatch(r"[A-Za-z0-9][-A-Za-z0-9_]{0,31}", name):
+            result.bad(f"session name {name!r} is not a plain EOS session name")
+        if len(dests.get(name, [])) != 1:
+            result.bad(f"session {name} has destinations {dests.get(name, [])}, expected exactly one")
+            continue
+        destinations[dests[name][0]].append(name)
+        sources.setdefault(name, set())
+        for port, direction in members[name]:
+            result.add(port, direction, dests[name][0])
+    _common(result, ports, sources, destinations, session_limit)
+    result.sessions = list(sources)
+    for line in _lines(teardown["cfg"], ("!",)):
+        if m := EOS_REMOVE.fullmatch(line):
+            result.removed.append(m.group(1))
+        else:
+            result.bad(f"teardown {line!r}: not `no monitor session NAME`")
+    return result
+
+
+# -- Cisco NX-OS ----------------------------------------------------------------------------------
+
+def check_nxos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
+               session_limit: int | None) -> Result:
+    result = Result()
+    monitor_ports: set[str] = set()
+    origin = None
+    sessions: dict[int, dict] = {}
+    mode: tuple[str, object] | None = None
+    for line in _lines(files["cfg"], ("!",)):
+        sub = line.startswith("  ")
+        text = line.strip()
+        if not sub:
+            mode = None
+            if m := re.fullmatch(r"interface (\S+)", text):
+                mode = ("interface", m.group(1))
+            elif m := re.fullmatch(r"monitor erspan origin ip-address (\S+) global", text):
+                origin = m.group(1)
+                if not _ipv4(origin):
+                    result.bad(f"{line!r}: origin is not an IPv4 address")
+            elif m := re.fullmatch(r"monitor session (\d+)(?: type (local|erspan-source))?", text):
+                number = int(m.group(1))
+                if not 1 <= number <= 32:
+                    result.bad(f"{line!r}: session number must be 1..32")
+                if number in sessions:
+                    result.bad(f"{line!r}: session {number} configured twice")
+                sessions[number] = {"type": m.group(2) or "local", "sources": [], "dest": [], "ip": None,
+                                    "erspan_id": None, "vrf": None, "up": False}
+                mode = ("session", number)
+            else:
+                result.bad(f"{line!r}: not an NX-OS global command this config may use")
+        elif mode and mode[0] == "interface":
+            if text == "switchport monitor":
+                monitor_ports.add(str(mode[1]))
+            elif text != "switchport":
+                result.bad(f"{line!r}: unexpected in interface mode")
+        elif mode and mode[0] == "session":
+            s = sessions[int(mode[1])]
+            if m := re.fullmatch(r"source interface (\S+)(?: (rx|tx|both))?", text):
+                s["sources"].append((m.group(1), m.group(2) or "both"))
+            elif m := re.fullmatch(r"destination interface (\S+)", text):
+                s["dest"].append(m.group(1))
+            elif m := re.fullmatch(r"destination ip (\S+)", text):
+                s["ip"] = m.group(1)
+            elif m := re.fullmatch(r"erspan-id (\d+)", text):
+                s["erspan_id"] = int(m.group(1))
+            elif m := re.fullmatch(r"vrf (\S+)", text):
+                s["vrf"] = m.group(1)
+            elif text == "no shut":
+                s["up"] = True
+            elif text in ("header-type 3",) or text.startswith("description "):
+                if text == "header-type 3" and s["type"] != "erspan-source":
+                    result.bad(f"{line!r}: header-type belongs to ERSPAN source sessions")
+            else:
+                result.bad(f"{line!r}: not a monitor-session command")
+        else:
+            result.bad(f"{line!r}: indented line outside a mode")
+    sources, destinations = {}, defaultdict(list)
+    for number, s in sessions.items():
+        if not s["up"]:
+            result.bad(f"session {number} stays shut (sessions are created shut; `no shut` is missing)")
+        if len(s["sources"]) > 48:
+            result.bad(f"session {number} has {len(s['sources'])} sources (at most 48 per session)")
+        if s["type"] == "local":
+            if len(s["dest"]) != 1 or s["ip"] is not None:
+                result.bad(f"local session {number}: needs exactly one destination interface, got {s['dest']}")
+                continue
+            dest = s["dest"][0]
+            if dest not in monitor_ports:
+                result.bad(f"session {number}: destination {dest} is not in `switchport monitor` mode")
+        else:
+            if s["dest"] or not (s["ip"] and _ipv4(s["ip"])) or s["vrf"] is None \
+                    or not (s["erspan_id"] and 1 <= s["erspan_id"] <= 1023) or origin is None:
+                result.bad(f"erspan-source session {number}: needs destination ip, vrf, erspan-id 1..1023 and a "
+                           f"global origin address, got {s}")
+                continue
+            dest = f"erspan:{s['ip']}"
+        destinations[dest].append(number)
+        sources[number] = {p for p, _ in s["sources"]}
+        for port, direction in s["sources"]:
+            result.add(port, direction, dest)
+    _common(result, ports, sources, destinations, session_limit, exclusive_destination=True)
+    result.sessions = [str(n) for n in sessions]
+    freed = set()
+    iface = None
+    for line in _lines(teardown["cfg"], ("!",)):
+        text = line.strip()
+        if m := re.fullmatch(r"no monitor session (\d+)", text):
+            result.removed.append(m.group(1))
+        elif m := re.fullmatch(r"interface (\S+)", text):
+            iface = m.group(1)
+        elif text == "no switchport monitor" and iface:
+            freed.add(iface)
+        else:
+            result.bad(f"teardown {line!r}: unexpected")
+    if freed != monitor_ports:
+        result.bad(f"teardown returns {sorted(freed)} from monitor mode, apply set {sorted(monitor_ports)}")
+    return result
+
+
+# -- Juniper Junos --------------------------------------------------------------------------------
+
+def check_junos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
+                session_limit: int | None) -> Result:
+    result = Result()
+    switching: set[str] = set()
+    inputs: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    outputs: dict[str, list[str]] = defaultdict(list)
+    lines = _lines(files["set"], ("#",))
+    if not lines or lines[-1] != "commit":
+        result.bad("the configuration is never committed")
+    for line in lines[:-1]:
+        if m := re.fullmatch(r"set interfaces (\S+) unit (\d+) family ethernet-switching", line):
+            switching.add(f"{m.group(1)}.{m.group(2)}")
+        elif m := re.fullmatch(r"set forwarding-options analyzer (\S+) input (ingress|egress) interface (\S+)", line):
+            inputs[m.group(1)].append((m.group(3), {"ingress": "rx", "egress": "tx"}[m.group(2)]))
+        elif m := re.fullmatch(r"set forwarding-options analyzer (\S+) output interface (\S+)", line):
+            outputs[m.group(1)].append(m.group(2))
+        else:
+            result.bad(f"{line!r}: not a Junos analyzer statement")
+    physical = lambda ifl: ifl.rsplit(".", 1)[0] if re.fullmatch(r"\S+\.\d+", ifl) else None  # noqa: E731
+    sources, destinations = {}, defaultdict(list)
+    for name in {*inputs, *outputs}:
+        if len(outputs[name]) != 1:
+            result.bad(f"analyzer {name}: outputs {outputs[name]}, expected one")
+            continue
+        out = outputs[name][0]
+        if physical(out) is None:
+            result.bad(f"analyzer {name}: output {out!r} is not a logical interface IF.UNIT")
+            continue
+        if out not in switching:
+            result.bad(f"analyzer {name}: output {out} is not family ethernet-switching")
+        destinations[physical(out)].append(name)
+        sources[name] = set()
+        for ifl, direction in inputs[name]:
+            if physical(ifl) is None:
+                result.bad(f"analyzer {name}: input {ifl!r} is not a logical interface IF.UNIT")
+                continue
+            sources[name].add(physical(ifl))
+            result.add(physical(ifl), direction, physical(out))
+    _common(result, ports, sources, destinations, session_limit)
+    result.sessions = list(sources)
+    undo = _lines(teardown["set"], ("#",))
+    if not undo or undo[-1] != "commit":
+        result.bad("the teardown is never committed")
+    unset = set()
+    for line in undo[:-1]:
+        if m := re.fullmatch(r"delete forwarding-options analyzer (\S+)", line):
+            result.removed.append(m.group(1))
+        elif m := re.fullmatch(r"delete interfaces (\S+) unit (\d+) family ethernet-switching", line):
+            unset.add(f"{m.group(1)}.{m.group(2)}")
+        else:
+            result.bad(f"teardown {line!r}: unexpected")
+    if unset != switching:
+        result.bad(f"teardown removes ethernet-switching from {sorted(unset)}, apply set {sorted(switching)}")
+    return result
+
+
+# -- H3C Comware ----------------------------------------------------------------------------------
+
+COMWARE_WAY = {"inbound": "rx", "outbound": "tx", "both": "both"}
+
+
+def check_comware(files: dict[str, str], teardown: dict[str, str], ports: set[str],
+                  session_limit: int | None) -> Result:
+    result = Result()
+    lines = _lines(files["cfg"], ("#",))
+    if lines[:1] != ["system-view"] or lines[-1:] != ["return"]:
+        result.bad("mirroring-group commands must run in system view (system-view ... return)")
+    groups: dict[int, dict] = {}
+    for line in lines[1:-1]:
+        if m := re.fullmatch(r"mirroring-group (\d+) (local|remote-source)", line):
+            number = int(m.group(1))
+            if number in groups:
+                result.bad(f"{line!r}: group {number} created twice")
+            if m.group(2) != "local":
+                result.bad(f"{line!r}: a remote-source group needs a remote-probe VLAN this config lacks")
+            groups[number] = {"sources": [], "monitor": []}
+        elif m := re.fullmatch(r"mirroring-group (\d+) mirroring-port (\S+) (inbound|outbound|both)", line):
+            if int(m.group(1)) not in groups:
+                result.bad(f"{line!r}: group {m.group(1)} does not exist yet")
+                continue
+            groups[int(m.group(1))]["sources"].append((m.group(2), COMWARE_WAY[m.group(3)]))
+        elif m := re.fullmatch(r"mirroring-group (\d+) monitor-port (\S+)", line):
+            if int(m.group(1)) not in groups:
+                result.bad(f"{line!r}: group {m.group(1)} does not exist yet")
+                continue
+            groups[int(m.group(1))]["monitor"].append(m.group(2))
+        else:
+            result.bad(f"{line!r}: not a Comware mirroring-group command")
+    sources, destinations = {}, defaultdict(list)
+    for number, g in groups.items():
+        if len(g["monitor"]) != 1:
+            result.bad(f"group {number}: monitor ports {g['monitor']}, expected one")
+            continue
+        destinations[g["monitor"][0]].append(number)
+        sources[number] = {p for p, _ in g["sources"]}
+        for port, direction in g["sources"]:
+            result.add(port, direction, g["monitor"][0])
+    _common(result, ports, sources, destinations, session_limit)
+    result.sessions = [str(n) for n in groups]
+    undo = _lines(teardown["cfg"], ("#",))
+    if undo[:1] != ["system-view"] or undo[-1:] != ["return"]:
+        result.bad("teardown must run in system view")
+    for line in undo[1:-1]:
+        if m := re.fullmatch(r"undo mirroring-group (\d+)", line):
+            result.removed.append(m.group(1))
+        else:
+            result.bad(f"teardown {line!r}: unexpected")
+    return result
+
+
+# -- NVIDIA Cumulus NVUE --------------------------------------------------------------------------
+
+NVUE_WAY = {"ingress": "rx", "egress": "tx"}
+
+
+def check_nvue(files: dict[str, str], teardown: dict[str, str], ports: set[str],
+               session_limit: int | None) -> Result:
+    result = Result()
+    lines = _lines(files["sh"], ("#",))
+    if lines[-1:] != ["nv config apply"]:
+        result.bad("the pending NVUE configuration is never applied")
+    sessions: dict[int, dict] = {}
+    for line in lines[:-1]:
+        m = re.fullmatch(r"nv set system port-mirror session (\d+) span (source-port|destination|direction) (\S+)",
+                         line)
+        if not m:
+            result.bad(f"{line!r}: not an NVUE port-mirror span command")
+            continue
+        number, what, value = int(m.group(1)), m.group(2), m.group(3)
+        if not 0 <= number <= 7:
+            result.bad(f"{line!r}: session id must be 0..7")
+        s = sessions.setdefault(number, {"source-port": [], "destination": [], "direction": []})
+        s[what].append(value)
+    sources, destinations = {}, defaultdict(list)
+    for number, s in sessions.items():
+        if len(s["destination"]) != 1 or len(s["direction"]) != 1 or s["direction"][0] not in NVUE_WAY:
+            result.bad(f"session {number}: needs one destination and one direction ingress|egress, got {s}")
+            continue
+        dest = s["destination"][0]
+        destinations[dest].append(number)
+        sources[number] = set(s["source-port"])
+        for port in s["source-port"]:
+            result.add(port, NVUE_WAY[s["direction"][0]], dest)
+    _common(result, ports, sources, destinations, session_limit)
+    result.sessions = [str(n) for n in sessions]
+    undo = _lines(teardown["sh"], ("#",))
+    if undo[-1:] != ["nv config apply"]:
+        result.bad("the teardown is never applied")
+    for line in undo[:-1]:
+        if m := re.fullmatch(r"nv unset system port-mirror session (\d+)", line):
+            result.removed.append(m.group(1))
+        else:
+            result.bad(f"teardown {line!r}: unexpected")
+    return result
+
+
+# -- Linux tc -------------------------------------------------------------------------------------
+
+LINUX_IFNAME = re.compile(r"[^/:\s]{1,15}")
+TC_HOOK_WAY = {"ingress": "rx", "egress": "tx"}
+
+
+def check_linux(files: dict[str, str], teardown: dict[str, str], ports: set[str],
+                session_limit: int | None) -> Result:
+    """``ports`` are the switch's Linux interface names here."""
+    result = Result()
+    clsact: set[str] = set()
+    filters: dict[tuple[str, str], tuple[int, str]] = {}
+    for line in _lines(files["sh"], ("#",)):
+        if m := re.fullmatch(r"tc qdisc add dev (\S+) clsact", line):
+            if m.group(1) in clsact:
+                result.bad(f"{line!r}: clsact added twice (the second add fails with EEXIST)")
+            clsact.add(m.group(1))
+        elif m := re.fullmatch(r"tc filter add dev (\S+) (ingress|egress) protocol all prio (\d+) u32 match u32 0 0 "
+                               r"action mirred egress mirror dev (\S+)", line):
+            dev, hook, prio, dest = m.group(1), m.group(2), int(m.group(3)), m.group(4)
+            if dev not in clsact:
+                result.bad(f"{line!r}: no clsact qdisc on {dev} yet")
+            if not 1 <= prio <= 0xFFFF:
+                result.bad(f"{line!r}: prio must be 1..65535 to be removable by priority")
+            if (dev, hook) in filters:
+                result.bad(f"{line!r}: {dev} {hook} already has a gradtap filter")
+            if dest == dev:
+                result.bad(f"{line!r}: mirrors {dev} to itself")
+            filters[dev, hook] = (prio, dest)
+        else:
+            result.bad(f"{line!r}: not a tc command of a mirror")
+    for dev in {d for d, _ in filters} | clsact | {dest for _, dest in filters.values()}:
+        if not LINUX_IFNAME.fullmatch(dev) or len(dev.encode()) > 15:
+            result.bad(f"{dev!r} is not a valid Linux interface name")
+    by_dev = defaultdict(set)
+    for (dev, hook), (prio, _) in filters.items():
+        by_dev[dev, prio].add(hook)
+    for (dev, prio), hooks in by_dev.items():
+        if len(hooks) > 1:
+            result.bad(f"{dev}: ingress and egress filters share prio {prio} (u32 lists both hooks' tables "
+                       "under one priority)")
+    sources, destinations = {}, defaultdict(list)
+    for (dev, hook), (_, dest) in filters.items():
+        result.add(dev, TC_HOOK_WAY[hook], dest)
+        sources.setdefault(dest, set()).add(dev)
+    for dest in sources:
+        destinations[dest].append(dest)       # a tc "session" is a destination
+    _common(result, ports, sources, destinations, session_limit)
+    removed_filters, removed_qdiscs = {}, set()
+    for line in _lines(teardown["sh"], ("#",)):
+        if m := re.fullmatch(r"tc filter del dev (\S+) (ingress|egress) protocol all prio (\d+)", line):
+            removed_filters[m.group(1), m.group(2)] = int(m.group(3))
+        elif m := re.fullmatch(r"tc qdisc del dev (\S+) clsact", line):
+            removed_qdiscs.add(m.group(1))
+        else:
+            result.bad(f"teardown {line!r}: unexpected")
+    if removed_filters != {k: p for k, (p, _) in filters.items()} or removed_qdiscs != clsact:
+        result.bad("the teardown does not remove exactly the filters and qdiscs the apply adds")
+    result.sessions = result.removed = sorted(sources)
+    return result
+
+
+CHECKS = {"sonic": check_sonic, "eos": check_eos, "nxos": check_nxos, "junos": check_junos,
+          "comware": check_comware, "nvue": check_nvue, "linux": check_linux}
+
+
+def check(vendor: str, apply: dict[str, str], teardown: dict[str, str], ports: set[str],
+          session_limit: int | None = None) -> Result:
+    """Validate one switch's rendered files (``SwitchConfig.apply``/``teardown``) for ``vendor``."""
+    result = CHECKS[vendor](apply, teardown, ports, session_limit)
+    if Counter(result.removed) != Counter(result.sessions):
+        result.bad(f"the teardown removes {result.removed}, the apply creates {result.sessions}")
+    return result

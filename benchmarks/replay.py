@@ -7,7 +7,7 @@ egress ports of ranks 0, 1 and 2). It is simulated once for ``--iterations`` cap
 iterations and cached in ``--cache`` (about 0.9 GB and 216 k frames per stream per
 iteration). The captures are read once beforehand so that the replay finds them in the page
 cache. Then the whole offline appliance runs on them, best of ``--repeats``:
-``gradtap.commands.replay.run_replay`` (``PcapReader`` → ``StreamParser`` per stream in its
+``gradtap.replay.run_replay`` (``PcapReader`` → ``StreamParser`` per stream in its
 own thread → ``Merger`` → ``ReplicaSink`` → ``Replica``), reading ``--batch-frames`` frames
 per stream at a time (8192 by default, as ``gradtap run`` reads its rings), without
 per-iteration digests or periodic snapshots (hashing and disk writes, not processing). The first run's final
@@ -59,7 +59,7 @@ import numba
 import torch
 
 from benchmarks._bandwidth import memcpy_bandwidth
-from gradtap.commands.replay import run_replay
+from gradtap.replay import run_replay
 from gradtap.replay import ReplayResult
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params, job_plan
@@ -104,8 +104,7 @@ def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None)
     pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-") as tmp:
-        result, sink = run_replay(job, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames,
-                                  show_progress=False)
+        result, sink = run_replay(job, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames)
         if sink.replica.stale or not all(r.recovered for r in result.reports):
             raise SystemExit(f"the replay did not apply every iteration: {sink.lines}")
         if params is not None:

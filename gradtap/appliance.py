@@ -2,7 +2,7 @@
 
 One capture worker process per mirror stream (``capture/worker.py``; pinned to its core)
 fills one shared-memory frame ring (huge pages when the host has them). The main process
-reads every ring in rounds and drives the same :class:`gradtap.replay.Pipeline` as offline
+reads every ring in rounds and drives the same :class:`gradtap.pipeline.Pipeline` as offline
 replay: the parsers run in their own threads, pinned to their cores, the merger and the
 updater on the main thread. It writes snapshots as the job configures, and stops cleanly on
 SIGINT/SIGTERM (or :meth:`Appliance.stop`) with a final snapshot. A capture worker that dies
@@ -16,12 +16,14 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from gradtap.capture.ring import FrameRing
 from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.control import ControlPlane
 from gradtap.core.errors import CaptureError, ConfigError
-from gradtap.replay import Pipeline
+from gradtap.pipeline import Pipeline
+from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
 from gradtap.updater.replica import Replica
 from gradtap.updater.snapshot import Snapshots
@@ -73,7 +75,7 @@ class Appliance:
         self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
         self.stopping = threading.Event()
         self.ready = threading.Event()     # every capture worker is listening
-        self._lock = threading.Lock()      # snapshot() for metrics vs the loop
+        self._lock = threading.Lock()      # status() for metrics vs the loop
 
     def stop(self) -> None:
         self.stopping.set()
@@ -111,19 +113,18 @@ class Appliance:
         lines = self.sink.lines
         return RunResult(code, reason, len(lines), sum(not x["recovered"] for x in lines))
 
-    def snapshot(self) -> dict:
-        """The state the metrics and the status view show."""
+    def status(self) -> ApplianceStatus:
+        """The counters as they are now (thread-safe; the metrics and control threads call it)."""
         with self._lock:
             capture = self._final_capture if self._final_capture is not None else self._capture_stats()
             lines = self.sink.lines
             timings = self.pipeline.timings()
-            t = self.pipeline.times
-            return {"capture": capture, "events": self.pipeline.counters(),
-                    "recovered": sum(x["recovered"] for x in lines),
-                    "unrecoverable": sum(not x["recovered"] for x in lines),
-                    "replica_iteration": self.replica.iteration, "stale": self.replica.stale,
-                    "lag_s": timings[-1].lag_s if timings else 0.0,
-                    "stages": {"parse": sum(t.parse_s.values()), "merge": t.merge_s, "update": t.update_s}}
+            parse_s, merge_s, update_s = self.pipeline.times.total()
+            recovered = sum(x["recovered"] for x in lines)
+            return ApplianceStatus(capture=capture, events=self.pipeline.counters(), recovered=recovered,
+                                   unrecoverable=len(lines) - recovered, replica_iteration=self.replica.iteration,
+                                   stale=self.replica.stale, lag_s=timings[-1].lag_s if timings else 0.0,
+                                   parse_s=parse_s, merge_s=merge_s, update_s=update_s)
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}
@@ -191,11 +192,12 @@ def wait_for_stop(appliance: Appliance, signals: tuple[int, ...]) -> None:
         signal.signal(s, handler)
 
 
-def status_loop(appliance: Appliance, render, every_s: float = 0.5) -> threading.Thread:
-    """Call ``render(snapshot)`` every ``every_s`` seconds until the appliance stops."""
+def status_loop(appliance: Appliance, render: Callable[[ApplianceStatus], None],
+                every_s: float = 0.5) -> threading.Thread:
+    """Call ``render(appliance.status())`` every ``every_s`` seconds until the appliance stops."""
     def loop():
         while not appliance.stopping.wait(every_s):
-            render(appliance.snapshot())
+            render(appliance.status())
     thread = threading.Thread(target=loop, name="gradtap-status", daemon=True)
     thread.start()
     return thread

@@ -9,6 +9,9 @@ replica can no longer follow the trainer. The appliance then
 3. marks the replica stale: no snapshot is written until a resync from a trainer
    checkpoint (``gradtap resync`` or a POST to the appliance) clears it. The last snapshot
    written before stays valid: it is the last iteration the replica got right.
+
+The event log exists from the start (empty until the first event), so that an operator can
+follow it with ``tail -f`` as soon as the appliance runs.
 """
 
 from __future__ import annotations
@@ -18,8 +21,16 @@ import logging
 import os
 import threading
 import time
+import urllib.error
 import urllib.request
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from gradtap.core.errors import ConfigError, GradtapError
+
+if TYPE_CHECKING:
+    from gradtap.status import ApplianceStatus
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +39,7 @@ class ControlPlane:
     def __init__(self, event_log: Path, endpoint: str | None = None, timeout_s: float = 2.0):
         self.event_log = Path(event_log)
         self.event_log.parent.mkdir(parents=True, exist_ok=True)
+        self.event_log.touch()
         self.endpoint, self.timeout_s = endpoint, timeout_s
         self.stale = False
         self._lock = threading.Lock()
@@ -70,23 +82,26 @@ class ControlPlane:
 
 
 class ControlServer:
-    """The appliance's own control endpoint (localhost by default).
+    """The appliance's own control endpoint (on 127.0.0.1 unless told otherwise).
 
     ``POST /resync`` with ``{"checkpoint": "/path/to/trainer-checkpoint.pt"}`` hands a trainer
-    checkpoint (``{"model", "optimizer", "iteration"}``, as ``torch.save``d by the trainer or a
-    gradtap snapshot's ``model.pt``/``optimizer.pt`` pair given as its directory) to ``offer``:
-    a stale replica resynchronises from it when the streams reach its iteration.
-    ``GET /status`` returns ``status()`` as JSON. ``gradtap resync`` is the client.
+    checkpoint (``{"model", "optimizer", "iteration"}``, as ``torch.save``d by the trainer, or
+    a gradtap snapshot directory) to ``offer``: a stale replica resynchronises from it when
+    the streams reach its iteration. ``GET /status`` returns ``status()`` as JSON.
+    :func:`request_resync` (``gradtap resync``) is the client.
     """
 
-    def __init__(self, offer, status, port: int, address: str = "127.0.0.1"):
+    def __init__(self, offer: Callable[[dict], None], status: Callable[[], "ApplianceStatus"], port: int,
+                 address: str = "127.0.0.1"):
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from gradtap.checkpoints import load_checkpoint
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's name)
                 if self.path != "/status":
                     return self._reply(404, {"error": f"no {self.path}; try GET /status or POST /resync"})
-                self._reply(200, status())
+                self._reply(200, asdict(status()))
 
             def do_POST(self):  # noqa: N802
                 if self.path != "/resync":
@@ -94,7 +109,7 @@ class ControlServer:
                 try:
                     body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                     checkpoint = load_checkpoint(Path(body["checkpoint"]))
-                except (ValueError, KeyError, OSError, RuntimeError) as exc:
+                except (ValueError, KeyError, TypeError, GradtapError) as exc:
                     return self._reply(400, {"error": f"cannot use that checkpoint: {exc}"})
                 offer(checkpoint)
                 self._reply(202, {"accepted": True, "iteration": int(checkpoint["iteration"])})
@@ -120,14 +135,16 @@ class ControlServer:
         self.httpd.server_close()
 
 
-def load_checkpoint(path: Path) -> dict:
-    """A trainer checkpoint file, or a gradtap snapshot directory, as a checkpoint dict."""
-    import torch
-
-    from gradtap.updater import snapshot
-    if path.is_dir():
-        return snapshot.load(path)
-    checkpoint = torch.load(path, weights_only=True)
-    if not {"model", "optimizer", "iteration"} <= set(checkpoint):
-        raise ValueError(f"{path} is not a checkpoint with model, optimizer and iteration")
-    return checkpoint
+def request_resync(appliance: str, checkpoint: Path, timeout_s: float = 30.0) -> dict:
+    """Ask the appliance at ``appliance`` (its control endpoint URL) to resynchronise from
+    ``checkpoint`` (a path the appliance can read); its JSON answer."""
+    request = urllib.request.Request(f"{appliance.rstrip('/')}/resync", method="POST",
+                                     data=json.dumps({"checkpoint": str(checkpoint.resolve())}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:      # the appliance answered, and refused
+        raise ConfigError(f"{appliance} refused it: HTTP {exc.code} {exc.read().decode(errors='replace')}") from None
+    except OSError as exc:
+        raise ConfigError(f"--appliance {appliance}: no gradtap appliance answered ({exc})") from None

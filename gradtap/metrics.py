@@ -20,45 +20,47 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from gradtap.status import ApplianceStatus
+
 
 class ApplianceCollector:
-    """Turns ``snapshot()`` (a dict the appliance builds) into metric families."""
+    """Turns ``status()`` (:meth:`gradtap.appliance.Appliance.status`) into metric families."""
 
-    def __init__(self, snapshot: Callable[[], dict]):
-        self.snapshot = snapshot
+    def __init__(self, status: Callable[[], ApplianceStatus]):
+        self.status = status
 
     def collect(self):
-        s = self.snapshot()
+        s = self.status()
         frames = CounterMetricFamily("gradtap_frames", "frames captured", labels=["stream"])
         nbytes = CounterMetricFamily("gradtap_bytes", "bytes captured", labels=["stream"])
         drops = CounterMetricFamily("gradtap_drops", "frames lost before parsing", labels=["stream", "reason"])
         events = CounterMetricFamily("gradtap_decode_events", "frames by decode event", labels=["stream", "event"])
-        for stream, c in s["capture"].items():
+        for stream, c in s.capture.items():
             frames.add_metric([stream], c.get("frames", 0))
             nbytes.add_metric([stream], c.get("bytes", 0))
             for reason, key in (("kernel", "kernel_drops"), ("ring", "ring_drops"), ("truncated", "truncated")):
                 drops.add_metric([stream, reason], c.get(key, 0))
-        for stream, counters in s["events"].items():
+        for stream, counters in s.events.items():
             for event, n in counters.items():
                 events.add_metric([stream, event], n)
         iterations = CounterMetricFamily("gradtap_iterations", "merged iterations", labels=["result"])
-        iterations.add_metric(["recovered"], s["recovered"])
-        iterations.add_metric(["unrecoverable"], s["unrecoverable"])
+        iterations.add_metric(["recovered"], s.recovered)
+        iterations.add_metric(["unrecoverable"], s.unrecoverable)
         stages = CounterMetricFamily("gradtap_stage_seconds", "time per pipeline stage", labels=["stage"])
-        for stage, seconds in s["stages"].items():
+        for stage, seconds in (("parse", s.parse_s), ("merge", s.merge_s), ("update", s.update_s)):
             stages.add_metric([stage], seconds)
         yield from (frames, nbytes, drops, events, iterations, stages)
         yield GaugeMetricFamily("gradtap_replica_iteration", "next iteration the replica expects",
-                                value=s["replica_iteration"])
+                                value=s.replica_iteration)
         yield GaugeMetricFamily("gradtap_replica_stale", "1 while the replica waits for a resync",
-                                value=int(s["stale"]))
+                                value=int(s.stale))
         yield GaugeMetricFamily("gradtap_replica_lag_seconds", "last iteration: its last frame to the update",
-                                value=s["lag_s"])
+                                value=s.lag_s)
 
 
-def serve(snapshot: Callable[[], dict], port: int, address: str = "127.0.0.1") -> CollectorRegistry:
-    """Start the metrics HTTP server (a daemon thread) and return its registry."""
+def serve(status: Callable[[], ApplianceStatus], port: int, address: str = "127.0.0.1") -> CollectorRegistry:
+    """Start the metrics HTTP server (a daemon thread) on ``address:port`` and return its registry."""
     registry = CollectorRegistry()
-    registry.register(ApplianceCollector(snapshot))
+    registry.register(ApplianceCollector(status))
     start_http_server(port, addr=address, registry=registry)
     return registry

@@ -5,16 +5,17 @@ the frames out of the file's mapping. All streams advance together in time: ever
 takes from each stream the frames up to a common horizon (the earliest end of the streams'
 buffered batches), so no stream runs ahead of the others by more than one batch of the
 slowest; this matters because the merger's deadline looks at how far each stream has got.
-The streams of a round are parsed in parallel threads (the Numba kernels release the GIL);
-the merger and the updater then run on the main thread while the parsers wait, so nothing
-reads a slot a parser is writing.
+Each round goes through the :class:`gradtap.pipeline.Pipeline` the live appliance drives too.
+
+:func:`replay` feeds any sink; :func:`run_replay` is ``gradtap replay``: a replica, its
+snapshots, the event log and the per-iteration report in one output directory.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -22,10 +23,14 @@ import numpy as np
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader
+from gradtap.control import ControlPlane
 from gradtap.core.errors import ConfigError
-from gradtap.merger.merger import IterationReport, Merger, Sink
-from gradtap.wire import events as ev
-from gradtap.parser.stream import StreamParser
+from gradtap.merger.merger import IterationReport, Sink
+from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
+from gradtap.replica_sink import ReplicaSink
+from gradtap.updater.replica import Replica
+from gradtap.updater.snapshot import Snapshots
+from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
 from gradtap.workload.wire_plan import WirePlan
 
@@ -89,30 +94,6 @@ def _join(a: FrameBatch, b: FrameBatch) -> FrameBatch:
 
 
 @dataclass
-class StageTimes:
-    parse_s: dict[str, float] = field(default_factory=dict)
-    merge_s: float = 0.0
-    update_s: float = 0.0
-
-    def total(self) -> tuple[float, float, float]:
-        return sum(self.parse_s.values()), self.merge_s, self.update_s
-
-
-@dataclass
-class IterationTiming:
-    """Where one iteration's time went. Stage seconds are the pipeline's work between the
-    previous iteration's completion and this one's; ``lag_s`` is the replica lag: the wall
-    time from the start of the last round that carried a frame of this iteration (its last
-    packet, as far as a round can tell) to the sink having applied it (``iteration_done``)."""
-
-    iteration: int
-    parse_s: float
-    merge_s: float
-    update_s: float
-    lag_s: float
-
-
-@dataclass
 class ReplayResult:
     reports: list[IterationReport]
     counters: dict[str, dict[str, int]]        # stream -> decode event -> count
@@ -124,6 +105,10 @@ class ReplayResult:
 
 
 Progress = Callable[[str, int, int], None]     # (stream, bytes read, file bytes)
+
+
+def _no_progress(stream: str, done: int, total: int) -> None:
+    del stream, done, total
 
 
 def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
@@ -147,81 +132,8 @@ def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
     return out
 
 
-class Pipeline:
-    """Every stream's parser, the merger and the sink, advanced one round at a time.
-
-    A round parses each stream's new frames in parallel threads (the Numba kernels release
-    the GIL), then updates the merger with what each stream retired and holds in flight,
-    and lets it hand off what is complete; the sink (the updater) runs on the caller's
-    thread while the parsers wait, so nothing reads a slot a parser is writing. Offline
-    replay and the live appliance drive the same rounds.
-    """
-
-    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink):
-        gap = job.appliance.iteration_gap_ns
-        self.parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in streams}
-        self.times = StageTimes(parse_s={name: 0.0 for name in streams})
-        self._sink = _TimedSink(sink, self.times)
-        self.merger = Merger(plan, list(streams), self._sink)
-        self.last_fed: dict[int, float] = {}        # iteration -> start of the last round carrying its frames
-        self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
-        self._retired: dict[int, list[tuple[str, np.ndarray]]] = {}   # iteration -> gradients the merger holds
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
-
-    def round(self, batches: dict[str, FrameBatch]) -> None:
-        started = time.perf_counter()
-        work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
-        results = list(self._pool.map(lambda nb: self._parse(*nb), work))
-        t = time.perf_counter()
-        for name, retired in results:
-            parser = self.parsers[name]
-            placed = parser.placed()
-            for i, n in placed.items():
-                if n != self._placed[name].get(i):
-                    self.last_fed[i] = started
-            self._placed[name] = placed
-            for a in retired:
-                self._retired.setdefault(a.index, []).append((name, a.grad))
-            self.merger.update(name, retired, parser.in_progress())
-        self.merger.advance()
-        self._recycle()
-        self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
-
-    def finish(self) -> list[IterationReport]:
-        """End of input: every stream hands back what it holds, every pending iteration is due."""
-        t = time.perf_counter()
-        for name, p in self.parsers.items():
-            self.merger.update(name, p.flush(), [])
-        reports = self.merger.close()
-        self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
-        return reports
-
-    def _recycle(self) -> None:
-        """Hand the gradient arrays of iterations the merger has finished (or never took) back
-        to their parsers: the merger dropped its copies and the sink got merged buckets of its
-        own, so nothing refers to them any more."""
-        for g in [g for g in self._retired if g < self.merger.next]:
-            for name, grad in self._retired.pop(g):
-                self.parsers[name].recycle(grad)
-
-    def counters(self) -> dict[str, dict[str, int]]:
-        return {n: ev.as_dict(p.counters) for n, p in self.parsers.items()}
-
-    def timings(self) -> list[IterationTiming]:
-        return self._sink.timings(self.last_fed)
-
-    def close(self) -> None:
-        self._pool.shutdown()
-
-    def _parse(self, name: str, batch: FrameBatch):
-        t = time.perf_counter()
-        retired = self.parsers[name].feed(batch)
-        self.times.parse_s[name] += time.perf_counter() - t
-        return name, retired
-
-
 def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
-           progress: Progress = lambda *_: None) -> ReplayResult:
+           progress: Progress = _no_progress) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``; never hangs (ends at EOF)."""
     pipeline = Pipeline(job, plan, list(pcaps), sink)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
@@ -246,37 +158,32 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
                         pipeline.timings())
 
 
-class _TimedSink:
-    """Measures the time the sink (the updater) takes, so merge time excludes it."""
-
-    def __init__(self, sink: Sink, times: StageTimes):
-        self.sink, self.times, self._pending = sink, times, 0.0
-        self._done: list[tuple[int, float, tuple[float, float, float]]] = []   # iteration, wall, cumulative
-
-    def bucket(self, iteration, bucket, data):
-        t = time.perf_counter()
-        self.sink.bucket(iteration, bucket, data)
-        self._spent(time.perf_counter() - t)
-
-    def iteration_done(self, iteration, report):
-        t = time.perf_counter()
-        self.sink.iteration_done(iteration, report)
-        now = time.perf_counter()
-        self._spent(now - t)
-        self._done.append((iteration, now, self.times.total()))
-
-    def timings(self, last_fed: dict[int, float]) -> list[IterationTiming]:
-        out, before = [], (0.0, 0.0, 0.0)
-        for iteration, wall, cumulative in self._done:
-            delta = [c - b for c, b in zip(cumulative, before)]
-            out.append(IterationTiming(iteration, *delta, lag_s=max(0.0, wall - last_fed.get(iteration, wall))))
-            before = cumulative
-        return out
-
-    def _spent(self, seconds: float) -> None:
-        self.times.update_s += seconds
-        self._pending += seconds
-
-    def pop_update_time(self) -> float:
-        spent, self._pending = self._pending, 0.0
-        return spent
+def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, digests: bool = True,
+               batch_frames: int = 65536, progress: Progress = _no_progress,
+               resync: list[dict] | None = None) -> tuple[ReplayResult, ReplicaSink]:
+    """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
+    whose ``iteration`` is the capture's first iteration), writing into ``out``:
+    ``snapshots/``, ``iterations.jsonl`` (with a state digest per iteration when ``digests``),
+    ``events.jsonl`` and ``replay.json``. ``resync``: trainer checkpoints a stale replica
+    resynchronises from when the streams reach their iteration."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("iterations.jsonl", "events.jsonl"):
+        (out / stale).unlink(missing_ok=True)
+    replica = Replica(job, start)
+    control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
+    snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
+                          keep=job.appliance.snapshot_keep)
+    sink = ReplicaSink(replica, control, replica.iteration, snapshots=snapshots,
+                       report_path=out / "iterations.jsonl", digests=digests, resync=resync)
+    finished = False
+    try:
+        result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, progress=progress)
+        finished = replica.open_iteration is None and bool(sink.applied)
+    finally:
+        snapshots.close(replica if finished else None)   # a clean end writes a final snapshot
+    (out / "replay.json").write_text(json.dumps({
+        "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": result.wall_s,
+        "frames": result.frames, "bytes": result.bytes, "events": result.counters,
+        "iterations": sink.lines, "stale": replica.stale,
+        "timings": [t.__dict__ for t in result.timings]}, indent=1))
+    return result, sink

@@ -6,42 +6,23 @@ the iteration of the checkpoint the replica started from when the capture began 
 merged iteration that is not the replica's next one means the appliance missed iterations:
 the replica cannot follow, which is a fallback like an unrecoverable iteration.
 
-After every applied iteration the sink can record a digest of the replica's state (sha256
-over each parameter's value, ``exp_avg`` and ``exp_avg_sq`` in parameter order, then the
-step) so that ``gradtap verify`` checks every iteration, not only the snapshots kept.
+After every applied iteration the sink can record the replica's state digest
+(``gradtap/digest.py``) so that ``gradtap verify`` checks every iteration, not only the
+snapshots kept.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
 
 from gradtap.control import ControlPlane
+from gradtap.digest import replica_digest
 from gradtap.merger.merger import IterationReport
 from gradtap.updater.replica import Replica
 from gradtap.updater.snapshot import Snapshots
-
-log = logging.getLogger(__name__)
-
-
-def state_digest(param: list[np.ndarray], exp_avg: list[np.ndarray], exp_avg_sq: list[np.ndarray], step: int) -> str:
-    """The digest both the replica and the ground truth are summarised by (float32 arrays)."""
-    h = hashlib.sha256()
-    for arrays in zip(param, exp_avg, exp_avg_sq):
-        for a in arrays:
-            h.update(np.ascontiguousarray(a, np.float32).tobytes())
-    h.update(np.int64(step).tobytes())
-    return h.hexdigest()
-
-
-def replica_digest(replica: Replica) -> str:
-    s, layout = replica.state, replica.layout
-    views = [[arr[layout.param(i)] for i in range(len(layout.params))] for arr in (s.param, s.exp_avg, s.exp_avg_sq)]
-    return state_digest(*views, replica.step)
 
 
 class ReplicaSink:

@@ -1,9 +1,14 @@
-"""Subcommands of ``gradtap``. Each module named here adds its commands to ``gradtap.cli.app``
-when imported; this tuple is the explicit registry the CLI reads."""
+"""Subcommands of ``gradtap``. Each module named here adds its command to ``gradtap.cli.app``
+when imported; this tuple is the explicit registry the CLI reads, in the order of the data
+flow, which is the order ``gradtap --help`` lists them in.
+
+A command module imports only Typer, Rich and the standard library at the top; the stages
+(PyTorch, Numba, pyroute2, ...) are imported inside the handler, when the command runs.
+"""
 
 from importlib import import_module
 
-COMMAND_MODULES = ("demo", "simulate", "inspect", "replay", "run", "netconfig")
+COMMAND_MODULES = ("demo", "simulate", "inspect", "replay", "verify", "run", "resync", "netconfig")
 
 for _name in COMMAND_MODULES:
     import_module(f"gradtap.commands.{_name}")

@@ -13,40 +13,47 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from gradtap.cli import app
-from gradtap.wire.headers.opcodes import OPCODES
-from gradtap.parser.inspect import PHASE_NAMES, inspect_capture
-from gradtap.workload.spec import load_job
+from gradtap.tables import table
 
 console = Console()
 progress_console = Console(stderr=True)
 
 
 def _opcode(code: int) -> str:
+    from gradtap.wire.headers.opcodes import OPCODES
+
     op = OPCODES.get(code)
-    return f"{code:#04x} {op.name.removeprefix('RC_').removeprefix('RDMA_') if op else 'unknown'}"
+    if op is None:
+        return f"{code:#04x} unknown"
+    name = op.name.removeprefix("RC_").removeprefix("RDMA_")
+    return f"{code:#04x} {name.replace('_WITH_IMMEDIATE', '_IMM').replace('_WITH_INVALIDATE', '_INV')}"
 
 
 def flows_table(summary: dict) -> Table:
+    """One row per RoCEv2 flow: its addresses and QP, frames, PSNs, protocol and opcodes."""
     icrc = summary["icrc"]
-    table = Table(title=f"{summary['file']} ({summary['format']}): {summary['frames']:,} frames, "
-                        f"{summary['roce_frames']:,} RoCEv2; ICRC ok {icrc['ok']:,}, bad {icrc['bad']:,}")
-    for col in ("#", "source", "destination", "dest QP", "UDP sport", "frames", "opcodes", "payload B",
-                "PSN first..last", "PSN gaps", "NCCL protocol"):
-        table.add_column(col, justify="right" if col in ("#", "frames", "payload B", "PSN gaps") else "left")
+    t = table(f"{summary['file']} ({summary['format']}): {summary['frames']:,} frames, "
+              f"{summary['roce_frames']:,} RoCEv2; ICRC ok {icrc['ok']:,}, bad {icrc['bad']:,}",
+              "#", "flow", "frames\npayload B", "PSN first\nlast\ngaps", "NCCL", "opcodes: frames",
+              numeric=("#", "frames\npayload B", "PSN first\nlast\ngaps"))
+    t.leading = 1                    # rows of several lines each
     for i, f in enumerate(summary["flows"]):
         opcodes = "\n".join(f"{_opcode(int(op))}: {n:,}" for op, n in f["opcodes"].items())
-        table.add_row(str(i), f["src"], f["dst"], f"{f['dest_qp']:#08x}", str(f["udp_sport"]), f"{f['frames']:,}",
-                      opcodes, f"{f['payload_bytes']:,}", f"{f['psn_first']}..{f['psn_last']}",
-                      str(f["psn_gaps"]), f["nccl_protocol"])
-    return table
+        t.add_row(str(i), f"{f['src']} →\n{f['dst']}\nQP {f['dest_qp']:#08x}\nUDP {f['udp_sport']}",
+                  f"{f['frames']:,}\n{f['payload_bytes']:,}", f"{f['psn_first']}\n{f['psn_last']}\n{f['psn_gaps']}",
+                  f["nccl_protocol"], opcodes)
+    return t
 
 
 def job_table(summary: dict) -> Table:
+    """The flows' messages by phase of the job's wire plan, and by bucket."""
+    from gradtap.parser.inspect import PHASE_NAMES
+
     job = summary["job"]
     buckets = ", ".join(f"{b}: {n:,}" for b, n in job["buckets"].items()) or "none"
-    table = Table(title=f"messages of job {job['name']} by phase", caption=f"data messages per bucket: {buckets}")
-    for col in ("#", "plan flow", *PHASE_NAMES, "buckets"):
-        table.add_column(col, justify="left" if col in ("plan flow", "buckets") else "right")
+    t = table(f"messages of job {job['name']} by phase", "#", "plan flow", *PHASE_NAMES, "bucket: messages",
+              numeric=("#", *PHASE_NAMES), caption=f"data messages per bucket: {buckets}")
+    t.leading = 1
     for i, f in enumerate(summary["flows"]):
         info = f.get("job")
         if info is None:
@@ -54,16 +61,19 @@ def job_table(summary: dict) -> Table:
         if info["plan_flow"] is None:
             plan = "no match"
         else:
-            plan = (f"{info['kind']} rank {info['src_rank']}->{info['dst_rank']} channel {info['channel']} "
-                    f"qp {info['qp']}" + (f" ({info['alignments']} alignments)" if info["alignments"] > 1 else ""))
-        table.add_row(str(i), plan, *(f"{info['messages'][p]:,}" for p in PHASE_NAMES),
-                      ", ".join(f"{b}: {n}" for b, n in info["buckets"].items()))
-    table.add_row("", "total", *(f"{job['phases'][p]:,}" for p in PHASE_NAMES), "", style="bold")
-    return table
+            plan = (f"{info['kind']} rank {info['src_rank']}->{info['dst_rank']}\nchannel {info['channel']}, "
+                    f"qp {info['qp']}" + (f"\n{info['alignments']} alignments" if info["alignments"] > 1 else ""))
+        t.add_row(str(i), plan, *(f"{info['messages'][p]:,}" for p in PHASE_NAMES),
+                  "\n".join(f"{b}: {n}" for b, n in info["buckets"].items()))
+    t.add_row("", "total", *(f"{job['phases'][p]:,}" for p in PHASE_NAMES), "", style="bold")
+    return t
 
 
 def run_inspect(file: Path, job: Path | None) -> dict:
     """The summary, with a progress bar on stderr when it is a terminal."""
+    from gradtap.parser.inspect import inspect_capture
+    from gradtap.workload.spec import load_job
+
     spec = load_job(job) if job is not None else None
     if not progress_console.is_terminal:
         return inspect_capture(file, spec)
@@ -76,8 +86,8 @@ def run_inspect(file: Path, job: Path | None) -> dict:
 
 @app.command("inspect")
 def inspect_command(
-    file: Path = typer.Argument(..., help="pcap or pcapng capture (Ethernet)"),
-    job: Path = typer.Option(None, "--job", help="job spec YAML: map messages to phases and buckets"),
+    file: Path = typer.Argument(..., metavar="FILE", help="pcap or pcapng capture (Ethernet)"),
+    job: Path = typer.Option(None, "--job", metavar="JOB", help="job spec YAML: map messages to phases and buckets"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as one JSON object"),
 ) -> None:
     """RoCEv2 flows of a capture: ICRC results, opcodes, PSN gaps and the NCCL protocol."""

@@ -7,26 +7,26 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from gradtap.cli import app
+from gradtap.cli import App, app
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.linux_mirror import apply_mirrors, plan_mirrors, teardown_mirrors
-from gradtap.netconfig.plan import load_plan, mirrors_yaml, save_plan
-from gradtap.netconfig.planner import plan_topology
-from gradtap.netconfig.render import format_configs, render_plan, write_configs
-from gradtap.netconfig.report import print_report, report_dict
-from gradtap.netconfig.topology import load_topology
-from gradtap.netconfig.vendors import VENDORS
+from gradtap.tables import table
 
 console = Console()
-netconfig_app = typer.Typer(name="netconfig", no_args_is_help=True,
-                            help="Plan which switch ports to mirror, render vendor configs, apply them on Linux.")
+netconfig_app = App(name="netconfig", help="Plan which switch ports to mirror, render vendor configs, apply them "
+                                           "on Linux.")
 app.add_typer(netconfig_app, name="netconfig")
+
+# The names of ``gradtap.netconfig.vendors.VENDORS``, for the help text, which must not import
+# the renderers (pydantic); tests/gradtap/test_cli.py checks that the two agree.
+VENDOR_NAMES = ("sonic", "eos", "nxos", "comware", "junos", "nvue", "linux")
 
 
 def write_plan_dir(plan, out: Path) -> list[Path]:
     """``plan.json``, ``report.json`` and one job-spec ``mirrors/<group>.yaml`` per DP group."""
+    from gradtap.netconfig.plan import mirrors_yaml, save_plan
+    from gradtap.netconfig.report import report_dict
+
     (out / "mirrors").mkdir(parents=True, exist_ok=True)
     save_plan(plan, out / "plan.json")
     (out / "report.json").write_text(json.dumps(report_dict(plan), indent=2) + "\n")
@@ -38,19 +38,64 @@ def write_plan_dir(plan, out: Path) -> list[Path]:
     return written
 
 
+def _sci(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def _between(iterations: float | None) -> str:
+    return "unbounded" if iterations is None else f"{iterations:.3g}"
+
+
+def print_plan_report(report: dict, console: Console) -> None:
+    """``report_dict(plan)`` as tables: per DP group, per mirror source, per switch, per CPU
+    node, then the job's failure probability and cost."""
+    groups = table(f"DP groups ({report['topology']}, loss p = {report['loss_rate']:g}, "
+                   f"K = {report['packets_per_iteration']:g} packets/iteration)",
+                   "group", "ranks", "CPU node", "min\nc_k", "P(fail)\nexact", "P(fail)\nEq. 2",
+                   "iterations\nbetween\nfailures", numeric=("ranks", "min\nc_k"))
+    sources = table("Mirror sources per DP group", "group", "source: position, direction, switch port -> "
+                                                            "CPU node NIC (encapsulation)")
+    for g in report["groups"]:
+        groups.add_row(g["id"], str(g["ranks"]), g["cpu_node"], str(g["min_chunk_coverage"]), _sci(g["p_fail_exact"]),
+                       _sci(g["p_fail_eq2"]), _between(g["iterations_between_failures"]))
+        sources.add_row(g["id"], "\n".join(g["sources"]))
+    switches = table("Mirror sessions per switch", "switch", "vendor", "sources", "sessions", "limit", "free\nports",
+                     numeric=("sources", "sessions", "limit", "free\nports"))
+    for s in report["switches"]:
+        switches.add_row(s["switch"], s["vendor"], str(s["sources"]), str(s["sessions"]),
+                         "none" if s["session_limit"] is None else str(s["session_limit"]), str(s["free_ports"]))
+    nodes = table("CPU mirror nodes", "CPU node", "DP groups", "load\nGbps", "capacity\nGbps",
+                  numeric=("load\nGbps", "capacity\nGbps"))
+    for n in report["cpu_nodes"]:
+        nodes.add_row(n["name"], ", ".join(n["groups"]), f"{n['load_gbps']:g}", f"{n['capacity_gbps']:g}")
+    for t in (groups, sources, switches, nodes):
+        console.print(t)
+    job, cost = report["job"], report["cost"]
+    console.print(f"job: {job['dp_groups']} DP groups, P(any group fails per iteration) = "
+                  f"{_sci(job['p_fail_exact'])} exact, {_sci(job['p_fail_eq2'])} Eq. 2; expected iterations "
+                  f"between failures: {_between(job['iterations_between_failures'])}")
+    console.print(f"cost: {cost['cpu_nodes']} CPU nodes x {cost['price_per_hour']:.2f} {cost['currency']}/h = "
+                  f"{cost['total_per_hour']:.2f} {cost['currency']}/h")
+
+
 @netconfig_app.command("plan")
 def plan_command(
-    topology: Path = typer.Argument(..., exists=True, dir_okay=False, help="cluster topology YAML"),
-    out: Path = typer.Option(None, "--out", "-o", help="write plan.json, report.json and mirrors/<group>.yaml here"),
+    topology: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="TOPOLOGY", help="cluster topology YAML"),
+    out: Path = typer.Option(None, "--out", "-o", metavar="DIR",
+                             help="write plan.json, report.json and mirrors/<group>.yaml here"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON instead of tables"),
 ) -> None:
     """Choose mirror sources per DP group, assign CPU-node ports, and report reliability and cost."""
+    from gradtap.netconfig.planner import plan_topology
+    from gradtap.netconfig.report import report_dict
+    from gradtap.netconfig.topology import load_topology
+
     plan = plan_topology(load_topology(topology))
     written = write_plan_dir(plan, out) if out else []
     if as_json:
         typer.echo(json.dumps(report_dict(plan), indent=2))
     else:
-        print_report(plan, console)
+        print_plan_report(report_dict(plan), console)
         if written:
             console.print(f"wrote {out / 'plan.json'}, {out / 'report.json'} and {len(plan.groups)} job-spec "
                           f"mirror sections under {out / 'mirrors'}")
@@ -58,12 +103,17 @@ def plan_command(
 
 @netconfig_app.command("render")
 def render_command(
-    plan: Path = typer.Argument(..., exists=True, dir_okay=False, help="plan.json from `gradtap netconfig plan`"),
-    vendor: str = typer.Option(None, "--vendor", help=f"override each switch's vendor: {', '.join(VENDORS)}"),
-    switch: list[str] = typer.Option([], "--switch", help="render only this switch (repeatable)"),
-    out: Path = typer.Option(None, "--out", "-o", help="write one file per switch and kind here"),
+    plan: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="PLAN",
+                                help="plan.json from `gradtap netconfig plan`"),
+    vendor: str = typer.Option(None, "--vendor", metavar="VENDOR",
+                               help=f"override each switch's vendor: {', '.join(VENDOR_NAMES)}"),
+    switch: list[str] = typer.Option([], "--switch", metavar="SWITCH", help="render only this switch (repeatable)"),
+    out: Path = typer.Option(None, "--out", "-o", metavar="DIR", help="write one file per switch and kind here"),
 ) -> None:
     """Render each switch's mirror configuration and its matching teardown."""
+    from gradtap.netconfig.plan import load_plan
+    from gradtap.netconfig.render import format_configs, render_plan, write_configs
+
     configs = render_plan(load_plan(plan), vendor, switch or None)
     if out:
         for path in write_configs(configs, out):
@@ -78,44 +128,50 @@ def _require_linux(linux: bool) -> None:
                           "`gradtap netconfig render PLAN --vendor V` and load the output")
 
 
-def _mirror_table(title: str, rows: list[tuple[str, list]]) -> Table:
-    table = Table(title=title)
-    for column in ("interface", "hook", "mirrored to", "result"):
-        table.add_column(column)
+def _print_mirrors(title: str, rows: list[tuple[str, list]]) -> None:
+    t = table(title, "interface", "hook", "mirrored to", "result")
     for result, mirrors in rows:
         for m in mirrors:
-            table.add_row(m.ifname, m.hook, m.dest_ifname, result)
-    return table
+            t.add_row(m.ifname, m.hook, m.dest_ifname, result)
+    console.print(t)
 
 
 @netconfig_app.command("apply")
 def apply_command(
-    plan: Path = typer.Argument(..., exists=True, dir_okay=False, help="plan.json"),
+    plan: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="PLAN",
+                                help="plan.json from `gradtap netconfig plan`"),
     linux: bool = typer.Option(False, "--linux", help="apply with tc through netlink on this host"),
-    switch: str = typer.Option(None, "--switch", help="the plan's switch this host is (if several mirror)"),
-    netns: str = typer.Option(None, "--netns", help="network namespace holding the switch's interfaces"),
+    switch: str = typer.Option(None, "--switch", metavar="SWITCH",
+                               help="the plan's switch this host is (if several mirror)"),
+    netns: str = typer.Option(None, "--netns", metavar="NS", help="network namespace holding the switch's interfaces"),
 ) -> None:
     """Install the plan's mirroring on Linux interfaces (idempotent)."""
     _require_linux(linux)
+    from gradtap.netconfig.linux_mirror import apply_mirrors, plan_mirrors
+    from gradtap.netconfig.plan import load_plan
+
     name, mirrors = plan_mirrors(load_plan(plan), switch)
     result = apply_mirrors(mirrors, netns)
-    console.print(_mirror_table(f"{name}: mirror filters (classifier: {result.classifier or 'unchanged'})",
-                                [("created", result.created), ("replaced", result.replaced),
-                                 ("already in place", result.unchanged)]))
+    _print_mirrors(f"{name}: mirror filters (classifier: {result.classifier or 'unchanged'})",
+                   [("created", result.created), ("replaced", result.replaced), ("already in place", result.unchanged)])
 
 
 @netconfig_app.command("teardown")
 def teardown_command(
-    plan: Path = typer.Argument(..., exists=True, dir_okay=False, help="plan.json"),
+    plan: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="PLAN",
+                                help="plan.json from `gradtap netconfig plan`"),
     linux: bool = typer.Option(False, "--linux", help="remove the tc mirroring through netlink on this host"),
-    switch: str = typer.Option(None, "--switch", help="the plan's switch this host is (if several mirror)"),
-    netns: str = typer.Option(None, "--netns", help="network namespace holding the switch's interfaces"),
+    switch: str = typer.Option(None, "--switch", metavar="SWITCH",
+                               help="the plan's switch this host is (if several mirror)"),
+    netns: str = typer.Option(None, "--netns", metavar="NS", help="network namespace holding the switch's interfaces"),
 ) -> None:
     """Remove exactly the mirroring `apply` installs (idempotent)."""
     _require_linux(linux)
+    from gradtap.netconfig.linux_mirror import plan_mirrors, teardown_mirrors
+    from gradtap.netconfig.plan import load_plan
+
     name, mirrors = plan_mirrors(load_plan(plan), switch)
     result = teardown_mirrors(mirrors, netns)
-    console.print(_mirror_table(f"{name}: mirror filters", [("removed", result.removed),
-                                                           ("was not there", result.absent)]))
+    _print_mirrors(f"{name}: mirror filters", [("removed", result.removed), ("was not there", result.absent)])
     if result.qdiscs_removed:
         console.print(f"removed the now-empty clsact qdisc of {', '.join(result.qdiscs_removed)}")

@@ -23,19 +23,19 @@ import pytest
 import torch
 from pyroute2 import netns
 
+from gradtap.appliance import Appliance, RunOptions
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
 from gradtap.capture.sender import FrameSender
 from gradtap.capture.worker import SourceSpec
-from gradtap.appliance import Appliance, RunOptions
-from gradtap.verify import verify
 from gradtap.netconfig.linux_mirror import apply_mirrors, teardown_mirrors
 from gradtap.netconfig.vendors.linux import TcMirror
 from gradtap.simulator.faults import FaultSpec
 from gradtap.simulator.run import Simulation
-from tests.capture.netlab import ETHERTYPE, BridgeLab
+from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import parse_job
+from tests.capture.netlab import ETHERTYPE, BridgeLab
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces, tc and AF_XDP")]
@@ -122,12 +122,17 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
             runner.join(timeout=60)
         assert not runner.is_alive(), "the appliance did not stop"
     assert result["r"].exit_code == 0, result["r"].reason
-    snap = appliance.snapshot()
-    for name, c in snap["capture"].items():
+    status = appliance.status()
+    for name, c in status.capture.items():
         assert c.get("ring_drops", 0) == 0 and c.get("kernel_drops", 0) == 0, (name, c)
-    for name, events in snap["events"].items():
+    for name, events in status.events.items():
         assert events.get("data.written", 0) > 0 and "data.before_lock" not in events, (name, events)
     v = verify(tmp_path / "run", sim / "truth", job_params(job))
     truth_iterations = json.loads((sim / "truth" / "manifest.json").read_text())["iterations"]
     assert v.ok and not v.stale, v
     assert v.digests_checked == truth_iterations
+    # The replica's moments against the trainer's, directly.
+    replica = appliance.replica.state_dict()["optimizer"]["state"]
+    with np.load(sim / "truth" / f"iter_{truth_iterations[-1]:06d}" / "state.npz") as truth:
+        for i, p in enumerate(job_params(job)):
+            assert replica[i]["exp_avg"].numpy().tobytes() == truth[f"exp_avg/{p.name}"].tobytes(), p.name

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import urllib.request
 
+import numpy as np
 import pytest
 import torch
 
-from gradtap.capture.worker import SourceSpec
 from gradtap import metrics
-from gradtap.appliance import Appliance, RunOptions
+from gradtap.appliance import Appliance, ApplianceStatus, RunOptions
+from gradtap.capture.worker import SourceSpec
+from gradtap.updater import snapshot
 from gradtap.verify import verify
-from tests.simulator.test_simulate import make_job, simulate
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import dump_job
+from tests.simulator.test_simulate import make_job, simulate
 
 
 def free_port() -> int:
@@ -35,11 +38,20 @@ def test_run_over_pcap_sources_serves_metrics_and_ends_cleanly(tmp_path):
     start = torch.load(tmp_path / "sim" / "truth" / "start.pt", weights_only=True)
     appliance = Appliance(job, streams, tmp_path / "run", start,
                           RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True))
+    assert (tmp_path / "run" / "events.jsonl").read_text() == ""        # there to follow from the start
     port = free_port()
-    metrics.serve(appliance.snapshot, port)
+    metrics.serve(appliance.status, port)
     result = appliance.run()
     assert result.exit_code == 0 and result.reason == "every source ended" and result.unrecoverable == 0
     assert verify(tmp_path / "run", tmp_path / "sim" / "truth", job_params(job)).ok
+    # The replica and its last snapshot against the trainer's state itself, not only through verify.
+    with np.load(tmp_path / "sim" / "truth" / "iter_000003" / "state.npz") as truth:
+        for name, value in appliance.replica.state_dict()["model"].items():
+            assert value.numpy().tobytes() == truth[f"param/{name}"].tobytes(), name
+        latest = snapshot.latest(tmp_path / "run" / "snapshots")
+        moments = torch.load(latest / "optimizer.pt", weights_only=True)["state"]
+        for i, p in enumerate(job_params(job)):
+            assert moments[i]["exp_avg_sq"].numpy().tobytes() == truth[f"exp_avg_sq/{p.name}"].tobytes(), p.name
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     frames = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
               for line in body.splitlines() if line.startswith("gradtap_frames_total{")}
@@ -109,7 +121,9 @@ def test_gradtap_resync_hands_a_checkpoint_to_the_control_endpoint(tmp_path):
     torch.save(checkpoint, tmp_path / "ckpt.pt")
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     offered = []
-    server = ControlServer(offered.append, lambda: {"replica_iteration": 3}, free_port())
+    status = ApplianceStatus(capture={}, events={}, recovered=2, unrecoverable=1, replica_iteration=3, stale=True,
+                             lag_s=0.0, parse_s=0.0, merge_s=0.0, update_s=0.0)
+    server = ControlServer(offered.append, lambda: status, free_port())
     try:
         url = f"http://127.0.0.1:{server.port}"
         run = [sys.executable, "-c", "from gradtap.cli import main; main()", "resync"]
@@ -117,12 +131,14 @@ def test_gradtap_resync_hands_a_checkpoint_to_the_control_endpoint(tmp_path):
         done = subprocess.run(run + [str(tmp_path / "ckpt.pt"), "--appliance", url], capture_output=True,
                               text=True, timeout=120, env=env)
         assert done.returncode == 0, done.stderr
+        assert "iteration 7" in done.stderr
         assert [int(c["iteration"]) for c in offered] == [7]
         bad = subprocess.run(run + [str(tmp_path / "bad.pt"), "--appliance", url], capture_output=True,
                              text=True, timeout=120, env=env)
-        assert bad.returncode != 0 and len(offered) == 1
-        status = urllib.request.urlopen(f"{url}/status", timeout=5).read()
-        assert b'"replica_iteration": 3' in status
+        assert bad.returncode == 2 and len(offered) == 1
+        assert bad.stderr.startswith(f"error: checkpoint {tmp_path / 'bad.pt'}: cannot load a trainer checkpoint")
+        answer = json.loads(urllib.request.urlopen(f"{url}/status", timeout=5).read())
+        assert answer["replica_iteration"] == 3 and answer["stale"] is True
     finally:
         server.close()
 

@@ -1,0 +1,153 @@
+"""The pipeline the appliance and offline replay share: every stream's parser, the merger and
+the sink (the updater), advanced one round of frames at a time, with the time each stage takes.
+
+A round parses each stream's new frames in parallel threads (the Numba kernels release the
+GIL); the merger and the sink then run on the caller's thread while the parsers wait, so
+nothing reads a slot a parser is writing. ``gradtap.replay`` feeds rounds from capture files,
+``gradtap.appliance`` from the capture workers' shared-memory rings.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradtap.capture.frames import FrameBatch
+from gradtap.merger.merger import IterationReport, Merger, Sink
+from gradtap.parser.stream import StreamParser
+from gradtap.wire import events as ev
+from gradtap.workload.spec import JobSpec
+from gradtap.workload.wire_plan import WirePlan
+
+
+@dataclass
+class StageTimes:
+    """Seconds of work per stage since the pipeline started (parsing per stream)."""
+
+    parse_s: dict[str, float] = field(default_factory=dict)
+    merge_s: float = 0.0
+    update_s: float = 0.0
+
+    def total(self) -> tuple[float, float, float]:
+        return sum(self.parse_s.values()), self.merge_s, self.update_s
+
+
+@dataclass
+class IterationTiming:
+    """Where one iteration's time went. Stage seconds are the pipeline's work between the
+    previous iteration's completion and this one's; ``lag_s`` is the replica lag: the wall
+    time from the start of the last round that carried a frame of this iteration (its last
+    packet, as far as a round can tell) to the sink having applied it (``iteration_done``)."""
+
+    iteration: int
+    parse_s: float
+    merge_s: float
+    update_s: float
+    lag_s: float
+
+
+class Pipeline:
+    """Every stream's parser, the merger and the sink of ``job``, advanced one round at a time:
+    each stream's new frames are parsed, then the merger learns what each stream retired and
+    holds in flight, and hands what is complete to the sink."""
+
+    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink):
+        gap = job.appliance.iteration_gap_ns
+        self.parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in streams}
+        self.times = StageTimes(parse_s={name: 0.0 for name in streams})
+        self._sink = _TimedSink(sink, self.times)
+        self.merger = Merger(plan, list(streams), self._sink)
+        self.last_fed: dict[int, float] = {}        # iteration -> start of the last round carrying its frames
+        self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
+        self._retired: dict[int, list[tuple[str, np.ndarray]]] = {}   # iteration -> gradients the merger holds
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
+
+    def round(self, batches: dict[str, FrameBatch]) -> None:
+        started = time.perf_counter()
+        work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
+        results = list(self._pool.map(lambda nb: self._parse(*nb), work))
+        t = time.perf_counter()
+        for name, retired in results:
+            parser = self.parsers[name]
+            placed = parser.placed()
+            for i, n in placed.items():
+                if n != self._placed[name].get(i):
+                    self.last_fed[i] = started
+            self._placed[name] = placed
+            for a in retired:
+                self._retired.setdefault(a.index, []).append((name, a.grad))
+            self.merger.update(name, retired, parser.in_progress())
+        self.merger.advance()
+        self._recycle()
+        self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
+
+    def finish(self) -> list[IterationReport]:
+        """End of input: every stream hands back what it holds, every pending iteration is due."""
+        t = time.perf_counter()
+        for name, p in self.parsers.items():
+            self.merger.update(name, p.flush(), [])
+        reports = self.merger.close()
+        self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
+        return reports
+
+    def _recycle(self) -> None:
+        """Hand the gradient arrays of iterations the merger has finished (or never took) back
+        to their parsers: the merger dropped its copies and the sink got merged buckets of its
+        own, so nothing refers to them any more."""
+        for g in [g for g in self._retired if g < self.merger.next]:
+            for name, grad in self._retired.pop(g):
+                self.parsers[name].recycle(grad)
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {n: ev.as_dict(p.counters) for n, p in self.parsers.items()}
+
+    def timings(self) -> list[IterationTiming]:
+        return self._sink.timings(self.last_fed)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def _parse(self, name: str, batch: FrameBatch):
+        t = time.perf_counter()
+        retired = self.parsers[name].feed(batch)
+        self.times.parse_s[name] += time.perf_counter() - t
+        return name, retired
+
+
+class _TimedSink:
+    """Measures the time the sink (the updater) takes, so merge time excludes it."""
+
+    def __init__(self, sink: Sink, times: StageTimes):
+        self.sink, self.times, self._pending = sink, times, 0.0
+        self._done: list[tuple[int, float, tuple[float, float, float]]] = []   # iteration, wall, cumulative
+
+    def bucket(self, iteration, bucket, data):
+        t = time.perf_counter()
+        self.sink.bucket(iteration, bucket, data)
+        self._spent(time.perf_counter() - t)
+
+    def iteration_done(self, iteration, report):
+        t = time.perf_counter()
+        self.sink.iteration_done(iteration, report)
+        now = time.perf_counter()
+        self._spent(now - t)
+        self._done.append((iteration, now, self.times.total()))
+
+    def timings(self, last_fed: dict[int, float]) -> list[IterationTiming]:
+        out, before = [], (0.0, 0.0, 0.0)
+        for iteration, wall, cumulative in self._done:
+            delta = [c - b for c, b in zip(cumulative, before)]
+            out.append(IterationTiming(iteration, *delta, lag_s=max(0.0, wall - last_fed.get(iteration, wall))))
+            before = cumulative
+        return out
+
+    def _spent(self, seconds: float) -> None:
+        self.times.update_s += seconds
+        self._pending += seconds
+
+    def pop_update_time(self) -> float:
+        spent, self._pending = self._pending, 0.0
+        return spent

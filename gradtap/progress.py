@@ -1,0 +1,33 @@
+"""Progress bars on a console while a stage works, each handing the stage the callback it takes.
+
+They vanish when done (``transient``) and are not drawn on a console that is not a terminal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from rich.console import Console
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn)
+
+
+@contextmanager
+def simulation_progress(console: Console, iterations: int) -> Iterator[Callable[[str, int, int], None]]:
+    """For ``Simulation.run(progress)``: what it is doing, and iterations done of ``iterations``."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("simulating", total=iterations)
+        yield lambda what, done, total: bar.update(task, description=what, completed=done)
+
+
+@contextmanager
+def replay_progress(console: Console, pcaps: dict[str, Path]) -> Iterator[Callable[[str, int, int], None]]:
+    """For ``replay(progress=...)``: bytes read of each stream's capture file."""
+    columns = (TextColumn("{task.description:>14}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        tasks = {n: bar.add_task(n, total=p.stat().st_size) for n, p in pcaps.items()}
+        yield lambda stream, done, total: bar.update(tasks[stream], completed=done)

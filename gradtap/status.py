@@ -1,0 +1,23 @@
+"""The appliance's status: one typed record, read by metrics, the live view and ``GET /status``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ApplianceStatus:
+    """What a running appliance shows: metrics (``gradtap/metrics.py``), the live status view
+    and ``GET /status`` read this."""
+
+    capture: dict[str, dict[str, int]]   # stream -> the ring's and the source's counters (frames, bytes,
+                                         # ring_drops, truncated, and e.g. kernel_drops)
+    events: dict[str, dict[str, int]]    # stream -> decode event (``wire/events.py``) -> frames
+    recovered: int                       # iterations merged whole
+    unrecoverable: int                   # iterations with blocks no stream delivered
+    replica_iteration: int               # the next iteration the replica expects
+    stale: bool                          # waiting for a resync
+    lag_s: float                         # last iteration: its last frame to its update
+    parse_s: float                       # seconds spent per stage
+    merge_s: float
+    update_s: float

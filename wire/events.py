@@ -62,8 +62,44 @@ NAMES = tuple(name for name, _ in EVENTS)
 CODE = {name: i for i, name in enumerate(NAMES)}
 N_EVENTS = len(EVENTS)
 
-# Integer codes for kernels (module-level ints are compile-time constants in Numba).
-globals().update({name.replace(".", "_").upper(): code for name, code in CODE.items()})
+# Integer codes for kernels (module-level ints are compile-time constants in Numba), written
+# out; tests/wire/test_events.py holds each equal to CODE.
+DECODE_OK = 0
+DECODE_FRAME_TRUNCATED = 1
+DECODE_ETH_TRUNCATED = 2
+DECODE_IPV4_TRUNCATED = 3
+DECODE_IPV4_BAD_HEADER = 4
+DECODE_IPV4_FRAGMENT = 5
+DECODE_IPV6_TRUNCATED = 6
+DECODE_UDP_TRUNCATED = 7
+DECODE_UDP_BAD_LENGTH = 8
+DECODE_BTH_TRUNCATED = 9
+DECODE_BTH_UNKNOWN_OPCODE = 10
+DECODE_EXT_TRUNCATED = 11
+DECODE_BAD_PADDING = 12
+DECODE_ICRC_BAD = 13
+DECODE_IPV6_BAD_HEADER = 14
+DECODE_PAYLOAD_UNEXPECTED = 15
+OTHER_NON_IP = 16
+OTHER_NON_UDP = 17
+OTHER_NON_ROCE = 18
+OTHER_UNKNOWN_FLOW = 19
+OTHER_ACK = 20
+OTHER_NAK = 21
+OTHER_CNP = 22
+OTHER_READ_ATOMIC = 23
+OTHER_SEND_UD = 24
+OTHER_CTS = 25
+OTHER_REDUCE_SCATTER = 26
+DATA_BEFORE_LOCK = 27
+DATA_DUPLICATE = 28
+DATA_OUT_OF_WINDOW = 29
+DATA_OPCODE_MISMATCH = 30
+DATA_LENGTH_MISMATCH = 31
+DATA_IMM_MISMATCH = 32
+DATA_VA_MISMATCH = 33
+DATA_FLAG_MISMATCH = 34
+DATA_WRITTEN = 35
 
 
 def new_counters() -> np.ndarray:

@@ -1,9 +1,11 @@
 """Header layouts: byte literals, scapy's encodings, round trips, derived constants, the
 opcode table, and field-by-field agreement with tshark on the real captures."""
 
+import importlib
 import socket
 import subprocess
 
+import numpy as np
 import pytest
 from scapy.contrib.roce import AETH as ScapyAETH
 from scapy.contrib.roce import BTH as ScapyBTH
@@ -201,3 +203,25 @@ def test_fields_agree_with_tshark(path):
         assert ours == _tshark_row(values)[:len(ours)], f"frame {number}"
         checked += 1
     assert checked > 100
+
+
+WRITTEN_OUT = {"immdt": ("IMMDT",), "eth": ("ETH", "VLAN"), "cnp": ("CNP_BODY",), "ipv4": ("IPV4",),
+               "deth": ("DETH",), "ieth": ("IETH",), "aeth": ("AETH", "SYNDROME"), "udp": ("UDP",),
+               "atomiceth": ("ATOMICETH", "ATOMICACKETH"), "ipv6": ("IPV6",), "bth": ("BTH",),
+               "reth": ("RETH",)}
+
+
+@pytest.mark.parametrize("module,layouts", sorted(WRITTEN_OUT.items()))
+def test_written_out_constants_equal_their_layout_tables(module, layouts):
+    mod = importlib.import_module(f"gradtap.wire.headers.{module}")
+    for layout in layouts:
+        for name, value in getattr(mod, layout).constants().items():
+            assert getattr(mod, name) == value, f"{module}.{name}"
+
+
+def test_written_out_opcode_names_equal_the_opcode_table():
+    from gradtap.wire.headers import opcodes
+    for op in opcodes.OPCODES.values():
+        assert getattr(opcodes, op.name) == op.code
+    for name, array in opcodes._flatten().items():
+        assert np.array_equal(getattr(opcodes, name), array)

@@ -67,9 +67,9 @@ class Appliance:
         self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
                                    keep=job.appliance.snapshot_keep)
-        self.sink = ReplicaSink(self.replica, self.control, self.replica.iteration, snapshots=self.snapshots,
+        self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests)
-        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink)
+        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, self.replica.iteration)
         self.rings: dict[str, FrameRing] = {}
         self.workers: dict[str, CaptureWorker] = {}
         self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
@@ -83,7 +83,7 @@ class Appliance:
     def offer(self, checkpoint: dict) -> None:
         """A trainer checkpoint to resynchronise from (the control endpoint's POST /resync)."""
         with self._lock:
-            self.sink.offer(checkpoint)
+            self.replica.offer(checkpoint)
 
     def run(self) -> RunResult:
         reason, code = "stopped", 0

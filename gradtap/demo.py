@@ -96,7 +96,7 @@ def resume_from_oldest(job: JobSpec, snapshots: Path, truth: Path, seed: int, un
 def _plot(out: Path, result: ReplayResult, sink: ReplicaSink, truth: Path) -> Path:
     from gradtap.plot import iteration_plot      # matplotlib: only when a plot is kept
 
-    timing = {t.iteration + sink.first: t for t in result.timings}
+    timing = {t.iteration: t for t in result.timings}
     its = [line["iteration"] for line in sink.lines]
     spans = json.loads((truth / "manifest.json").read_text())["span_ns"]
     durations = [(spans[str(i)][1] - spans[str(i)][0]) / 1e9 for i in its]

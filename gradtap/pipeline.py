@@ -42,7 +42,7 @@ class IterationTiming:
     time from the start of the last round that carried a frame of this iteration (its last
     packet, as far as a round can tell) to the sink having applied it (``iteration_done``)."""
 
-    iteration: int
+    iteration: int                  # the trainer's iteration
     parse_s: float
     merge_s: float
     update_s: float
@@ -52,14 +52,15 @@ class IterationTiming:
 class Pipeline:
     """Every stream's parser, the merger and the sink of ``job``, advanced one round at a time:
     each stream's new frames are parsed, then the merger learns what each stream retired and
-    holds in flight, and hands what is complete to the sink."""
+    holds in flight, and hands what is complete to the sink, numbered by the trainer's
+    iteration from ``first_iteration`` (that of the capture's first iteration)."""
 
-    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink):
+    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink, first_iteration: int = 0):
         gap = job.appliance.iteration_gap_ns
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in streams}
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
         self._sink = _TimedSink(sink, self.times)
-        self.merger = Merger(plan, list(streams), self._sink)
+        self.merger = Merger(plan, list(streams), self._sink, first_iteration)
         self.last_fed: dict[int, float] = {}        # iteration -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._retired: dict[int, list[tuple[str, np.ndarray]]] = {}   # iteration -> gradients the merger holds
@@ -73,9 +74,9 @@ class Pipeline:
         for name, retired in results:
             parser = self.parsers[name]
             placed = parser.placed()
-            for i, n in placed.items():
+            for i, n in placed.items():       # by the streams' ordinal, as the merger takes them
                 if n != self._placed[name].get(i):
-                    self.last_fed[i] = started
+                    self.last_fed[self.merger.first + i] = started
             self._placed[name] = placed
             for a in retired:
                 self._retired.setdefault(a.index, []).append((name, a.grad))

@@ -133,9 +133,10 @@ def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
 
 
 def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
-           progress: Progress = _no_progress) -> ReplayResult:
-    """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``; never hangs (ends at EOF)."""
-    pipeline = Pipeline(job, plan, list(pcaps), sink)
+           progress: Progress = _no_progress, first_iteration: int = 0) -> ReplayResult:
+    """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``, numbering iterations from
+    ``first_iteration`` (the trainer's iteration of the captures' first one); never hangs (ends at EOF)."""
+    pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
     started = time.perf_counter()
     try:
@@ -173,11 +174,13 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
                           keep=job.appliance.snapshot_keep)
-    sink = ReplicaSink(replica, control, replica.iteration, snapshots=snapshots,
-                       report_path=out / "iterations.jsonl", digests=digests, resync=resync)
+    for checkpoint in resync or []:
+        replica.offer(checkpoint)
+    sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests)
     finished = False
     try:
-        result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, progress=progress)
+        result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, progress=progress,
+                        first_iteration=replica.iteration)
         finished = replica.open_iteration is None and bool(sink.applied)
     finally:
         snapshots.close(replica if finished else None)   # a clean end writes a final snapshot

@@ -1,10 +1,10 @@
-"""Where the merger's buckets meet the replica: iteration numbering, fallback, snapshots, digests.
+"""Where the merger's buckets meet the replica: control-plane events, the report line, snapshots, digests.
 
-The merger numbers iterations by their ordinal since the capture began; the replica by the
-trainer's iteration. ``first_iteration`` is the trainer iteration of ordinal 0, which is
-the iteration of the checkpoint the replica started from when the capture began with it. A
-merged iteration that is not the replica's next one means the appliance missed iterations:
-the replica cannot follow, which is a fallback like an unrecoverable iteration.
+The merger numbers iterations by the trainer's iteration (``Merger(first_iteration=…)``), and
+the replica decides what it can do with each (``Replica.begin``: open it, resync from an
+offered checkpoint first, or stay or become stale because iterations were missed). The sink
+reports what happened on the control plane (``fallback``, ``resync``, ``duplicate_mismatch``),
+writes one line per iteration to ``iterations.jsonl``, and snapshots the replica when due.
 
 After every applied iteration the sink can record the replica's state digest
 (``gradtap/digest.py``) so that ``gradtap verify`` checks every iteration, not only the
@@ -21,47 +21,37 @@ import numpy as np
 from gradtap.control import ControlPlane
 from gradtap.digest import replica_digest
 from gradtap.merger.merger import IterationReport
-from gradtap.updater.replica import Replica
+from gradtap.updater.replica import Begin, Replica
 from gradtap.updater.snapshot import Snapshots
 
 
 class ReplicaSink:
     """Applies merged buckets to ``replica``; reports to ``control``; snapshots to ``snapshots``."""
 
-    def __init__(self, replica: Replica, control: ControlPlane, first_iteration: int, *,
-                 snapshots: Snapshots | None = None, report_path: Path | None = None, digests: bool = False,
-                 resync: list[dict] | None = None):
-        self.replica, self.control, self.first = replica, control, first_iteration
+    def __init__(self, replica: Replica, control: ControlPlane, *, snapshots: Snapshots | None = None,
+                 report_path: Path | None = None, digests: bool = False):
+        self.replica, self.control = replica, control
         self.snapshots = snapshots
-        self.offers = {int(c["iteration"]): c for c in resync or []}
         self.report_path, self.digests = report_path, digests
         self.applied: list[int] = []
         self.lines: list[dict] = []
 
-    def offer(self, checkpoint: dict) -> None:
-        """A trainer checkpoint to resynchronise a stale replica from: it is used when the
-        streams reach the iteration it is ready for (``checkpoint["iteration"]``)."""
-        self.offers[int(checkpoint["iteration"])] = checkpoint
-
-    def bucket(self, ordinal: int, bucket: int, data: np.ndarray) -> None:
+    def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None:
         r = self.replica
-        iteration = self.first + ordinal
-        if r.stale and r.open_iteration is None and iteration in self.offers:
-            r.resync(self.offers.pop(iteration))
-            self.control.resynced(iteration, "trainer checkpoint")
-        if r.stale:
-            return
         if r.open_iteration is None:
-            if iteration != r.iteration:
-                self._fallback(ordinal, f"the streams delivered iteration {iteration} but the replica needs "
-                                        f"{r.iteration}: the appliance missed iterations")
+            needed = r.iteration
+            outcome = r.begin(iteration)
+            if outcome is Begin.RESYNCED:
+                self.control.resynced(iteration, "trainer checkpoint")
+            elif outcome is Begin.MISSED:
+                self._fallback(iteration, f"the streams delivered iteration {iteration} but the replica needs "
+                                          f"{needed}: the appliance missed iterations")
+            if not outcome.opened:
                 return
-            r.begin(iteration)
         r.apply_bucket(bucket, data)
 
-    def iteration_done(self, ordinal: int, report: IterationReport) -> None:
+    def iteration_done(self, iteration: int, report: IterationReport) -> None:
         r = self.replica
-        iteration = self.first + ordinal
         line = {"iteration": iteration, "recovered": report.recovered, "coverage": report.coverage,
                 "missing_blocks": report.missing_blocks,
                 "mismatches": [{"block": m.block, "groups": m.groups, "resolved": m.resolved}
@@ -69,7 +59,7 @@ class ReplicaSink:
         if report.mismatches:
             self.control.event("duplicate_mismatch", iteration=iteration, blocks=line["mismatches"])
         if not report.recovered:
-            self._fallback(ordinal, f"blocks no mirror stream delivered: {report.missing_blocks} (bucket: blocks)")
+            self._fallback(iteration, f"blocks no mirror stream delivered: {report.missing_blocks} (bucket: blocks)")
         elif not r.stale and r.open_iteration == iteration:
             r.end()
             self.applied.append(iteration)
@@ -83,10 +73,10 @@ class ReplicaSink:
             with self.report_path.open("a") as f:
                 f.write(json.dumps(line) + "\n")
 
-    def _fallback(self, ordinal: int, reason: str) -> None:
+    def _fallback(self, iteration: int, reason: str) -> None:
         r = self.replica
         if r.open_iteration is not None:
             r.abort()
         else:
             r.stale = True    # nothing open to abort: the replica simply cannot go on
-        self.control.fallback(self.first + ordinal, reason)
+        self.control.fallback(iteration, reason)

@@ -57,7 +57,7 @@ def iteration_table(result: ReplayResult, sink: ReplicaSink) -> Table:
                       "copies: blocks delivered by several streams, compared bit for bit")
     timing = {x.iteration: x for x in result.timings}
     for line in sink.lines:
-        x = timing.get(line["iteration"] - sink.first)
+        x = timing.get(line["iteration"])
         cov = " / ".join(f"{line['coverage'][s] * 100:.0f}" if s in line["coverage"] else "-" for s in streams)
         merged = "[green]yes[/]" if line["recovered"] else "[red]NO[/], missing " + ", ".join(
             f"bucket {b}: {n} blocks" for b, n in line["missing_blocks"].items())

@@ -2,7 +2,9 @@
 
 The merger watches every stream parser's in-flight iterations (``StreamParser.in_progress``)
 and their final copies (what ``feed``/``flush`` retire). Streams number iterations by their
-ordinal since the capture began, which all streams captured together share.
+ordinal since the capture began, which all streams captured together share. The merger hands
+them on numbered by the trainer's iteration: ordinal 0 is ``first_iteration`` (the iteration
+of the checkpoint the replica started from when the capture began with it).
 
 For the oldest iteration not yet finished it hands each bucket to the sink as soon as the
 union of the streams covers every block of it, duplicates cross-checked (``merger/union.py``),
@@ -33,7 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
-    """Where merged gradients go (the updater, through the pipeline)."""
+    """Where merged gradients go (the updater, through the pipeline); ``iteration`` is the
+    trainer's iteration."""
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None: ...
 
@@ -42,7 +45,7 @@ class Sink(Protocol):
 
 @dataclass
 class IterationReport:
-    iteration: int
+    iteration: int                                                    # the trainer's iteration
     start_ns: int
     recovered: bool = True
     missing_blocks: dict[int, int] = field(default_factory=dict)      # bucket -> blocks nobody covered
@@ -59,17 +62,19 @@ class _Iteration:
 
 
 class Merger:
-    """Merge ``streams`` of one job into ``sink``."""
+    """Merge ``streams`` of one job into ``sink``, numbering iterations from ``first_iteration``
+    (the trainer's iteration of the capture's first one)."""
 
-    def __init__(self, plan: WirePlan, streams: list[str], sink: Sink):
+    def __init__(self, plan: WirePlan, streams: list[str], sink: Sink, first_iteration: int = 0):
         self.plan, self.streams, self.sink = plan, list(streams), sink
+        self.first = first_iteration
         elem = plan.elem_size
         self.buckets = [BucketBlocks.of(plan.blocks, b, plan.bucket_offsets[b], elem)
                         for b in range(len(plan.bucket_numels))]
         self.byte_range = [(o * elem, (o + n) * elem) for o, n in zip(plan.bucket_offsets, plan.bucket_numels)]
         self.iterations: dict[int, _Iteration] = {}
         self._views: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
-        self.next = 0                               # oldest global iteration not finished
+        self.next = 0                               # oldest ordinal not finished
         self.finished: list[IterationReport] = []
 
     # -- alignment ----------------------------------------------------------------------
@@ -153,14 +158,14 @@ class Merger:
         report = self._report(g)
         report.mismatches.extend(u.mismatches)
         for m in u.mismatches:
-            log.warning("iteration %d block %d: streams disagree %s (%s)", g, m.block, m.groups,
+            log.warning("iteration %d block %d: streams disagree %s (%s)", self.first + g, m.block, m.groups,
                         "majority wins" if m.resolved else "no majority")
-        self.sink.bucket(g, int(b), u.data)
+        self.sink.bucket(self.first + g, int(b), u.data)
 
     def _report(self, g: int) -> IterationReport:
         it = self.iterations[g]
         if it.report is None:
-            it.report = IterationReport(g, it.start_ns)
+            it.report = IterationReport(self.first + g, it.start_ns)
         return it.report
 
     def _finish(self, g: int) -> None:
@@ -191,4 +196,4 @@ class Merger:
         for views in self._views.values():
             views.pop(g, None)
         self.finished.append(report)
-        self.sink.iteration_done(g, report)
+        self.sink.iteration_done(self.first + g, report)

@@ -1,7 +1,7 @@
 """updater: reduced gradients in, a bit-exact replica of the trainer's optimizer state out.
 
 - :mod:`gradtap.updater.replica`: :class:`~updater.replica.Replica`, stepped bucket by bucket
-  (``begin`` / ``apply_bucket`` / ``end``), with clipping, staleness and resync;
+  (``begin`` / ``apply_bucket`` / ``end``), with clipping, staleness and resync (``offer``);
 - :mod:`gradtap.updater.kernels`: the Adam/AdamW Numba kernels, one per PyTorch implementation;
 - :mod:`gradtap.updater.mkl_sqrt`: PyTorch's (MKL's) float32 square roots, reproduced (AVX-512, SSE);
 - :mod:`gradtap.updater.clipping`: ``clip_grad_norm_``'s coefficient;

@@ -15,8 +15,11 @@ hands over complete buckets, and sizes are checked.
 
 An iteration that cannot be completed (the merger found a hole) is :meth:`abort`-ed.
 Buckets already stepped cannot be taken back, and the replica is one step behind the
-trainer in any case, so it becomes *stale*: it refuses further iterations until
-:meth:`resync` loads a checkpoint the trainer provides.
+trainer in any case, so it becomes *stale*: it opens no further iteration until
+:meth:`resync` loads a checkpoint the trainer provides. A ``begin`` past the next iteration
+(iterations were missed) makes it stale as well. A trainer checkpoint can be
+:meth:`offer`-ed ahead of time: a stale replica asked to ``begin`` the checkpoint's
+iteration resyncs from it first. ``begin`` says which of these happened (:class:`Begin`).
 
 What it computes is ``torch.optim.Adam``/``AdamW`` of the job's implementation, bit for
 bit, on this host (``updater/kernels.py``; proved at construction by
@@ -25,6 +28,7 @@ bit, on this host (``updater/kernels.py``; proved at construction by
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +46,20 @@ from gradtap.workload.schedule import learning_rate
 from gradtap.workload.spec import JobSpec
 
 WIRE_NUMPY = {"fp32": np.dtype(np.float32), "bf16": np.dtype(np.uint16), "fp16": np.dtype(np.uint16)}
+MAX_OFFERS = 4      # trainer checkpoints held for a resync; each is a whole model and optimizer state
+
+
+class Begin(enum.Enum):
+    """What :meth:`Replica.begin` did."""
+
+    OPENED = "opened"           # the iteration is open
+    RESYNCED = "resynced"       # stale: resynced from the offered checkpoint of the iteration, then opened
+    STALE = "stale"             # stale, and no checkpoint offered for the iteration: nothing opened
+    MISSED = "missed"           # past the next iteration: iterations were missed, now stale, nothing opened
+
+    @property
+    def opened(self) -> bool:
+        return self in (Begin.OPENED, Begin.RESYNCED)
 
 
 class Replica:
@@ -60,6 +78,7 @@ class Replica:
         self.layout = FlatLayout(job_params(job), job_buckets(job) if buckets is None else buckets)
         self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg)
         self.stale = False
+        self.offers: dict[int, Mapping[str, Any]] = {}     # iteration -> trainer checkpoint (offer())
         self.root = selfcheck.root_source(self.cfg)
         self._open: _Iteration | None = None
         self._grad32: np.ndarray | None = None   # widened gradient of a clipped iteration
@@ -89,18 +108,44 @@ class Replica:
         """The iteration begun and not yet ended or aborted, if any."""
         return None if self._open is None else self._open.iteration
 
-    def begin(self, iteration: int) -> None:
-        """Open ``iteration``, which must be the next one (:attr:`iteration`)."""
-        if self.stale:
-            raise GradtapError(f"the replica is stale (iteration {self.state.iteration} was not applied); "
-                               "resync it from a trainer checkpoint first")
+    def offer(self, checkpoint: Mapping[str, Any]) -> None:
+        """Hold the trainer checkpoint ``checkpoint`` (``{"model", "optimizer", "iteration"}``)
+        to resync from: a stale replica asked to :meth:`begin` ``checkpoint["iteration"]``
+        loads it first. A later offer for the same iteration replaces the earlier one. At
+        most :data:`MAX_OFFERS` are held: the earliest iterations, which the streams reach
+        first (those the streams have passed are dropped by :meth:`begin`)."""
+        self.offers[int(checkpoint["iteration"])] = checkpoint
+        while len(self.offers) > MAX_OFFERS:
+            del self.offers[max(self.offers)]
+
+    def begin(self, iteration: int) -> Begin:
+        """Open ``iteration``, the next one (:attr:`iteration`), and say what happened.
+
+        A stale replica first resyncs from the checkpoint offered for ``iteration``
+        (:meth:`offer`), if any; without one it stays stale and opens nothing. An iteration
+        past the next one means iterations were missed: the replica becomes stale and opens
+        nothing. Checkpoints offered for iterations before ``iteration`` can no longer be
+        used and are dropped. Raises for an iteration still open or one already applied.
+        """
         if self._open is not None:
             raise GradtapError(f"iteration {self._open.iteration} is still open; end() or abort() it first")
-        if iteration != self.state.iteration:
+        for old in [k for k in self.offers if k < iteration]:
+            del self.offers[old]
+        outcome = Begin.OPENED
+        if self.stale:
+            if iteration not in self.offers:
+                return Begin.STALE
+            self.resync(self.offers.pop(iteration))
+            outcome = Begin.RESYNCED
+        if iteration < self.state.iteration:
             raise GradtapError(f"begin({iteration}): the replica's next iteration is {self.state.iteration}")
+        if iteration > self.state.iteration:
+            self.stale = True
+            return Begin.MISSED
         lr = learning_rate(self.cfg, iteration)
         self._open = _Iteration(iteration, lr, len(self.layout.buckets),
                                 GradNorms(len(self.layout.params)) if self.cfg.clip_grad_norm else None)
+        return outcome
 
     def apply_bucket(self, bucket: int, grad: np.ndarray) -> None:
         """Hand over the complete reduced gradient of bucket ``bucket`` (an index in launch
@@ -162,7 +207,11 @@ class Replica:
         if flat.size != self.layout.total * itemsize:
             raise GradtapError(f"apply: the gradient has {flat.size} bytes; the job's buckets take "
                                f"{self.layout.total * itemsize}")
-        self.begin(iteration)
+        outcome = self.begin(iteration)
+        if not outcome.opened:
+            raise GradtapError(f"apply({iteration}): the replica is stale (next iteration "
+                               f"{self.state.iteration}, begin: {outcome.value}); resync it from a trainer "
+                               "checkpoint first")
         for b in range(len(self.layout.buckets)):
             sl = self.layout.bucket(b)
             self.apply_bucket(b, flat[sl.start * itemsize:sl.stop * itemsize])

@@ -15,7 +15,7 @@ from gradtap.workload.models import build
 from gradtap.simulator.training import make_optimizer
 from tests.simulator.test_simulate import make_job, simulate
 from tests.updater.naive_adam import TorchStep, random_reduced
-from gradtap.updater.replica import Replica
+from gradtap.updater.replica import MAX_OFFERS, Begin, Replica
 from gradtap.workload.layout import job_buckets
 from gradtap.workload.spec import load_job, parse_job
 
@@ -134,9 +134,7 @@ def test_protocol_misuse_is_refused():
     reduced = random_reduced(j, np.random.default_rng(0))
     with pytest.raises(GradtapError, match="no iteration is open"):
         replica.apply_bucket(0, reduced[0])
-    with pytest.raises(GradtapError, match="next iteration is 0"):
-        replica.begin(1)
-    replica.begin(0)
+    assert replica.begin(0) is Begin.OPENED
     with pytest.raises(GradtapError, match="still open"):
         replica.begin(0)
     with pytest.raises(GradtapError, match="not one of the job's"):
@@ -168,8 +166,9 @@ def test_abort_makes_stale_until_resync():
     replica.apply_bucket(1, reduced[1])
     replica.abort()
     assert replica.stale
+    assert replica.begin(3) is Begin.STALE and replica.open_iteration is None
     with pytest.raises(GradtapError, match="stale"):
-        replica.begin(3)
+        replica.apply(3, np.concatenate(reduced))
     replica.resync({"model": reference.model.state_dict(), "optimizer": reference.optimizer.state_dict(),
                     "iteration": 3})
     assert not replica.stale and replica.iteration == 3 and replica.step == 3
@@ -178,6 +177,58 @@ def test_abort_makes_stale_until_resync():
         reference.step(it, reduced)
         replica.apply(it, np.concatenate(reduced))
     assert_equal_state(replica, reference)
+
+
+def trainer_checkpoint(reference: TorchStep, iteration: int) -> dict:
+    return {"model": reference.model.state_dict(), "optimizer": reference.optimizer.state_dict(),
+            "iteration": iteration}
+
+
+def test_a_missed_iteration_makes_stale_and_an_older_one_is_refused():
+    j = job()
+    replica, _ = drive(j, iterations=2)
+    with pytest.raises(GradtapError, match="next iteration is 2"):
+        replica.begin(1)
+    assert not replica.stale
+    assert replica.begin(4) is Begin.MISSED
+    assert replica.stale and replica.open_iteration is None and replica.iteration == 2
+    assert replica.begin(5) is Begin.STALE
+
+
+def test_a_stale_replica_resyncs_from_the_checkpoint_offered_for_the_iteration_it_begins():
+    j = job()
+    replica, reference = drive(j, iterations=2)
+    rng = np.random.default_rng(3)
+    for it in (2, 3):                                   # the replica loses iteration 2
+        reference.step(it, random_reduced(j, rng))
+    replica.begin(2)
+    replica.abort()
+    replica.offer(trainer_checkpoint(reference, 4))
+    assert replica.begin(3) is Begin.STALE and replica.stale          # not the offered iteration
+    assert list(replica.offers) == [4]
+    assert replica.begin(4) is Begin.RESYNCED
+    assert not replica.stale and replica.open_iteration == 4 and replica.step == 4 and not replica.offers
+    reduced = random_reduced(j, rng)
+    reference.step(4, reduced)
+    for b, grad in enumerate(reduced):
+        replica.apply_bucket(b, grad)
+    replica.end()
+    assert_equal_state(replica, reference)
+    assert replica.begin(5) is Begin.OPENED
+
+
+def test_offers_are_bounded_and_dropped_once_passed():
+    j = job()
+    replica, reference = drive(j, iterations=1)
+    for k in range(10, 10 + MAX_OFFERS + 2):
+        replica.offer(trainer_checkpoint(reference, k))
+    assert sorted(replica.offers) == list(range(10, 10 + MAX_OFFERS))    # the earliest, reached first
+    replica.offer(trainer_checkpoint(reference, 10))                      # a newer copy replaces the old
+    assert len(replica.offers) == MAX_OFFERS
+    assert replica.begin(1) is Begin.OPENED
+    replica.abort()
+    assert replica.begin(12) is Begin.RESYNCED
+    assert sorted(replica.offers) == list(range(13, 10 + MAX_OFFERS))    # passed ones can never be used
 
 
 def test_a_checkpoint_of_another_optimizer_or_model_is_refused():

@@ -1,0 +1,58 @@
+"""The merger hands iterations on numbered by the trainer's iteration, from ``first_iteration``."""
+
+import numpy as np
+
+from gradtap.merger.merger import Merger
+from gradtap.parser.stream import AssembledIteration
+from gradtap.workload.layout import job_plan
+from tests.simulator.test_simulate import make_job
+
+
+class Recorder:
+    def __init__(self):
+        self.buckets: list[tuple[int, int]] = []
+        self.done: list[tuple[int, int, bool]] = []       # sink's iteration, report's iteration, recovered
+
+    def bucket(self, iteration, bucket, data):
+        self.buckets.append((iteration, bucket))
+
+    def iteration_done(self, iteration, report):
+        self.done.append((iteration, report.iteration, report.recovered))
+
+
+def retired(plan, stream, ordinal, complete=True):
+    need = plan.blocks["need"].astype(np.int32)
+    got = need.copy() if complete else np.zeros_like(need)
+    grad = np.zeros(plan.total_elems * plan.elem_size, np.uint8)
+    return AssembledIteration(stream, ordinal, 1000 * ordinal, grad, got, need)
+
+
+def merged(first_iteration=None, holes=()):
+    plan = job_plan(make_job())
+    sink = Recorder()
+    kwargs = {} if first_iteration is None else {"first_iteration": first_iteration}
+    merger = Merger(plan, ["a"], sink, **kwargs)
+    merger.update("a", [retired(plan, "a", k, complete=k not in holes) for k in range(3)], [])
+    merger.advance()
+    reports = merger.close()
+    return plan, sink, reports
+
+
+def test_iterations_are_numbered_from_the_first_iteration():
+    plan, sink, reports = merged(first_iteration=5)
+    n = len(plan.bucket_numels)
+    assert sink.done == [(5, 5, True), (6, 6, True), (7, 7, True)]
+    assert sink.buckets == [(i, b) for i in (5, 6, 7) for b in range(n)]
+    assert [r.iteration for r in reports] == [5, 6, 7]
+
+
+def test_without_a_first_iteration_the_ordinal_is_the_iteration():
+    _, sink, _ = merged()
+    assert [d[0] for d in sink.done] == [0, 1, 2]
+
+
+def test_an_unrecoverable_iteration_is_reported_by_its_trainer_iteration():
+    _, sink, reports = merged(first_iteration=10, holes=(1,))
+    assert sink.done == [(10, 10, True), (11, 11, False), (12, 12, True)]
+    assert 11 not in {i for i, _ in sink.buckets}
+    assert reports[1].missing_blocks

@@ -18,8 +18,11 @@ Vendor = Literal["sonic", "eos", "nxos", "comware", "junos", "nvue", "linux"]
 
 NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.]{0,62}$"
 PORT_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_./:]{0,63}$"
-# The kernel's dev_valid_name(): 1..15 bytes, no '/', ':' or whitespace.
-LINUX_IFNAME = r"^[^/:\s]{1,15}$"
+# The kernel's dev_valid_name() (net/core/dev.c): 1..15 bytes (IFNAMSIZ 16 with its NUL), not
+# "." or "..", no '/', ':' or whitespace. gradtap narrows that to letters, digits and "_.@+-",
+# so a name can never carry a shell metacharacter into a rendered script.
+LINUX_IFNAME = (r"^([A-Za-z0-9_@+-]|\.[A-Za-z0-9_@+-]|[A-Za-z0-9_@+-][A-Za-z0-9_.@+-]"   # 1 or 2, not . or ..
+                r"|[A-Za-z0-9_.@+-]{3,15})$")
 
 
 class _Model(BaseModel):

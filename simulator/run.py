@@ -144,7 +144,7 @@ class Simulation:
             return rows[n - 1].copy()
 
         init = job.initial_state
-        checkpoint = torch.load(init.checkpoint, weights_only=False) if init.checkpoint is not None else None
+        checkpoint = torch.load(init.checkpoint, weights_only=True) if init.checkpoint is not None else None
         trainer = build_trainer(job, job_buckets(job, "initial") if first else buckets, allreduce, self.seed,
                                 checkpoint)
         model = trainer.model

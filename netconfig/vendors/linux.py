@@ -14,6 +14,7 @@ This module maps a plan to :class:`TcMirror` records and renders them as ``tc`` 
 from __future__ import annotations
 
 import re
+from shlex import quote
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,8 +46,9 @@ class TcMirror:
 def ifname_of(switch: SwitchInfo, port: str) -> str:
     ifname = switch.linux_ifnames.get(port, port)
     if not re.fullmatch(LINUX_IFNAME, ifname):
-        raise ConfigError(f"switch {switch.name} port {port!r} is not a Linux interface name; set "
-                          f"linux_ifname for it in the topology's leaf_switches[].ports")
+        raise ConfigError(f"switch {switch.name} port {port!r}: {ifname!r} is not a Linux interface name "
+                          f"(1 to 15 of letters, digits and _.@+-); set linux_ifname for it in the "
+                          f"topology's leaf_switches[].ports")
     return ifname
 
 
@@ -68,12 +70,13 @@ def render(switch: SwitchInfo, sessions: list[Session]) -> SwitchConfig:
     mirrors = tc_mirrors(switch, sessions)
     ifnames = list(dict.fromkeys(m.ifname for m in mirrors))
     lines = [f"# {switch.name}: gradtap mirror sessions (Linux tc: clsact, u32 match-all, mirred)"]
-    lines += [f"tc qdisc add dev {ifname} clsact" for ifname in ifnames]
-    lines += [f"tc filter add dev {m.ifname} {m.hook} protocol all prio {PRIORITY[m.hook]} u32 match u32 0 0 "
-              f"action mirred egress mirror dev {m.dest_ifname}" for m in mirrors]
+    # Names are validated (LINUX_IFNAME) and quoted as well: the script is run by root.
+    lines += [f"tc qdisc add dev {quote(ifname)} clsact" for ifname in ifnames]
+    lines += [f"tc filter add dev {quote(m.ifname)} {m.hook} protocol all prio {PRIORITY[m.hook]} u32 match u32 0 0 "
+              f"action mirred egress mirror dev {quote(m.dest_ifname)}" for m in mirrors]
     undo = [f"# {switch.name}: remove gradtap mirror sessions (Linux tc)"]
-    undo += [f"tc filter del dev {m.ifname} {m.hook} protocol all prio {PRIORITY[m.hook]}" for m in mirrors]
+    undo += [f"tc filter del dev {quote(m.ifname)} {m.hook} protocol all prio {PRIORITY[m.hook]}" for m in mirrors]
     undo.append("# delete clsact only where no other filter is left (`gradtap netconfig teardown --linux` checks)")
-    undo += [f"tc qdisc del dev {ifname} clsact" for ifname in ifnames]
+    undo += [f"tc qdisc del dev {quote(ifname)} clsact" for ifname in ifnames]
     return SwitchConfig(switch.name, SPEC.name, apply={"sh": "\n".join(lines) + "\n"},
                         teardown={"sh": "\n".join(undo) + "\n"})

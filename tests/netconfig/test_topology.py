@@ -52,6 +52,18 @@ def test_types_and_patterns():
     assert "topology.yaml: mirror.sources_per_group: 2 is not allowed (must be >= 3)" in lines
 
 
+@pytest.mark.parametrize("ifname", ["m0;reboot", "m0 x", "$(id)", "a`b`", "m0|sh", "..", ".", "sixteen-chars-xx",
+                                    "m0&", "'m0'", "m0\\n"])
+def test_interface_names_are_what_the_kernel_takes_and_carry_no_shell(ifname):
+    lines = problems(edited(one_leaf(), **{"leaf_switches.0.ports.1.linux_ifname": ifname}))
+    assert any(line.startswith("topology.yaml: leaf_switches[0].ports[1].linux_ifname:") for line in lines), lines
+
+
+@pytest.mark.parametrize("ifname", ["m0", "eth0.100", "veth-a_1", "bond0+", "x" * 15])
+def test_interface_names_the_kernel_takes_are_accepted(ifname):
+    parse_topology(edited(one_leaf(), **{"leaf_switches.0.ports.1.linux_ifname": ifname}))
+
+
 def test_order_must_be_a_permutation():
     assert problems(edited(one_leaf(), **{"layout.order": ["tp", "tp", "pp"]})) == [
         "topology.yaml: layout.order: ['tp', 'tp', 'pp'] is not allowed (must name tp, dp and pp once each)"]

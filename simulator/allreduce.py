@@ -1,6 +1,8 @@
 """NCCL's ring allreduce arithmetic: the exact values each ring step puts on the wire.
 
-``runRing`` (``src/device/all_reduce.h``, NCCL v2.19.3-1) has the rank at ring position
+``runRing`` (``src/device/all_reduce.h``, NCCL v2.19.3-1, and the same step order in every
+era up to v2.30.7-1; only the elements of each chunk change, and those come from the wire
+plan, see :func:`chunk_index`) has the rank at ring position
 ``p`` send, at ring step ``s``, chunk ``c = (p - 1 - s) mod n``. For an element of chunk
 ``c`` the value sent at reduce-scatter step ``s`` (``s < n-1``) is a running sum that
 starts with the own value of position ``c+1`` (``prims.send``) and adds the own values of

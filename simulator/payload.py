@@ -2,7 +2,10 @@
 
 A send's data are the raw little-endian bytes of its elements in the wire dtype. What
 goes on the wire (the RDMA WRITE payload, ``msg_bytes`` in the wire plan) depends on the
-protocol, as NCCL v2.19.3-1 lays it out:
+protocol, as NCCL v2.19.3-1 lays it out; the line formats, flags and the LL128 warp mapping
+below are unchanged in every era up to v2.30.7-1 (``device.h``, ``prims_ll.h``,
+``prims_ll128.h``), so one encoder serves every ``nccl.era``; what differs between eras (the
+elements of each send, the ImmDt byte order) comes from the wire plan and its era facts:
 
 **Simple** (``src/device/prims_simple.h``): the data bytes as they are.
 

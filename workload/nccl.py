@@ -1,12 +1,17 @@
 """NCCL facts the wire plan relies on, one era at a time.
 
 Every number here is cited in ``docs/wire-format.md`` with the NCCL source file and version
-it comes from. The ``2.19`` era covers NCCL 2.18.x and 2.19.x (checked against v2.19.3-1).
+it comes from. The ``2.19`` era covers NCCL 2.18.x and 2.19.x (checked against v2.19.3-1);
+the eras ``2.20`` to ``2.30`` are each one NCCL minor release (section "NCCL eras 2.19 – 2.30"
+of the document lists what changes on the wire between them, and the first tag of each change).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
 
 from gradtap.core.errors import PlanError
 from gradtap.wire.ll import LL_LINE_BYTES, LL_LINE_DATA_BYTES
@@ -36,16 +41,94 @@ SLICE_STEPS = {Protocol.SIMPLE: NCCL_STEPS // 4, Protocol.LL: 1, Protocol.LL128:
 CHUNK_STEPS = {Protocol.SIMPLE: NCCL_STEPS // 2, Protocol.LL: 1, Protocol.LL128: 1}
 
 
+class ChannelSplit(IntEnum):
+    """How one ring allreduce call cuts its elements over channels (docs/wire-format.md)."""
+
+    GRID = 0         # 2.19: one grid of loops over all channels; runRing's calcOffset places chunks
+    PER_CHANNEL = 1  # 2.20-2.21: addCBDCollToPlan gives each channel a contiguous range (workOffset/workCount)
+    CBD_PART = 2     # 2.22+: scheduleCollTasksToPlan's traffic cells, read back by ncclCollCbdPart
+
+
+@dataclass(frozen=True)
+class CbdCells:
+    """The constants of ``scheduleCollTasksToPlan`` (src/enqueue.cc, 2.22+) that size the
+    per-channel ranges of the CBD_PART split."""
+
+    min_traffic: int          # MinTrafficPerChannel, bytes of traffic
+    cell_from_min: bool       # cellSize = divUp(divUp(MinTrafficPerChannel, trafficPerByte), 16)*16; else 16
+    task_min: bool            # trafficBytes[kind] += max(MinTrafficPerChannel, task->trafficBytes)
+    ll_traffic_factor: int    # LL counts its traffic 4 times (task trafficBytes and trafficPerByte), 2.26+
+    per_channel_align16: bool  # trafficPerChannel = divUp(traffic/nChannels, 16)*16 (2.29+); else max(min, ..)
+    lo_round_up: bool         # cellsLo rounds the channel's traffic budget up (divUp), 2.23+
+
+
+CBD_2_22 = CbdCells(min_traffic=512, cell_from_min=False, task_min=False, ll_traffic_factor=1,
+                    per_channel_align16=False, lo_round_up=False)
+CBD_2_23 = CbdCells(min_traffic=16 << 10, cell_from_min=True, task_min=True, ll_traffic_factor=1,
+                    per_channel_align16=False, lo_round_up=True)
+CBD_2_26 = CbdCells(min_traffic=16 << 10, cell_from_min=True, task_min=True, ll_traffic_factor=4,
+                    per_channel_align16=False, lo_round_up=True)
+CBD_2_29 = CbdCells(min_traffic=32 << 10, cell_from_min=True, task_min=True, ll_traffic_factor=4,
+                    per_channel_align16=True, lo_round_up=True)
+
+# struct ncclIbSendFifo, the CTS entry, by era (src/transport/net_ib.cc; net_ib/common.h from 2.29).
+CTS_2_19 = (("addr", "<u8"), ("size", "<i4"), ("rkey", "<u4"), ("nreqs", "<u4"), ("tag", "<u4"), ("idx", "<u8"))
+CTS_2_20 = (("addr", "<u8"), ("size", "<i4"), ("rkeys", "<u4", (2,)), ("nreqs", "<u4"), ("tag", "<u4"),
+            ("pad0", "<u4"), ("idx", "<u8"), ("padding", "u1", (24,)))
+CTS_2_24 = (("addr", "<u8"), ("size", "<u8"), ("rkeys", "<u4", (4,)), ("nreqs", "<u4"), ("tag", "<u4"),
+            ("idx", "<u8"), ("padding", "u1", (16,)))
+CTS_2_30 = (("addr", "<u8"), ("size", "<u8"), ("rkeys", "<u4", (8,)), ("nreqs", "<u4"), ("tag", "<u4"),
+            ("idx", "<u8"))
+
+
 @dataclass(frozen=True)
 class EraFacts:
-    """What changes between NCCL eras on the wire."""
+    """What changes between NCCL eras on the wire (each fact with its first tag in
+    docs/wire-format.md, section "NCCL eras 2.19 – 2.30")."""
 
-    cts_bytes: int
-    imm_big_endian: bool
-    split_data_on_qps_default: bool
+    releases: str                     # the NCCL releases of the era, for messages
+    channel_split: ChannelSplit
+    imm_big_endian: bool              # ImmDt = htobe32(size), 2.29+
+    split_data_on_qps_default: bool   # NCCL_IB_SPLIT_DATA_ON_QPS default: 1 up to 2.19, 0 from 2.20
+    cts_fields: tuple                 # struct ncclIbSendFifo as NumPy dtype fields
+    cbd: CbdCells | None = None       # CBD_PART only
+    split_qp_rotates: bool = False    # split parts start at QP (fifoHead mod nqps), 2.29.2-2.30.4
+    split_qp_patch_dependent: bool = False  # 2.30: 2.30.7 went back to part q on QP q
+    ooo_rq: bool = False              # NCCL_IB_OOO_RQ exists (2.30); when set ImmDt carries a request ID
+
+    @property
+    def cts_dtype(self) -> np.dtype:
+        return np.dtype(list(self.cts_fields))
+
+    @property
+    def cts_bytes(self) -> int:
+        """sizeof(struct ncclIbSendFifo): the length of one CTS write (one receive)."""
+        return self.cts_dtype.itemsize
+
+    @property
+    def cts_slot_stride(self) -> int:
+        """Bytes between fifo slots: NCCL_NET_IB_MAX_RECVS entries."""
+        return NET_IB_MAX_RECVS * self.cts_bytes
 
 
-ERAS = {"2.19": EraFacts(cts_bytes=CTS_BYTES, imm_big_endian=False, split_data_on_qps_default=True)}
+def _era(releases: str, split: ChannelSplit, cts: tuple, cbd: CbdCells | None = None, **kw) -> EraFacts:
+    return EraFacts(releases=releases, channel_split=split, cts_fields=cts, cbd=cbd,
+                    imm_big_endian=kw.pop("imm_big_endian", False),
+                    split_data_on_qps_default=kw.pop("split_default", False), **kw)
+
+
+# One record per group of identical eras; every minor release from 2.19 to 2.30 names one.
+_E219 = _era("2.18.x-2.19.x", ChannelSplit.GRID, CTS_2_19, split_default=True)
+_E220 = _era("2.20.x-2.21.x", ChannelSplit.PER_CHANNEL, CTS_2_20)
+_E222 = _era("2.22.x", ChannelSplit.CBD_PART, CTS_2_20, CBD_2_22)
+_E223 = _era("2.23.x", ChannelSplit.CBD_PART, CTS_2_20, CBD_2_23)
+_E224 = _era("2.24.x-2.25.x", ChannelSplit.CBD_PART, CTS_2_24, CBD_2_23)
+_E226 = _era("2.26.x-2.28.x", ChannelSplit.CBD_PART, CTS_2_24, CBD_2_26)
+_E229 = _era("2.29.x", ChannelSplit.CBD_PART, CTS_2_24, CBD_2_29, imm_big_endian=True, split_qp_rotates=True)
+_E230 = _era("2.30.x", ChannelSplit.CBD_PART, CTS_2_30, CBD_2_29, imm_big_endian=True, split_qp_rotates=True,
+             split_qp_patch_dependent=True, ooo_rq=True)
+ERAS = {"2.19": _E219, "2.20": _E220, "2.21": _E220, "2.22": _E222, "2.23": _E223, "2.24": _E224,
+        "2.25": _E224, "2.26": _E226, "2.27": _E226, "2.28": _E226, "2.29": _E229, "2.30": _E230}
 
 
 @dataclass(frozen=True)
@@ -113,6 +196,19 @@ def call_channels_threads(nbytes: int, nchannels: int, geo: ProtocolGeometry) ->
 
 def era_facts(nccl: NcclSpec) -> EraFacts:
     return ERAS[nccl.era]
+
+
+def era_supported(nccl: NcclSpec, world_size: int) -> EraFacts:
+    """The era's facts, or a PlanError when the job uses a feature of the era that the wire
+    plan does not model (each message names the job field and the fix)."""
+    facts = era_facts(nccl)
+    nq = nccl.qps_per_connection
+    if facts.split_qp_patch_dependent and split_data_on_qps(nccl) and nq > 1:
+        raise PlanError(f"nccl.era {nccl.era} with nccl.split_data_on_qps and qps_per_connection {nq}: "
+                        "NCCL 2.30.3/2.30.4 start each message's parts at QP (message index mod nqps) and "
+                        "2.30.7 at QP 0, so the era does not fix the wire; set nccl.split_data_on_qps false "
+                        "(NCCL's default since 2.20) or use one QP per connection")
+    return facts
 
 
 def split_data_on_qps(nccl: NcclSpec) -> bool:

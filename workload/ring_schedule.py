@@ -1,9 +1,23 @@
 """NCCL's ring allreduce schedule: which chunk each rank sends at each step, and how big it is.
 
-This follows ``runRing`` in ``src/device/all_reduce.h`` of NCCL 2.19.3 and the protocol
-primitives it calls (``prims_simple.h``, ``prims_ll.h``, ``prims_ll128.h``); the facts are
-listed with their sources in ``docs/wire-format.md``. Everything is in elements of the wire
-dtype unless a name says bytes.
+This follows ``runRing`` in ``src/device/all_reduce.h`` and the protocol primitives it calls
+(``prims_simple.h``, ``prims_ll.h``, ``prims_ll128.h``), and, from NCCL 2.20 on, the host code
+of ``src/enqueue.cc`` that gives each channel its range of the buffer. The eras differ only in
+how a call's elements are cut over channels and in the chunk size of a partial last loop
+(:class:`gradtap.workload.nccl.ChannelSplit`):
+
+* **GRID** (2.19): loops of ``nChannels·n·chunkSize`` elements over the whole buffer; in a
+  loop, Simple gives each channel ``n`` consecutive chunks, LL/LL128 interleave the channels
+  chunk by chunk; the last loop shrinks the chunk (``realChunkSize``) on the device.
+* **PER_CHANNEL** (2.20-2.21): ``addCBDCollToPlan`` gives channel ``c`` a contiguous range
+  (``workOffset``, ``workCount``) and the host computes the last loop's ``lastChunkCount``;
+  ``runRing`` loops ``n·chunkCount`` elements over the channel's range.
+* **CBD_PART** (2.22+): ``scheduleCollTasksToPlan`` cuts the buffer into traffic cells and
+  gives channels ``lo``, ``mid``…, ``hi`` ranges (``ncclCollCbdPart``); the device sets the last
+  loop's chunk to ``alignUp(divUp(remCount, n), 16/sizeof(T))``.
+
+The facts, formulas and tags are listed in ``docs/wire-format.md``. Everything is in elements
+of the wire dtype unless a name says bytes.
 """
 
 from __future__ import annotations
@@ -11,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+from gradtap.core.errors import PlanError
 from gradtap.wire.ll import LL_LINE_DATA_BYTES
 from gradtap.wire.ll128 import (LL128_LINE_DATA_WORDS, LL128_LINE_WORDS, LL128_SHMEM_WORDS_PER_THREAD,
                                 LL128_WORD_BYTES, WARP_SIZE)
 from gradtap.wire.protocol import Protocol
-from gradtap.workload.nccl import ProtocolGeometry
+from gradtap.workload.nccl import ChannelSplit, EraFacts, ProtocolGeometry, call_channels_threads
 
 RS, AG = 0, 1  # phases: reduce-scatter, allgather
 
@@ -56,23 +71,182 @@ class Send:
     steps: int        # FIFO steps this send advances the connection by
 
 
-class CallSchedule:
-    """The sends of one ring allreduce call of ``count`` elements over ``nchannels`` channels."""
+# src/include/enqueue.h (2.20-2.21): computeCollAlignCount's units, in bytes
+SIMPLE_ALIGNMENT = WARP_SIZE * 8 * 16
+LL128_ALIGNMENT_PER_WARP = 480
+LL_ALIGNMENT_PER_THREAD = 8
+BYTES_ALIGNMENT = 16           # NCCL_BYTES_ALIGNMENT: maxBytesPerChannel granularity
+CBD_LAST_CHUNK_ALIGN = 16      # runRing (2.22+): last chunk aligned to 16 bytes
 
-    def __init__(self, count: int, elem_size: int, nranks: int, nchannels: int, nthreads: int,
-                 geo: ProtocolGeometry):
-        self.count, self.elem_size, self.nranks = count, elem_size, nranks
-        self.nchannels, self.nthreads, self.geo = nchannels, nthreads, geo
+
+def grain_bytes(protocol: Protocol) -> int:
+    """ncclProtoGrainSize (src/include/device.h, 2.22+): chunk sizes are whole grains."""
+    if protocol == Protocol.LL:
+        return 16
+    if protocol == Protocol.LL128:
+        return WARP_SIZE * LL128_SHMEM_WORDS_PER_THREAD // LL128_LINE_WORDS * LL128_LINE_DATA_WORDS * LL128_WORD_BYTES
+    return 512
+
+
+def chunk_bytes(geo: ProtocolGeometry) -> int:
+    """The ring chunk size in bytes the host computes (computeCollChunkInfo / calcCollChunking):
+    a FIFO step times ALLREDUCE_CHUNKSTEPS for Simple, half a step for LL, 15/16 for LL128."""
+    size = geo.step_bytes * geo.chunk_steps
+    if geo.protocol == Protocol.LL:
+        return size // 2
+    if geo.protocol == Protocol.LL128:
+        return size // LL128_LINE_WORDS * LL128_LINE_DATA_WORDS
+    return size
+
+
+@dataclass(frozen=True)
+class ChannelPart:
+    """The contiguous range one channel works on in the PER_CHANNEL and CBD_PART eras."""
+
+    channel: int       # the communicator's channel (ring connections) that carries it
+    offset: int        # first element (workOffset / partOffset)
+    count: int         # elements (workCount / partCount)
+    chunk: int         # chunkCount of the full loops
+    last_chunk: int    # chunkCount of a partial last loop
+
+
+def per_channel_parts(count: int, elem_size: int, nranks: int, nchannels: int, nthreads: int,
+                      geo: ProtocolGeometry) -> list[ChannelPart]:
+    """2.20-2.21, ``addCBDCollToPlan`` for one collective alone in its kernel plan.
+
+    ``maxBytesPerChannel = roundUp(divUp(bytes, nChannels), 16)``; channel ``c`` (in order)
+    takes ``min(roundUp(divUp(enqBytes, size), alignCount), remaining)`` elements, and the host
+    computes ``lastChunkCount = roundUp(divUp(workCount mod (n·chunkCount), n), alignCount)``.
+    """
+    proto = geo.protocol
+    if proto == Protocol.SIMPLE:
+        align = SIMPLE_ALIGNMENT // elem_size
+    elif proto == Protocol.LL128:
+        align = LL128_ALIGNMENT_PER_WARP // elem_size * (nthreads // WARP_SIZE)
+    else:
+        align = LL_ALIGNMENT_PER_THREAD // elem_size * nthreads
+    chunk = chunk_bytes(geo) // elem_size
+    _check_chunk(chunk, geo)
+    max_bytes = _round_up(_div_up(count * elem_size, nchannels), BYTES_ALIGNMENT)
+    parts, offset, rem_count = [], 0, count
+    for c in range(nchannels):
+        if rem_count == 0:
+            break
+        enq = min(max_bytes, rem_count * elem_size)
+        work = min(_round_up(_div_up(enq, elem_size), align), rem_count)
+        last = _round_up(_div_up(work % (nranks * chunk), nranks), align)
+        parts.append(ChannelPart(c, offset, work, chunk, last))
+        offset += work
+        rem_count -= work
+    return parts
+
+
+def cbd_parts(count: int, elem_size: int, nranks: int, comm_channels: int, call_channels: int,
+              geo: ProtocolGeometry, era: EraFacts) -> list[ChannelPart]:
+    """2.22+, ``scheduleCollTasksToPlan`` for one collective alone in its kernel plan.
+
+    The call's traffic (2 bytes per byte for allreduce, LL 4 times more from 2.26) is spread
+    over ``call_channels`` channels in cells; channel ``lo`` takes the cells of one channel's
+    traffic budget, ``mid`` channels ``cellsPerChannel`` each and ``hi`` the rest, starting at
+    channel 0 of the plan. Each range's chunk is ``calcCollChunking``'s chunk in whole grains.
+    """
+    k = era.cbd
+    per_byte = 2 * (k.ll_traffic_factor if geo.protocol == Protocol.LL else 1)
+    traffic = count * elem_size * per_byte           # task->trafficBytes (allreduce: 2 per byte; LL x4)
+    if k.task_min:
+        traffic = max(k.min_traffic, traffic)
+    nch = min(call_channels, comm_channels)
+    if k.per_channel_align16:
+        per_channel = _round_up(traffic // nch, 16)
+    else:
+        per_channel = max(k.min_traffic, traffic // nch)
+    cell = _round_up(_div_up(k.min_traffic, per_byte), 16) if k.cell_from_min else 16
+    per_cell_elems = cell // elem_size
+    cells = _div_up(count * elem_size, cell)
+    cell_traffic = cell * per_byte
+    per_chan = min(cells, _div_up(per_channel, cell_traffic))
+    channel = 0
+    if channel + 1 == comm_channels:
+        lo = cells
+    else:
+        budget = per_channel
+        lo = min(cells, _div_up(budget, cell_traffic) if k.lo_round_up else budget // cell_traffic)
+    nmid = (cells - lo) // per_chan
+    hi = (cells - lo) % per_chan
+    nused = (lo != 0) + nmid + (hi != 0)
+    if comm_channels < channel + nused:              # overflowed the communicator's channels
+        nmid = comm_channels - channel - 2
+        per_chan = (cells - lo) // (nmid + 1)
+        hi = per_chan + (cells - lo) % (nmid + 1)
+    if hi == 0 and nmid != 0:
+        hi, nmid = per_chan, nmid - 1
+    if lo == 0:                                      # the first channel gets nothing: start at the next
+        channel += 1
+        if nmid == 0:
+            lo, hi = hi, 0
+        else:
+            lo, nmid = per_chan, nmid - 1
+    count_mid = per_chan * per_cell_elems if nmid else 0
+    count_lo, count_hi = lo * per_cell_elems, hi * per_cell_elems
+    excess = cells * per_cell_elems - count
+    if count_hi:
+        count_hi -= excess
+    else:
+        count_lo -= excess
+    grain = grain_bytes(geo.protocol)
+    chunk = chunk_bytes(geo) // grain * (grain // elem_size)
+    _check_chunk(chunk, geo)
+    align = CBD_LAST_CHUNK_ALIGN // elem_size
+    sizes = [count_lo] * (count_lo != 0) + [count_mid] * nmid + [count_hi] * (hi != 0)
+    parts, offset = [], 0
+    for i, size in enumerate(sizes):
+        last = _round_up(_div_up(size % (nranks * chunk), nranks), align)
+        parts.append(ChannelPart(channel + i, offset, size, chunk, last))
+        offset += size
+    return parts
+
+
+def _check_chunk(chunk: int, geo: ProtocolGeometry) -> None:
+    if chunk <= 0:
+        raise PlanError(f"nccl.buffsize.{geo.protocol.name}: a FIFO step of {geo.step_bytes} bytes gives "
+                        "NCCL a chunk of zero elements; use a larger buffer size")
+
+
+class CallSchedule:
+    """The sends of one ring allreduce call of ``count`` elements on a communicator of
+    ``comm_channels`` channels, as NCCL of ``era`` lays them out."""
+
+    def __init__(self, count: int, elem_size: int, nranks: int, comm_channels: int, geo: ProtocolGeometry,
+                 era: EraFacts):
+        self.count, self.elem_size, self.nranks, self.geo, self.era = count, elem_size, nranks, geo, era
+        self.nchannels, self.nthreads = call_channels_threads(count * elem_size, comm_channels, geo)
+        self.parts: dict[int, ChannelPart] = {}
+        if era.channel_split == ChannelSplit.PER_CHANNEL:
+            parts = per_channel_parts(count, elem_size, nranks, self.nchannels, self.nthreads, geo)
+        elif era.channel_split == ChannelSplit.CBD_PART:
+            parts = cbd_parts(count, elem_size, nranks, comm_channels, self.nchannels, geo, era) if count else []
+        else:
+            parts = None
+        if parts is not None:
+            self.parts = {p.channel: p for p in parts}
         self.chunk_elems = geo.data_bytes_per_step // elem_size * geo.chunk_steps
-        self.loop_elems = nchannels * nranks * self.chunk_elems
+        self.loop_elems = self.nchannels * nranks * self.chunk_elems
         if geo.protocol == Protocol.LL:
-            self.min_chunk = nthreads * (LL_LINE_DATA_BYTES // elem_size)
+            self.min_chunk = self.nthreads * (LL_LINE_DATA_BYTES // elem_size)
         elif geo.protocol == Protocol.LL128:
             grain = LL128_SHMEM_WORDS_PER_THREAD * LL128_LINE_DATA_WORDS * LL128_WORD_BYTES // LL128_LINE_WORDS
-            self.min_chunk = nthreads * (grain // elem_size) // 2
+            self.min_chunk = self.nthreads * (grain // elem_size) // 2
         else:
             self.min_chunk = 0
 
+    @property
+    def channels(self) -> list[int]:
+        """The communicator channels that carry this call, in order."""
+        if self.era.channel_split == ChannelSplit.GRID:
+            return list(range(self.nchannels))
+        return sorted(self.parts)
+
+    # -- 2.19: one grid over all channels ------------------------------------------------
     def _real_chunk(self, grid_offset: int) -> int:
         rem = self.count - grid_offset
         if self.geo.protocol == Protocol.SIMPLE:
@@ -86,6 +260,31 @@ class CallSchedule:
             return grid_offset + channel * self.nranks * real + chunk * real
         # LL and LL128 interleave channels within a loop.
         return grid_offset + (chunk * self.nchannels + channel) * real
+
+    def _grid_sends(self, position: int, channel: int) -> Iterator[tuple[int, int, int, int, int]]:
+        n = self.nranks
+        for loop, grid in enumerate(range(0, self.count, self.loop_elems)):
+            real = self._real_chunk(grid)
+            for ring_step in range(2 * (n - 1)):
+                chunk = sent_chunk(position, ring_step, n)
+                offset = self._chunk_offset(grid, real, channel, chunk)
+                yield loop, ring_step, chunk, offset, max(0, min(real, self.count - offset))
+
+    # -- 2.20+: one contiguous range per channel -----------------------------------------
+    def _range_sends(self, position: int, channel: int) -> Iterator[tuple[int, int, int, int, int]]:
+        part = self.parts.get(channel)
+        if part is None:
+            return
+        n = self.nranks
+        loop_count = n * part.chunk
+        for loop, elem_offset in enumerate(range(0, part.count, loop_count)):
+            rem = part.count - elem_offset
+            chunk_count = part.chunk if rem >= loop_count else part.last_chunk
+            for ring_step in range(2 * (n - 1)):
+                chunk = sent_chunk(position, ring_step, n)
+                chunk_offset = chunk * chunk_count
+                yield (loop, ring_step, chunk, part.offset + elem_offset + chunk_offset,
+                       max(0, min(chunk_count, rem - chunk_offset)))
 
     def _slices(self, nelem: int) -> Iterator[tuple[int, int]]:
         """(offset, size) of each slice of a chunk send; Simple cuts a chunk in two slices."""
@@ -103,12 +302,7 @@ class CallSchedule:
 
     def sends(self, position: int, channel: int) -> Iterator[Send]:
         """Every send of the rank at ``position`` on ``channel``, in the order it posts them."""
-        n = self.nranks
-        for loop, grid in enumerate(range(0, self.count, self.loop_elems)):
-            real = self._real_chunk(grid)
-            for ring_step in range(2 * (n - 1)):
-                chunk = sent_chunk(position, ring_step, n)
-                offset = self._chunk_offset(grid, real, channel, chunk)
-                nelem = max(0, min(real, self.count - offset))
-                for s, (soff, ssize) in enumerate(self._slices(nelem)):
-                    yield Send(loop, ring_step, chunk, s, offset + soff, ssize, self.geo.slice_steps)
+        chunks = (self._grid_sends if self.era.channel_split == ChannelSplit.GRID else self._range_sends)
+        for loop, ring_step, chunk, offset, nelem in chunks(position, channel):
+            for s, (soff, ssize) in enumerate(self._slices(nelem)):
+                yield Send(loop, ring_step, chunk, s, offset + soff, ssize, self.geo.slice_steps)

@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from gradtap.core.errors import ConfigError
 
 MIRROR_NAME = re.compile(r"^[a-zA-Z0-9][-a-zA-Z0-9_]{0,31}$")
 MAC = re.compile(r"^[0-9a-fA-F]{2}(:[0-9a-fA-F]{2}){5}$")
-SUPPORTED_ERAS = ("2.19",)
+# NCCL minor releases whose wire facts are checked (docs/wire-format.md, "NCCL eras 2.19 – 2.30");
+# "2.19" also covers 2.18.x. gradtap.workload.nccl.ERAS holds the facts of each.
+SUPPORTED_ERAS = tuple(f"2.{minor}" for minor in range(19, 31))
 TORCH_DTYPES = ("float32", "float16", "bfloat16", "float64")
 WIRE_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -117,7 +119,7 @@ class OptimizerSpec(_Strict):
 class NcclSpec(_Strict):
     """The NCCL settings that shape the wire. Defaults are NCCL 2.19's (see docs/wire-format.md)."""
 
-    era: str = "2.19"
+    era: str = Field("2.19", description="NCCL minor release, '2.19' (2.18.x-2.19.x) to '2.30'")
     protocol: Literal["Simple", "LL", "LL128"] = "Simple"
     channels: int = Field(2, ge=1, le=32)
     qps_per_connection: int = Field(1, ge=1, le=128)
@@ -127,13 +129,31 @@ class NcclSpec(_Strict):
     buffsize: dict[Literal["Simple", "LL", "LL128"], Annotated[int, Field(gt=0)]] = Field(default_factory=dict)
     nthreads: int | None = Field(None, ge=64, le=640, description="NCCL_NTHREADS / NCCL_LL128_NTHREADS")
     mtu: Literal[1024, 2048, 4096] = 1024
+    ib_ooo_rq: bool = Field(False, description="NCCL_IB_OOO_RQ (2.30+): refused, ImmDt then carries a request ID")
 
     @field_validator("era")
     @classmethod
     def _known_era(cls, v: str) -> str:
         if v not in SUPPORTED_ERAS:
             raise ValueError(f"NCCL era {v!r} is not supported; supported eras: {', '.join(SUPPORTED_ERAS)} "
-                             "(2.19 covers NCCL 2.18.x-2.19.x)")
+                             "(one per NCCL minor release; 2.19 also covers NCCL 2.18.x). Give the "
+                             "major.minor of the trainer's NCCL, e.g. '2.21' for NCCL 2.21.5")
+        return v
+
+    @field_validator("ib_ooo_rq")
+    @classmethod
+    def _index_matching(cls, v: bool, info: ValidationInfo) -> bool:
+        # NCCL 2.30 matches receives by request ID when NCCL_IB_OOO_RQ=1 (or
+        # NCCL_IB_RESILIENCY_PORT_FAILOVER=1, NCCL_IB_RECEIVER_SIDE_MATCHING_SCHEME=1): ImmDt
+        # then carries the ID, not the size, and the wire plan does not model that.
+        if v:
+            era = info.data.get("era", "2.30")
+            where = ("NCCL_IB_OOO_RQ does not exist before NCCL 2.30" if era < "2.30" else
+                     "with NCCL_IB_OOO_RQ=1, NCCL 2.30 writes a request ID into ImmDt instead of the message "
+                     "size (ID-based receive matching), which gradtap does not decode")
+            raise ValueError(f"{where}; run the trainer without NCCL_IB_OOO_RQ, "
+                             "NCCL_IB_RESILIENCY_PORT_FAILOVER and NCCL_IB_RECEIVER_SIDE_MATCHING_SCHEME=1, "
+                             "and set nccl.ib_ooo_rq false")
         return v
 
 
@@ -208,6 +228,9 @@ class ApplianceSpec(_Strict):
     control_endpoint: str | None = Field(None, description="trainer URL that receives fallback events (HTTP POST)")
     snapshot_every: int = Field(1, ge=1, description="write a snapshot every K iterations")
     snapshot_keep: int = Field(3, ge=1, description="snapshots kept on disk (the newest ones)")
+    lockon_timeout_s: float = Field(60.0, gt=0, description="a stream not locked on this long after its first "
+                                    "frame (capture time) is reported: lockon.failed")
+    lockon_frames: int = Field(5_000_000, gt=0, description="... or after this many frames")
 
     @field_validator("control_endpoint")
     @classmethod

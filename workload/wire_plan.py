@@ -147,6 +147,7 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
     n, nq, mtu = job.world_size, job.nccl.qps_per_connection, job.nccl.mtu
     elem = WIRE_DTYPE_BYTES[job.ddp.grad_dtype]
     geo = N.geometry(job.nccl, n)
+    era = N.era_supported(job.nccl, n)
     split = N.split_data_on_qps(job.nccl)
     nch = job.nccl.channels
 
@@ -158,9 +159,8 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
     qp_index = np.zeros((nch, n), dtype=np.int64)  # round robin of unsplit messages
 
     for bucket, count in enumerate(bucket_numels):
-        used_channels, nthreads = N.call_channels_threads(count * elem, nch, geo)
-        sched = CallSchedule(count, elem, n, used_channels, nthreads, geo)
-        for c in range(used_channels):
+        sched = CallSchedule(count, elem, n, nch, geo, era)
+        for c in sched.channels:
             for p in range(n):
                 # Simple rounds the step counter up to a whole chunk at the start of a call.
                 steps[c, p] = -(-steps[c, p] // geo.chunk_steps) * geo.chunk_steps
@@ -172,19 +172,26 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
                                   chunk=send.chunk, step=steps[c, p], fifo_seq=fifo[c, p],
                                   elem_offset=send.elem_offset, nelem=send.nelem, msg_bytes=msg_bytes)
                     cts[c, (p + 1) % n].add(mtu, **dict(common, kind=CTS, phase=PHASE_OTHER, imm=0,
-                                                        wire_bytes=N.CTS_BYTES, part_offset=0,
-                                                        remote_offset=(fifo[c, p] % N.CTS_SLOTS) * N.CTS_SLOT_STRIDE))
+                                                        wire_bytes=era.cts_bytes, part_offset=0,
+                                                        remote_offset=(fifo[c, p] % N.CTS_SLOTS) * era.cts_slot_stride))
+                    # 2.29+: the parts of message k start at QP k mod nqps (GetQpForRequest(fifoHead)).
+                    first_qp = int(fifo[c, p] % nq) if split and era.split_qp_rotates else 0
                     _add_writes(data, c, p, send_parts(msg_bytes, nq if split else 1), qp_index, split, nq,
-                                slot * geo.step_bytes, job, common)
+                                slot * geo.step_bytes, job, common, first_qp)
                     steps[c, p] += send.steps
                     fifo[c, p] += 1
 
-    if not split and nq > 1 and (fifo % nq).any():
-        # Unsplit messages rotate over the QPs across iterations; a plan of one iteration
-        # then depends on the iteration, which the parser cannot anchor.
-        raise PlanError(f"with nccl.split_data_on_qps false, each connection must post a multiple of "
-                        f"qps_per_connection ({nq}) messages per iteration; this job posts "
-                        f"{sorted(set(int(x) for x in fifo.ravel()))}. Enable split_data_on_qps or use 1 QP.")
+    rotating = not split or era.split_qp_rotates
+    if rotating and nq > 1 and (fifo % nq).any():
+        # Messages rotate over the QPs across iterations (unsplit ones, or from 2.29 the first
+        # part of split ones); a plan of one iteration then depends on the iteration, which
+        # the parser cannot anchor.
+        what = ("nccl.split_data_on_qps false" if not split else
+                f"nccl.era {job.nccl.era} (split parts start at QP message-index mod nqps)")
+        fix = "Enable split_data_on_qps or use 1 QP" if not split else "Use 1 QP per connection"
+        raise PlanError(f"with {what}, each connection must post a multiple of qps_per_connection ({nq}) "
+                        f"messages per iteration; this job posts {sorted(set(int(x) for x in fifo.ravel()))}. "
+                        f"{fix}.")
     return _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo)
 
 
@@ -194,10 +201,10 @@ def send_parts(msg_bytes: int, nparts: int) -> list[tuple[int, int]]:
     return [(q * part, max(0, min(part, msg_bytes - q * part))) for q in range(nparts)]
 
 
-def _add_writes(data, c, p, parts, qp_index, split, nq, slot_va, job, common) -> None:
+def _add_writes(data, c, p, parts, qp_index, split, nq, slot_va, job, common, first_qp=0) -> None:
     ar = job.nccl.adaptive_routing and common["msg_bytes"] > job.nccl.ar_threshold
     for part, (off, length) in enumerate(parts):
-        q = part if split else int(qp_index[c, p] % nq)
+        q = (first_qp + part) % nq if split else int(qp_index[c, p] % nq)
         flow = data[c, p, q]
         fields = dict(common, qp=q, part=part, part_offset=off, wire_bytes=length, remote_offset=slot_va + off)
         if ar:

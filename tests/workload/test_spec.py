@@ -69,8 +69,8 @@ def test_unknown_field_is_named():
 
 
 def test_unsupported_era_lists_supported_ones():
-    msg = error_of(minimal(nccl={"era": "2.29"}))
-    assert "nccl.era" in msg and "'2.29'" in msg and "2.19" in msg
+    msg = error_of(minimal(nccl={"era": "2.31"}))
+    assert "nccl.era" in msg and "'2.31'" in msg and "2.19" in msg and "2.30" in msg
 
 
 def test_mirror_rank_outside_ring():

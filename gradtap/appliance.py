@@ -69,7 +69,9 @@ class Appliance:
                                    keep=job.appliance.snapshot_keep)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests)
-        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, self.replica.iteration)
+        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, self.replica.iteration,
+                                 on_lockon_failed=lambda failure: self.control.event("lockon.failed",
+                                                                                     **failure.as_event()))
         self.rings: dict[str, FrameRing] = {}
         self.workers: dict[str, CaptureWorker] = {}
         self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
@@ -124,7 +126,8 @@ class Appliance:
             return ApplianceStatus(capture=capture, events=self.pipeline.counters(), recovered=recovered,
                                    unrecoverable=len(lines) - recovered, replica_iteration=self.replica.iteration,
                                    stale=self.replica.stale, lag_s=timings[-1].lag_s if timings else 0.0,
-                                   parse_s=parse_s, merge_s=merge_s, update_s=update_s)
+                                   parse_s=parse_s, merge_s=merge_s, update_s=update_s,
+                                   locked=self.pipeline.locked())
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

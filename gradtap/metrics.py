@@ -50,6 +50,11 @@ class ApplianceCollector:
         for stage, seconds in (("parse", s.parse_s), ("merge", s.merge_s), ("update", s.update_s)):
             stages.add_metric([stage], seconds)
         yield from (frames, nbytes, drops, events, iterations, stages)
+        locked = GaugeMetricFamily("gradtap_stream_locked", "1 once the stream has locked on to the job's "
+                                   "traffic (0: see the lockon.failed event)", labels=["stream"])
+        for stream, yes in s.locked.items():
+            locked.add_metric([stream], int(yes))
+        yield locked
         yield GaugeMetricFamily("gradtap_replica_iteration", "next iteration the replica expects",
                                 value=s.replica_iteration)
         yield GaugeMetricFamily("gradtap_replica_stale", "1 while the replica waits for a resync",

@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.merger.merger import IterationReport, Merger, Sink
+from gradtap.parser.lockon import LockFailure
 from gradtap.parser.stream import StreamParser
 from gradtap.wire import events as ev
 from gradtap.workload.spec import JobSpec
@@ -55,8 +57,11 @@ class Pipeline:
     holds in flight, and hands what is complete to the sink, numbered by the trainer's
     iteration from ``first_iteration`` (that of the capture's first iteration)."""
 
-    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink, first_iteration: int = 0):
+    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink, first_iteration: int = 0,
+                 on_lockon_failed: Callable[[LockFailure], None] | None = None):
         gap = job.appliance.iteration_gap_ns
+        self._on_lockon_failed = on_lockon_failed
+        self._failures_told: set[str] = set()
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in streams}
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
         self._sink = _TimedSink(sink, self.times)
@@ -83,6 +88,7 @@ class Pipeline:
             self.merger.update(name, retired, parser.in_progress())
         self.merger.advance()
         self._recycle()
+        self._tell_failures()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
 
     def finish(self) -> list[IterationReport]:
@@ -91,6 +97,7 @@ class Pipeline:
         for name, p in self.parsers.items():
             self.merger.update(name, p.flush(), [])
         reports = self.merger.close()
+        self._tell_failures()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
         return reports
 
@@ -101,6 +108,17 @@ class Pipeline:
         for g in [g for g in self._retired if g < self.merger.next]:
             for name, grad in self._retired.pop(g):
                 self.parsers[name].recycle(grad)
+
+    def locked(self) -> dict[str, bool]:
+        return {n: p.locked for n, p in self.parsers.items()}
+
+    def _tell_failures(self) -> None:
+        """Each stream's lock-on failure, once, to ``on_lockon_failed``."""
+        for name, p in self.parsers.items():
+            if p.failure is not None and name not in self._failures_told:
+                self._failures_told.add(name)
+                if self._on_lockon_failed is not None:
+                    self._on_lockon_failed(p.failure)
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {n: ev.as_dict(p.counters) for n, p in self.parsers.items()}

@@ -26,6 +26,7 @@ from gradtap.capture.pcap import PcapReader
 from gradtap.control import ControlPlane
 from gradtap.core.errors import ConfigError
 from gradtap.merger.merger import IterationReport, Sink
+from gradtap.parser.lockon import LockFailure
 from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
 from gradtap.replica_sink import ReplicaSink
 from gradtap.updater.replica import Replica
@@ -102,6 +103,7 @@ class ReplayResult:
     times: StageTimes
     wall_s: float
     timings: list[IterationTiming]
+    locked: dict[str, bool]                    # stream -> locked on at some point
 
 
 Progress = Callable[[str, int, int], None]     # (stream, bytes read, file bytes)
@@ -133,10 +135,11 @@ def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
 
 
 def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
-           progress: Progress = _no_progress, first_iteration: int = 0) -> ReplayResult:
+           progress: Progress = _no_progress, first_iteration: int = 0,
+           on_lockon_failed: Callable[[LockFailure], None] | None = None) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``, numbering iterations from
     ``first_iteration`` (the trainer's iteration of the captures' first one); never hangs (ends at EOF)."""
-    pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration)
+    pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration, on_lockon_failed)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
     started = time.perf_counter()
     try:
@@ -156,7 +159,7 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
             s.close()
     return ReplayResult(reports, pipeline.counters(), {n: s.frames for n, s in sources.items()},
                         {n: s.bytes for n, s in sources.items()}, pipeline.times, time.perf_counter() - started,
-                        pipeline.timings())
+                        pipeline.timings(), pipeline.locked())
 
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, digests: bool = True,
@@ -180,13 +183,14 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     finished = False
     try:
         result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, progress=progress,
-                        first_iteration=replica.iteration)
+                        first_iteration=replica.iteration,
+                        on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()))
         finished = replica.open_iteration is None and bool(sink.applied)
     finally:
         snapshots.close(replica if finished else None)   # a clean end writes a final snapshot
     (out / "replay.json").write_text(json.dumps({
         "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": result.wall_s,
         "frames": result.frames, "bytes": result.bytes, "events": result.counters,
-        "iterations": sink.lines, "stale": replica.stale,
+        "iterations": sink.lines, "stale": replica.stale, "locked": result.locked,
         "timings": [t.__dict__ for t in result.timings]}, indent=1))
     return result, sink

@@ -21,3 +21,4 @@ class ApplianceStatus:
     parse_s: float                       # seconds spent per stage
     merge_s: float
     update_s: float
+    locked: dict[str, bool]              # stream -> locked on to the job's traffic

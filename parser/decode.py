@@ -5,6 +5,17 @@ any number of 802.1Q/802.1ad tags, IPv4 (unfragmented) or IPv6, UDP to port 4791
 then the extended transport headers the opcode carries (``OPCODE_*`` tables), the pad and the
 ICRC. Every offset and mask comes from those declarations.
 
+Encapsulation. With ``decapsulate`` (a mirror stream that arrives over L3), an IP packet of
+protocol 47 is opened: its GRE header (``gre.py``: optional checksum, key and sequence number)
+and, after GRE protocol 0x88BE or 0x22EB, the ERSPAN header (``erspan.py``: none for type I,
+type II, type III with its optional subheader). The Ethernet frame it carries is then walked
+exactly as a plain frame from its first byte, ending where the outer IP datagram ends; the
+record describes that inner frame, plus ``erspan_type``, ``erspan_session`` and ``gre_seq``.
+The inner frame counts as cut short when the outer one was cut inside it or the ERSPAN header
+says the switch truncated it (``t``). Only one level is opened: GRE inside the inner frame is
+``other.non_udp``, as is every GRE packet without ``decapsulate``. A plain frame pays nothing
+for this: the GRE test sits behind the IP protocol's test for UDP.
+
 Mirrored frames are untrusted. Every read is checked against the frame's captured end
 (``offsets[i] + caplens[i]``) before it happens; length fields are only ever compared, never
 used to read past that end. A frame ends in exactly one event of ``wire/events.py``:
@@ -50,7 +61,9 @@ from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
 from gradtap.core.bytes import read_be, read_be_u64, read_le
 from gradtap.core.jit import JIT, JIT_PARALLEL
 from gradtap.wire.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
+                           DECODE_ERSPAN_BAD_VERSION, DECODE_ERSPAN_TRUNCATED, DECODE_ERSPAN_UNSUPPORTED,
                            DECODE_ETH_TRUNCATED, DECODE_EXT_TRUNCATED, DECODE_FRAME_TRUNCATED,
+                           DECODE_GRE_TRUNCATED, DECODE_GRE_UNSUPPORTED,
                            DECODE_ICRC_BAD, DECODE_IPV4_BAD_HEADER, DECODE_IPV4_FRAGMENT,
                            DECODE_IPV4_TRUNCATED, DECODE_IPV6_BAD_HEADER, DECODE_IPV6_TRUNCATED,
                            DECODE_OK, DECODE_PAYLOAD_UNEXPECTED, DECODE_UDP_BAD_LENGTH,
@@ -63,10 +76,32 @@ from gradtap.wire.headers.bth import (BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH_DES
                                 BTH_OFF_OPCODE, BTH_OFF_PADCNT, BTH_OFF_PSN, BTH_PADCNT_MASK,
                                 BTH_PADCNT_SHIFT, BTH_PSN_MASK, BTH_PSN_SHIFT, BTH_SIZE_ACKREQ,
                                 BTH_SIZE_DESTQP, BTH_SIZE_OPCODE, BTH_SIZE_PADCNT, BTH_SIZE_PSN)
+from gradtap.wire.headers.erspan import (ERSPAN2_LEN, ERSPAN2_OFF_SESSION, ERSPAN2_OFF_T,
+                                   ERSPAN2_OFF_VERSION, ERSPAN2_SESSION_MASK, ERSPAN2_SESSION_SHIFT,
+                                   ERSPAN2_SIZE_SESSION, ERSPAN2_SIZE_T, ERSPAN2_SIZE_VERSION,
+                                   ERSPAN2_T_MASK, ERSPAN2_T_SHIFT, ERSPAN2_VERSION_MASK,
+                                   ERSPAN2_VERSION_SHIFT, ERSPAN3_FT_MASK, ERSPAN3_FT_SHIFT,
+                                   ERSPAN3_LEN, ERSPAN3_O_MASK, ERSPAN3_O_SHIFT, ERSPAN3_OFF_FT,
+                                   ERSPAN3_OFF_O, ERSPAN3_OFF_SESSION, ERSPAN3_OFF_T,
+                                   ERSPAN3_OFF_VERSION, ERSPAN3_SESSION_MASK, ERSPAN3_SESSION_SHIFT,
+                                   ERSPAN3_SIZE_FT, ERSPAN3_SIZE_O, ERSPAN3_SIZE_SESSION,
+                                   ERSPAN3_SIZE_T, ERSPAN3_SIZE_VERSION, ERSPAN3_SUB_LEN,
+                                   ERSPAN3_T_MASK, ERSPAN3_T_SHIFT, ERSPAN3_VERSION_MASK,
+                                   ERSPAN3_VERSION_SHIFT, ERSPAN_FT_ETHERNET, ERSPAN_NONE,
+                                   ERSPAN_TYPE_I, ERSPAN_TYPE_II, ERSPAN_TYPE_III, ERSPAN_VERSION_II,
+                                   ERSPAN_VERSION_III)
 from gradtap.wire.headers.eth import (ETH_LEN, ETH_OFF_TYPE, ETH_SIZE_TYPE, ETHERTYPE_IPV4,
                                 ETHERTYPE_IPV6, ETHERTYPE_QINQ, ETHERTYPE_VLAN, VLAN_LEN,
                                 VLAN_OFF_TYPE, VLAN_OFF_VID, VLAN_SIZE_TYPE, VLAN_SIZE_VID,
                                 VLAN_VID_MASK, VLAN_VID_SHIFT)
+from gradtap.wire.headers.gre import (GRE_C_MASK, GRE_C_SHIFT, GRE_CHECKSUM_LEN, GRE_K_MASK,
+                                GRE_K_SHIFT, GRE_KEY_LEN, GRE_LEN, GRE_OFF_C, GRE_OFF_K,
+                                GRE_OFF_PROTO, GRE_OFF_R, GRE_OFF_S, GRE_OFF_VERSION,
+                                GRE_PROTO_ERSPAN2, GRE_PROTO_ERSPAN3, GRE_R_MASK, GRE_R_SHIFT,
+                                GRE_S_MASK, GRE_S_SHIFT, GRE_SEQ_LEN, GRE_SEQ_OFF_SEQ,
+                                GRE_SEQ_SIZE_SEQ, GRE_SIZE_C, GRE_SIZE_K, GRE_SIZE_PROTO,
+                                GRE_SIZE_R, GRE_SIZE_S, GRE_SIZE_VERSION, GRE_VERSION_MASK,
+                                GRE_VERSION_SHIFT, IPPROTO_GRE)
 from gradtap.wire.headers.immdt import IMMDT_OFF_IMM, IMMDT_SIZE_IMM
 from gradtap.wire.headers.ipv4 import (IPPROTO_UDP, IPV4_FLAGS_MASK, IPV4_FLAGS_SHIFT,
                                  IPV4_FRAG_OFFSET_MASK, IPV4_FRAG_OFFSET_SHIFT, IPV4_IHL_MASK,
@@ -130,6 +165,95 @@ def _clear(rec):
     rec["aeth"] = 0
     rec["payload_off"] = -1
     rec["payload_len"] = 0
+    rec["erspan_type"] = ERSPAN_NONE
+    rec["erspan_session"] = -1
+    rec["gre_seq"] = -1
+
+
+@njit(**JIT, inline="always")
+def _clear_outer(rec):
+    """Forget the outer frame's tag and addresses: the record describes the inner frame."""
+    rec["vlan"] = 0
+    rec["ip_version"] = 0
+    for k in range(IPV6_SIZE_SRC):
+        rec["src_ip"][k] = 0
+        rec["dst_ip"][k] = 0
+
+
+@njit(**JIT, inline="always")
+def _bounded(end, ip_end, cap_end, event):
+    """A header ending at ``end``: ``event`` when the IP datagram ends before it, frame
+    truncation when only the captured bytes do, else DECODE_OK."""
+    if end > ip_end:
+        return event
+    if end > cap_end:
+        return DECODE_FRAME_TRUNCATED
+    return DECODE_OK
+
+
+@njit(**JIT)
+def _open_gre(data, gre, ip_end, cap_end, rec):
+    """The GRE header at ``gre`` and the ERSPAN header its protocol names.
+
+    Returns ``(event, inner, truncated)``: ``DECODE_OK``, the first byte of the Ethernet
+    frame they carry and whether the switch truncated it (ERSPAN ``t``), or the event that
+    stops the frame. ``ip_end`` ends the outer IP datagram, ``cap_end`` the captured bytes.
+    """
+    event = _bounded(gre + GRE_LEN, ip_end, cap_end, DECODE_GRE_TRUNCATED)
+    if event != DECODE_OK:
+        return event, 0, False
+    proto = read_be(data, gre + GRE_OFF_PROTO, GRE_SIZE_PROTO)
+    if _field(data, gre + GRE_OFF_VERSION, GRE_SIZE_VERSION, GRE_VERSION_MASK, GRE_VERSION_SHIFT) != 0 \
+            or _field(data, gre + GRE_OFF_R, GRE_SIZE_R, GRE_R_MASK, GRE_R_SHIFT) \
+            or (proto != GRE_PROTO_ERSPAN2 and proto != GRE_PROTO_ERSPAN3):
+        return DECODE_GRE_UNSUPPORTED, 0, False
+    has_seq = _field(data, gre + GRE_OFF_S, GRE_SIZE_S, GRE_S_MASK, GRE_S_SHIFT)
+    # The optional words, in wire order: checksum + reserved1, key, sequence number.
+    erspan = gre + GRE_LEN \
+        + GRE_CHECKSUM_LEN * _field(data, gre + GRE_OFF_C, GRE_SIZE_C, GRE_C_MASK, GRE_C_SHIFT) \
+        + GRE_KEY_LEN * _field(data, gre + GRE_OFF_K, GRE_SIZE_K, GRE_K_MASK, GRE_K_SHIFT) \
+        + GRE_SEQ_LEN * has_seq
+    event = _bounded(erspan, ip_end, cap_end, DECODE_GRE_TRUNCATED)
+    if event != DECODE_OK:
+        return event, 0, False
+    if has_seq:
+        rec["gre_seq"] = read_be(data, erspan - GRE_SEQ_LEN + GRE_SEQ_OFF_SEQ, GRE_SEQ_SIZE_SEQ)
+    if proto == GRE_PROTO_ERSPAN2:
+        if not has_seq:
+            rec["erspan_type"] = ERSPAN_TYPE_I     # no ERSPAN header: the frame follows GRE
+            return DECODE_OK, erspan, False
+        rec["erspan_type"] = ERSPAN_TYPE_II
+        inner = erspan + ERSPAN2_LEN
+        event = _bounded(inner, ip_end, cap_end, DECODE_ERSPAN_TRUNCATED)
+        if event != DECODE_OK:
+            return event, 0, False
+        if _field(data, erspan + ERSPAN2_OFF_VERSION, ERSPAN2_SIZE_VERSION, ERSPAN2_VERSION_MASK,
+                  ERSPAN2_VERSION_SHIFT) != ERSPAN_VERSION_II:
+            return DECODE_ERSPAN_BAD_VERSION, 0, False
+        rec["erspan_session"] = _field(data, erspan + ERSPAN2_OFF_SESSION, ERSPAN2_SIZE_SESSION,
+                                       ERSPAN2_SESSION_MASK, ERSPAN2_SESSION_SHIFT)
+        return DECODE_OK, inner, _field(data, erspan + ERSPAN2_OFF_T, ERSPAN2_SIZE_T, ERSPAN2_T_MASK,
+                                        ERSPAN2_T_SHIFT) != 0
+    rec["erspan_type"] = ERSPAN_TYPE_III
+    inner = erspan + ERSPAN3_LEN
+    event = _bounded(inner, ip_end, cap_end, DECODE_ERSPAN_TRUNCATED)
+    if event != DECODE_OK:
+        return event, 0, False
+    if _field(data, erspan + ERSPAN3_OFF_VERSION, ERSPAN3_SIZE_VERSION, ERSPAN3_VERSION_MASK,
+              ERSPAN3_VERSION_SHIFT) != ERSPAN_VERSION_III:
+        return DECODE_ERSPAN_BAD_VERSION, 0, False
+    rec["erspan_session"] = _field(data, erspan + ERSPAN3_OFF_SESSION, ERSPAN3_SIZE_SESSION,
+                                   ERSPAN3_SESSION_MASK, ERSPAN3_SESSION_SHIFT)
+    if _field(data, erspan + ERSPAN3_OFF_FT, ERSPAN3_SIZE_FT, ERSPAN3_FT_MASK,
+              ERSPAN3_FT_SHIFT) != ERSPAN_FT_ETHERNET:
+        return DECODE_ERSPAN_UNSUPPORTED, 0, False
+    if _field(data, erspan + ERSPAN3_OFF_O, ERSPAN3_SIZE_O, ERSPAN3_O_MASK, ERSPAN3_O_SHIFT):
+        inner += ERSPAN3_SUB_LEN    # the platform-specific subheader
+        event = _bounded(inner, ip_end, cap_end, DECODE_ERSPAN_TRUNCATED)
+        if event != DECODE_OK:
+            return event, 0, False
+    return DECODE_OK, inner, _field(data, erspan + ERSPAN3_OFF_T, ERSPAN3_SIZE_T, ERSPAN3_T_MASK,
+                                    ERSPAN3_T_SHIFT) != 0
 
 
 @njit(**JIT, inline="always")
@@ -139,79 +263,92 @@ def _check_icrc(data, l3, is_ipv6, end, rec):
 
 
 @njit(**JIT)
-def _walk(data, start, caplen, wirelen, verify_icrc, rec):
+def _walk(data, start, caplen, wirelen, verify_icrc, decapsulate, rec):
     """The body of :func:`decode_frame`; returns the event at the first thing that stops it."""
     cap_end = start + caplen
     cut = caplen < wirelen
-    if start + ETH_LEN > cap_end:
-        return _short(cut, DECODE_ETH_TRUNCATED)
-    ethertype = read_be(data, start + ETH_OFF_TYPE, ETH_SIZE_TYPE)
-    pos = start + ETH_LEN
-    tagged = False
-    # Each tag moves ``pos`` on by VLAN_LEN, so the loop ends within caplen / VLAN_LEN rounds.
-    while ethertype == ETHERTYPE_VLAN or ethertype == ETHERTYPE_QINQ:
-        if pos + VLAN_LEN > cap_end:
+    # One round per Ethernet frame: the captured one, then (``decapsulate``) the one that
+    # GRE/ERSPAN carries; a plain frame leaves at its UDP header in the first round.
+    while True:
+        if start + ETH_LEN > cap_end:
             return _short(cut, DECODE_ETH_TRUNCATED)
-        if not tagged:
-            rec["vlan"] = _field(data, pos + VLAN_OFF_VID, VLAN_SIZE_VID, VLAN_VID_MASK,
-                              VLAN_VID_SHIFT)
-            tagged = True
-        ethertype = read_be(data, pos + VLAN_OFF_TYPE, VLAN_SIZE_TYPE)
-        pos += VLAN_LEN
+        ethertype = read_be(data, start + ETH_OFF_TYPE, ETH_SIZE_TYPE)
+        pos = start + ETH_LEN
+        tagged = False
+        # Each tag moves ``pos`` on by VLAN_LEN, so the loop ends within caplen / VLAN_LEN rounds.
+        while ethertype == ETHERTYPE_VLAN or ethertype == ETHERTYPE_QINQ:
+            if pos + VLAN_LEN > cap_end:
+                return _short(cut, DECODE_ETH_TRUNCATED)
+            if not tagged:
+                rec["vlan"] = _field(data, pos + VLAN_OFF_VID, VLAN_SIZE_VID, VLAN_VID_MASK,
+                                  VLAN_VID_SHIFT)
+                tagged = True
+            ethertype = read_be(data, pos + VLAN_OFF_TYPE, VLAN_SIZE_TYPE)
+            pos += VLAN_LEN
 
-    l3 = pos
-    is_ipv6 = ethertype == ETHERTYPE_IPV6
-    if ethertype == ETHERTYPE_IPV4:
-        if l3 + IPV4_LEN > cap_end:
-            return _short(cut, DECODE_IPV4_TRUNCATED)
-        hlen = IPV4_WORD * _field(data, l3 + IPV4_OFF_IHL, IPV4_SIZE_IHL, IPV4_IHL_MASK,
-                                  IPV4_IHL_SHIFT)
-        if _field(data, l3 + IPV4_OFF_VERSION, IPV4_SIZE_VERSION, IPV4_VERSION_MASK,
-                  IPV4_VERSION_SHIFT) != 4 or hlen < IPV4_LEN:
-            return DECODE_IPV4_BAD_HEADER
-        total = read_be(data, l3 + IPV4_OFF_TOTAL_LENGTH, IPV4_SIZE_TOTAL_LENGTH)
-        if total < hlen:
-            return DECODE_IPV4_BAD_HEADER
-        ip_end = l3 + total
-        if ip_end > cap_end and not cut:
-            return DECODE_IPV4_TRUNCATED
-        if l3 + hlen > cap_end:
-            return DECODE_FRAME_TRUNCATED  # options cut off (only a cut frame gets here)
-        flags = _field(data, l3 + IPV4_OFF_FLAGS, IPV4_SIZE_FLAGS, IPV4_FLAGS_MASK,
-                       IPV4_FLAGS_SHIFT)
-        if flags & IPV4_FLAG_MF or _field(data, l3 + IPV4_OFF_FRAG_OFFSET, IPV4_SIZE_FRAG_OFFSET,
-                                          IPV4_FRAG_OFFSET_MASK, IPV4_FRAG_OFFSET_SHIFT):
-            return DECODE_IPV4_FRAGMENT
-        rec["ip_version"] = 4
-        prefix = len(V4_MAPPED_PREFIX)
-        for k in range(prefix):
-            rec["src_ip"][k] = V4_MAPPED_PREFIX[k]
-            rec["dst_ip"][k] = V4_MAPPED_PREFIX[k]
-        for k in range(IPV4_SIZE_SRC):
-            rec["src_ip"][prefix + k] = data[l3 + IPV4_OFF_SRC + k]
-            rec["dst_ip"][prefix + k] = data[l3 + IPV4_OFF_DST + k]
-        if read_be(data, l3 + IPV4_OFF_PROTO, IPV4_SIZE_PROTO) != IPPROTO_UDP:
+        l3 = pos
+        is_ipv6 = ethertype == ETHERTYPE_IPV6
+        if ethertype == ETHERTYPE_IPV4:
+            if l3 + IPV4_LEN > cap_end:
+                return _short(cut, DECODE_IPV4_TRUNCATED)
+            hlen = IPV4_WORD * _field(data, l3 + IPV4_OFF_IHL, IPV4_SIZE_IHL, IPV4_IHL_MASK,
+                                      IPV4_IHL_SHIFT)
+            if _field(data, l3 + IPV4_OFF_VERSION, IPV4_SIZE_VERSION, IPV4_VERSION_MASK,
+                      IPV4_VERSION_SHIFT) != 4 or hlen < IPV4_LEN:
+                return DECODE_IPV4_BAD_HEADER
+            total = read_be(data, l3 + IPV4_OFF_TOTAL_LENGTH, IPV4_SIZE_TOTAL_LENGTH)
+            if total < hlen:
+                return DECODE_IPV4_BAD_HEADER
+            ip_end = l3 + total
+            if ip_end > cap_end and not cut:
+                return DECODE_IPV4_TRUNCATED
+            if l3 + hlen > cap_end:
+                return DECODE_FRAME_TRUNCATED  # options cut off (only a cut frame gets here)
+            flags = _field(data, l3 + IPV4_OFF_FLAGS, IPV4_SIZE_FLAGS, IPV4_FLAGS_MASK,
+                           IPV4_FLAGS_SHIFT)
+            if flags & IPV4_FLAG_MF or _field(data, l3 + IPV4_OFF_FRAG_OFFSET, IPV4_SIZE_FRAG_OFFSET,
+                                              IPV4_FRAG_OFFSET_MASK, IPV4_FRAG_OFFSET_SHIFT):
+                return DECODE_IPV4_FRAGMENT
+            rec["ip_version"] = 4
+            prefix = len(V4_MAPPED_PREFIX)
+            for k in range(prefix):
+                rec["src_ip"][k] = V4_MAPPED_PREFIX[k]
+                rec["dst_ip"][k] = V4_MAPPED_PREFIX[k]
+            for k in range(IPV4_SIZE_SRC):
+                rec["src_ip"][prefix + k] = data[l3 + IPV4_OFF_SRC + k]
+                rec["dst_ip"][prefix + k] = data[l3 + IPV4_OFF_DST + k]
+            proto = read_be(data, l3 + IPV4_OFF_PROTO, IPV4_SIZE_PROTO)
+            l4 = l3 + hlen
+        elif is_ipv6:
+            if l3 + IPV6_LEN > cap_end:
+                return _short(cut, DECODE_IPV6_TRUNCATED)
+            if _field(data, l3 + IPV6_OFF_VERSION, IPV6_SIZE_VERSION, IPV6_VERSION_MASK,
+                      IPV6_VERSION_SHIFT) != 6:
+                return DECODE_IPV6_BAD_HEADER
+            ip_end = l3 + IPV6_LEN + read_be(data, l3 + IPV6_OFF_PAYLOAD_LENGTH, IPV6_SIZE_PAYLOAD_LENGTH)
+            if ip_end > cap_end and not cut:
+                return DECODE_IPV6_TRUNCATED
+            rec["ip_version"] = 6
+            for k in range(IPV6_SIZE_SRC):
+                rec["src_ip"][k] = data[l3 + IPV6_OFF_SRC + k]
+                rec["dst_ip"][k] = data[l3 + IPV6_OFF_DST + k]
+            # RoCEv2 (and GRE here) follows the fixed header; an extension header is neither.
+            proto = read_be(data, l3 + IPV6_OFF_NEXT_HEADER, IPV6_SIZE_NEXT_HEADER)
+            l4 = l3 + IPV6_LEN
+        else:
+            return OTHER_NON_IP
+        if proto == IPPROTO_UDP:
+            break
+        if proto != IPPROTO_GRE or not decapsulate or rec["erspan_type"] != ERSPAN_NONE:
             return OTHER_NON_UDP
-        l4 = l3 + hlen
-    elif is_ipv6:
-        if l3 + IPV6_LEN > cap_end:
-            return _short(cut, DECODE_IPV6_TRUNCATED)
-        if _field(data, l3 + IPV6_OFF_VERSION, IPV6_SIZE_VERSION, IPV6_VERSION_MASK,
-                  IPV6_VERSION_SHIFT) != 6:
-            return DECODE_IPV6_BAD_HEADER
-        ip_end = l3 + IPV6_LEN + read_be(data, l3 + IPV6_OFF_PAYLOAD_LENGTH, IPV6_SIZE_PAYLOAD_LENGTH)
-        if ip_end > cap_end and not cut:
-            return DECODE_IPV6_TRUNCATED
-        rec["ip_version"] = 6
-        for k in range(IPV6_SIZE_SRC):
-            rec["src_ip"][k] = data[l3 + IPV6_OFF_SRC + k]
-            rec["dst_ip"][k] = data[l3 + IPV6_OFF_DST + k]
-        # RoCEv2 puts UDP right after the fixed header; an extension header is not RoCEv2.
-        if read_be(data, l3 + IPV6_OFF_NEXT_HEADER, IPV6_SIZE_NEXT_HEADER) != IPPROTO_UDP:
-            return OTHER_NON_UDP
-        l4 = l3 + IPV6_LEN
-    else:
-        return OTHER_NON_IP
+        event, start, truncated = _open_gre(data, l4, ip_end, cap_end, rec)
+        if event != DECODE_OK:
+            return event
+        # The inner frame ends with the datagram that carries it; it was cut short if the
+        # capture cut into it or the switch truncated it.
+        cut = (cut and ip_end > cap_end) or truncated
+        cap_end = min(cap_end, ip_end)
+        _clear_outer(rec)
 
     if l4 + UDP_LEN > ip_end:
         return DECODE_UDP_TRUNCATED
@@ -281,7 +418,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, rec):
 
 
 @njit(**JIT)
-def decode_frame(data, start, caplen, wirelen, verify_icrc, rec):
+def decode_frame(data, start, caplen, wirelen, verify_icrc, decapsulate, rec):
     """Decode the frame ``data[start:start + caplen]`` into ``rec`` and return its event.
 
     Parameters
@@ -292,17 +429,19 @@ def decode_frame(data, start, caplen, wirelen, verify_icrc, rec):
         The frame's first byte, its captured length and its length on the wire (bytes).
     verify_icrc:
         Check the ICRC of complete RoCEv2 packets.
+    decapsulate:
+        Open GRE/ERSPAN packets and decode the Ethernet frame they carry.
     rec:
         One :data:`FRAME_DTYPE` record, overwritten (all fields but ``ts_ns``).
     """
     _clear(rec)
-    event = _walk(data, start, caplen, wirelen, verify_icrc, rec)
+    event = _walk(data, start, caplen, wirelen, verify_icrc, decapsulate, rec)
     rec["event"] = event
     return event
 
 
 @njit(**JIT_PARALLEL)
-def _decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, out, counters):
+def _decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, out, counters):
     """Decode every frame; part ``p`` of ``counters.shape[0]`` contiguous parts counts its
     events in ``counters[p]`` only, so threads never share a counter."""
     n = len(offsets)
@@ -310,13 +449,13 @@ def _decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, out, cou
     for p in prange(parts):
         for i in range(p * n // parts, (p + 1) * n // parts):
             rec = out[i]
-            event = decode_frame(data, offsets[i], caplens[i], wirelens[i], verify_icrc, rec)
+            event = decode_frame(data, offsets[i], caplens[i], wirelens[i], verify_icrc, decapsulate, rec)
             rec["ts_ns"] = ts_ns[i]
             counters[p, event] += 1
 
 
-def decode_batch(batch: FrameBatch, verify_icrc: bool = True,
-                 out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | None = None, *,
+                 decapsulate: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1 over a batch: one record per frame, in order, and the event counters.
 
     Parameters
@@ -328,6 +467,10 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True,
     out:
         Optional :data:`FRAME_DTYPE` array of at least ``len(batch)`` rows to fill (reused
         across batches); the first ``len(batch)`` rows are returned.
+    decapsulate:
+        Open GRE/ERSPAN (types I, II, III) and decode the Ethernet frame inside: for a mirror
+        stream that arrives over L3 (``MirrorSpec.encapsulation`` ``erspan2``/``erspan3``).
+        Plain frames decode the same either way; without it GRE is ``other.non_udp``.
 
     Returns
     -------
@@ -355,7 +498,7 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True,
     out = out[:n]
     counters = np.zeros((max(1, min(numba.get_num_threads(), n)), N_EVENTS), np.int64)
     _decode_parts(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
-                  bool(verify_icrc), out, counters)
+                  bool(verify_icrc), bool(decapsulate), out, counters)
     return out, counters.sum(axis=0)
 
 

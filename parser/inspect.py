@@ -225,7 +225,7 @@ def inspect_capture(path, job=None, progress: Callable[[int, int], None] | None 
     records = np.empty(max_frames, FRAME_DTYPE)
     with PcapReader(path, max_frames=max_frames) as reader:
         for batch in reader:
-            recs, _ = decode_batch(batch, out=records)
+            recs, _ = decode_batch(batch, out=records, decapsulate=True)   # ERSPAN opened, as tshark does
             ids = flows.assign(recs)
             upsn = np.empty(len(recs), np.int64)
             _accumulate(recs, ids, batch.data, flows.state, flows.opcodes, upsn)

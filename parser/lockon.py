@@ -21,6 +21,11 @@ would all agree with the wrong place), so the stream does not lock before every 
 resolved; it then locks at the first gap it saw (``parser/stream.py`` keeps the frames since
 that gap until then), and numbers iterations by their ordinal since the capture began. Each
 flow gets its base at its first write after the gap (:meth:`LockOn.place`).
+
+Before any of this, the stream's QPNs are learnt (``parser/flow_learning.py``): until every
+data flow's wire flow is known, the frames between the job's ranks count as job traffic for
+the gaps unless they already fit no planned flow (point-to-point, other jobs), and each flow's
+alignment candidates come from the learner, which narrows them the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradtap.parser.flow_learning import FlowLearner, Learnt
 from gradtap.parser.stream_tables import StreamTables
 from gradtap.wire import events as ev
 from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND, OPCODE_RETH_OFF
@@ -56,10 +62,40 @@ def flow_of(recs: np.ndarray, t: StreamTables) -> np.ndarray:
     return out
 
 
+def misplaced(tables: StreamTables, placed: dict[int, int]) -> str | None:
+    """What is wrong when no flow's first write after an iteration boundary starts the
+    iteration. Mirror loss delays some flows' first writes, never every flow's; a plan that
+    does not fit the traffic (ring order, buckets, channels) aligns every flow's writes to the
+    wrong place, which their sizes alone cannot show when a flow's writes repeat (modulo its
+    period, ``[A, B]`` fits ``[B, A]``). None when some flow starts at 0."""
+    if not placed or min(placed.values()) == 0:
+        return None
+    where = ", ".join(f"{tables.label(f)} at packet {p}" for f, p in sorted(placed.items())[:4])
+    return (f"after the pause that should start an iteration, no flow's first write starts the iteration "
+            f"({where}{', ...' if len(placed) > 4 else ''}): the traffic does not follow the job's plan; check "
+            f"the ring order (ring.ranks), the model's bucket sizes and nccl.channels against the job")
+
+
+@dataclass(frozen=True)
+class LockFailure:
+    """A stream that has not locked on: what happened, why, and what it saw."""
+
+    stream: str
+    what: str        # e.g. "never locked on (867 frames)"
+    reason: str
+    detail: str      # per planned data flow: the sizes expected and the wire flows seen
+    frames: int
+
+    def as_event(self) -> dict:
+        return {"stream": self.stream, "what": self.what, "reason": self.reason, "detail": self.detail,
+                "frames": self.frames}
+
+
 @dataclass
 class LockOn:
     tables: StreamTables
     gap_ns: int
+    learner: FlowLearner
     candidates: dict[int, set[int]] = field(default_factory=dict)   # flow -> bases mod period, from ref
     ref: dict[int, int] = field(default_factory=dict)               # flow -> first PSN seen
     span: dict[int, int] = field(default_factory=dict)              # flow -> PSNs watched past ref
@@ -67,15 +103,27 @@ class LockOn:
     seen_job: bool = False
     begun: int = 0              # iterations begun since the capture started (a partial first one counts)
 
-    def observe(self, recs: np.ndarray) -> Lock | None:
-        """Narrow the candidates with one batch of records; the first iteration boundary in
-        it (a :class:`Lock` to take once :meth:`resolved`), if any."""
+    @property
+    def learnt(self) -> Learnt | None:
+        return self.learner.learnt
+
+    def observe(self, recs: np.ndarray, data: np.ndarray) -> Lock | None:
+        """Learn and narrow with one batch of records (``data``: the batch's bytes); the first
+        iteration boundary in it (a :class:`Lock` to take once :meth:`resolved`), if any."""
         t = self.tables
-        flows = flow_of(recs, t)
-        job = np.flatnonzero(flows >= 0)
-        starts = job[(OPCODE_RETH_OFF[recs["opcode"][job]] >= 0) & t.is_data[flows[job]]]
-        for i in starts:
-            self._narrow(int(flows[i]), int(recs["psn"][i]), int(recs["reth_len"][i]))
+        if self.learnt is None:
+            keys = self.learner.observe(recs, data)
+            if self.learner.decide() is None:
+                job = np.flatnonzero(self.learner.maybe_job(keys))
+            else:
+                self._adopt(self.learner.learnt)
+                job = np.flatnonzero(flow_of(recs, t) >= 0)
+        else:
+            flows = flow_of(recs, t)
+            job = np.flatnonzero(flows >= 0)
+            starts = job[(OPCODE_RETH_OFF[recs["opcode"][job]] >= 0) & t.is_data[flows[job]]]
+            for i in starts:
+                self._narrow(int(flows[i]), int(recs["psn"][i]), int(recs["reth_len"][i]))
         ts = recs["ts_ns"][job]
         if self.last_ts is None and len(recs):
             # The capture was already listening at its first frame, job traffic or not.
@@ -98,20 +146,40 @@ class LockOn:
         return Lock(index=int(first), ts_ns=int(recs["ts_ns"][first]), ordinal=begun_before)
 
     def resolved(self) -> bool:
-        """Every data flow's alignment is known (see the module docstring)."""
-        return all(self._resolved(f) for f in self.tables.data_flows)
+        """Every data flow is learnt and its alignment known (see the module docstring)."""
+        return self.learnt is not None and all(self._resolved(f) for f in self.tables.data_flows)
+
+    def job(self, recs: np.ndarray) -> np.ndarray:
+        """Which records are (or, before the flows are learnt, may be) the job's writes."""
+        if self.learnt is not None:
+            return flow_of(recs, self.tables) >= 0
+        return self.learner.maybe_job(self.learner.keys(recs))
+
+    def _adopt(self, learnt: Learnt) -> None:
+        """Take the learnt QPNs into the tables, and each data flow's alignment candidates so far."""
+        t = self.tables
+        t.qpn[:] = learnt.qpn
+        for f in t.data_flows.tolist():
+            w = self.learner.wire[(int(self.learner.pair_of[f]) << 24) | int(learnt.qpn[f])]
+            fit = w.fit[f]
+            self.candidates[f] = set(fit.bases)
+            self.ref[f] = w.ref
+            self.span[f] = w.span
 
     def _resolved(self, f: int) -> bool:
         cands = self.candidates.get(f)
         return cands is not None and (len(cands) == 1 or self.span.get(f, 0) >= self.tables.period[f])
 
-    def place(self, recs: np.ndarray, start: int, base_psn: np.ndarray) -> None:
+    def place(self, recs: np.ndarray, start: int, base_psn: np.ndarray) -> dict[int, int]:
         """Give every data flow without a base (-1) one from its first write in ``recs[start:]``:
-        the candidate that puts that write earliest in the iteration."""
+        the candidate that puts that write earliest in the iteration. Returns that position
+        (packets into the iteration) per flow placed: 0 unless the mirror lost the flow's
+        first packets, or the job's plan is not the traffic's (see :func:`misplaced`)."""
         t = self.tables
         todo = [f for f in t.data_flows if base_psn[f] < 0]
+        placed: dict[int, int] = {}
         if not todo:
-            return
+            return placed
         flows = flow_of(recs, t)
         flows[:start] = -1
         starts = np.flatnonzero((flows >= 0) & (OPCODE_RETH_OFF[recs["opcode"]] >= 0))
@@ -124,6 +192,8 @@ class LockOn:
             psn = int(recs["psn"][mine[0]])
             pos = min(psn_delta(self.ref[f] + c, psn) % int(t.period[f]) for c in self.candidates[f])
             base_psn[f] = psn_add(psn, -pos)
+            placed[f] = pos
+        return placed
 
     def _narrow(self, f: int, psn: int, length: int) -> None:
         t = self.tables

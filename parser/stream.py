@@ -21,12 +21,12 @@ import numpy as np
 from numba import njit
 
 from gradtap.capture.frames import FrameBatch
-from gradtap.core.errors import ConfigError
 from gradtap.core.jit import JIT
 from gradtap.core.memory import copy_bytes
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble
 from gradtap.parser.decode import decode_batch
-from gradtap.parser.lockon import LockOn
+from gradtap.parser.flow_learning import FlowLearner
+from gradtap.parser.lockon import LockFailure, LockOn, misplaced
 from gradtap.parser.stream_tables import stream_tables
 from gradtap.wire import events as ev
 from gradtap.wire.psn import psn_add
@@ -71,16 +71,20 @@ class StreamParser:
     hold_bytes:
         Frames kept (copied) since the first iteration boundary while lock-on waits for every
         flow to be resolved; past it, that boundary is given up for a later one.
+    lockon_s, lockon_frames:
+        A stream not locked this long after its first frame (capture time), or after this many
+        frames, has failed to lock on: :attr:`failure` says why (``job.appliance`` by default).
+        It keeps trying.
     """
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
-                 slots: int = DEFAULT_SLOTS, gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30):
+                 slots: int = DEFAULT_SLOTS, gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30,
+                 lockon_s: float | None = None, lockon_frames: int | None = None):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
-        if self.mirror.encapsulation != "none":
-            raise ConfigError(f"mirrors[{self.mirror.name}].encapsulation: {self.mirror.encapsulation!r} needs "
-                              "GRE/ERSPAN decapsulation, which the parser does not do yet; mirror this port "
-                              "with a switch-local SPAN session (encapsulation: none)")
+        # A stream that arrives over L3 (ERSPAN) is opened frame by frame; stage 1 reads the
+        # ERSPAN type from the wire, and plain frames on it decode as they are.
+        self.decapsulate = self.mirror.encapsulation != "none"
         self.tables = t = stream_tables(job, plan, self.mirror)
         self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
         self.need = plan.blocks["need"].astype(np.int32)
@@ -97,7 +101,12 @@ class StreamParser:
         self.slot0 = 0
         self.iteration = 0            # iteration held by slot0
         self.counters = ev.new_counters()
-        self.lockon = LockOn(t, gap_ns)
+        self.lockon = LockOn(t, gap_ns, FlowLearner(t, job.nccl.adaptive_routing))
+        self.lockon_ns = int(1e9 * (job.appliance.lockon_timeout_s if lockon_s is None else lockon_s))
+        self.lockon_frames = job.appliance.lockon_frames if lockon_frames is None else lockon_frames
+        self.failure: LockFailure | None = None    # why the stream has not locked on (None: in time, or locked)
+        self._frames = 0
+        self._first_ts: int | None = None
         self.lock_ts: int | None = None
         self.hold_bytes = hold_bytes
         self._pending = None          # the first boundary seen, while flows are not yet resolved
@@ -110,13 +119,14 @@ class StreamParser:
     def feed(self, batch: FrameBatch) -> list[AssembledIteration]:
         """Parse one batch; returns the iterations it completed."""
         # Stage 2 counts every record under one event, stage 1's refusals included.
-        recs, _ = decode_batch(batch, self.verify_icrc)
+        recs, _ = decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate)
         if self.locked:
             return self._assemble(recs, 0, batch.data)
-        boundary = self.lockon.observe(recs)
+        boundary = self.lockon.observe(recs, batch.data)
+        self._watch(batch)
         if self._pending is None:
             stop = boundary.index if boundary else len(recs)
-            self._run(recs, 0, stop, batch.data)          # before any boundary: counted, not used
+            self._count_unlocked(recs, stop, batch.data)      # before any boundary: counted, not used
             if boundary is None:
                 return []
             self._pending, self._held = boundary, [_compact(batch, boundary.index)]
@@ -127,14 +137,30 @@ class StreamParser:
                 self._give_up_pending()
             return []
         lock, held = self._pending, self._held
+        first = decode_batch(held[0], self.verify_icrc, decapsulate=self.decapsulate)[0]
+        wrong = misplaced(self.tables, self.lockon.place(first, 0, self.state.base_psn))
+        if wrong:
+            # Never assemble against a plan the traffic contradicts: count, report, retry later.
+            self.state.base_psn[:] = -1
+            self._release_held()
+            if self.failure is None:
+                self.failure = self._why(f"refused to lock on at t={lock.ts_ns} ns", wrong)
+            return []
         self._pending, self._held = None, []
         self.lock_ts, self.iteration = lock.ts_ns, lock.ordinal
+        learnt = self.lockon.learnt
+        if learnt.by_order:
+            log.info("stream %s: flows with identical traffic told apart by QPN order: %s", self.mirror.name,
+                     "; ".join(learnt.by_order))
+        for m in learnt.hint_mismatch:
+            log.warning("stream %s: the job spec's QPN hint does not match the wire (%s); the wire's is used",
+                        self.mirror.name, m)
         log.info("stream %s: locked on an iteration boundary at t=%d ns; the capture's iteration %d starts "
                  "there%s", self.mirror.name, lock.ts_ns, lock.ordinal,
                  "" if lock.ordinal == 0 else f" ({lock.ordinal} earlier iteration(s) could not be aligned)")
         out = []
         for b in held:
-            out += self._assemble(decode_batch(b, self.verify_icrc)[0], 0, b.data)
+            out += self._assemble(decode_batch(b, self.verify_icrc, decapsulate=self.decapsulate)[0], 0, b.data)
         return out
 
     def _assemble(self, recs, start, data) -> list[AssembledIteration]:
@@ -151,9 +177,53 @@ class StreamParser:
         """Too much held while waiting to resolve: count it and wait for a later boundary."""
         log.warning("stream %s: %d MB held since an iteration boundary without resolving every flow; waiting "
                     "for the next boundary", self.mirror.name, self.hold_bytes >> 20)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Count the frames held since the pending boundary (they will not be assembled)."""
         for b in self._held:
-            self._run(decode_batch(b, self.verify_icrc)[0], 0, len(b.offsets), b.data)
+            self._count_unlocked(decode_batch(b, self.verify_icrc, decapsulate=self.decapsulate)[0], len(b.offsets),
+                                 b.data)
         self._pending, self._held = None, []
+
+    def _count_unlocked(self, recs, stop, data) -> None:
+        """Count ``recs[:stop]`` of a stream not locked: the job's writes as ``data.before_lock``
+        (or ``other.cts``) and the rest as stage 2 classifies them. Before the flows are learnt,
+        writes that may be the job's count as ``data.before_lock`` too."""
+        recs = recs[:stop]
+        if self.lockon.learnt is not None:
+            self._run(recs, 0, stop, data)
+            return
+        job = self.lockon.job(recs)
+        self.counters[ev.DATA_BEFORE_LOCK] += int(job.sum())
+        rest = recs[~job]
+        self._run(rest, 0, len(rest), data)
+
+    def _watch(self, batch: FrameBatch) -> None:
+        """Note a stream that has been unlocked for too long (once; it keeps trying)."""
+        if len(batch.offsets) == 0:
+            return
+        if self._first_ts is None:
+            self._first_ts = int(batch.ts_ns[0])
+        self._frames += len(batch.offsets)
+        waited = int(batch.ts_ns[-1]) - self._first_ts
+        if self.failure is None and (waited >= self.lockon_ns or self._frames >= self.lockon_frames):
+            self.failure = self._why(f"not locked on after {waited / 1e9:.1f} s and {self._frames:,} frames")
+
+    def _why(self, what: str, reason: str | None = None) -> LockFailure:
+        learnt = self.lockon.learnt
+        if reason is not None:
+            pass
+        elif not self.lockon.learner.wire:
+            reason = "no RDMA WRITE between the job's ranks (no flow matched): check the ring's addresses"
+        elif learnt is None:
+            reason = "the job's flows could not be told from the traffic"
+        else:
+            reason = (f"flows learnt, but no iteration boundary (a pause of at least "
+                      f"{self.lockon.gap_ns / 1e6:g} ms in the job's traffic) was followed by a whole iteration")
+        failure = LockFailure(self.mirror.name, what, reason, self.lockon.learner.explain(), self._frames)
+        log.warning("stream %s: %s: %s\n%s", failure.stream, failure.what, failure.reason, failure.detail)
+        return failure
 
     def in_progress(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
         """``(iteration, start_ns, grad, got)`` of every slot holding data, oldest first.
@@ -195,7 +265,12 @@ class StreamParser:
             self._spare.append(grad)
 
     def flush(self) -> list[AssembledIteration]:
-        """Hand back every iteration still held (end of input)."""
+        """Hand back every iteration still held (end of input). A stream that never locked
+        counts what it held and says why (:attr:`failure`)."""
+        if not self.locked:
+            self._release_held()
+            if self.failure is None:
+                self.failure = self._why(f"never locked on ({self._frames:,} frames)")
         out = []
         for _ in range(len(self.slots.grads)):
             if self.slots.seen[self.slot0].any():

@@ -1,7 +1,9 @@
 """What one mirror stream must know of the wire plan, as one record of arrays for the kernels.
 
 A stream (a rank's port, one or both directions) sees a subset of the plan's flows. Each is
-identified on the wire by its destination QPN and its source and destination addresses.
+identified on the wire by its destination QPN and its source and destination addresses; the
+QPNs are learnt from the traffic at lock-on (``parser/flow_learning.py``), so they start as
+``UNKNOWN_QPN`` and the spec's QPNs, when it gives them, are only hints.
 Per flow the kernel needs the slice of ``plan.messages`` it posts, its packets per
 iteration (the PSN period), and where its packets sit in the stream's per-iteration
 "seen" bitmap; per connection (channel, sender) the FIFO steps per iteration.
@@ -20,6 +22,9 @@ from gradtap.workload.spec import JobSpec, MirrorSpec
 from gradtap.workload.wire_plan import DATA, WirePlan
 
 
+UNKNOWN_QPN = 1 << 24       # equals no 24-bit destination QPN: a flow not learnt yet
+
+
 def ip16(address: str) -> np.ndarray:
     """16-byte form of an address: IPv6 as is, IPv4 as ``::ffff:a.b.c.d`` (as stage 1 stores it)."""
     ip = ipaddress.ip_address(address)
@@ -32,7 +37,12 @@ class StreamTables(NamedTuple):
     """Flows of one stream (index ``f``), its connections (index ``c``) and the plan facts
     the assembly kernel reads; a NamedTuple so the kernel takes it whole."""
 
-    qpn: np.ndarray            # uint32[F]: destination QPN on the wire
+    qpn: np.ndarray            # uint32[F]: destination QPN on the wire (UNKNOWN_QPN until learnt)
+    qpn_hint: np.ndarray       # int64[F]: the QPN the spec's qpn_base implies (-1: none given)
+    src: np.ndarray            # int64[F]: ring position of the sender
+    dst: np.ndarray            # int64[F]: ring position of the receiver
+    channel: np.ndarray        # int64[F]
+    qp_index: np.ndarray       # int64[F]: QP within the connection
     src_ip: np.ndarray         # uint8[F, 16]
     dst_ip: np.ndarray         # uint8[F, 16]
     is_data: np.ndarray        # bool[F]: data flow (else CTS)
@@ -56,6 +66,11 @@ class StreamTables(NamedTuple):
     def data_flows(self) -> np.ndarray:
         return np.flatnonzero(self.is_data)
 
+    def label(self, f: int) -> str:
+        """A planned flow as an operator names it, e.g. ``rank 0->1 channel 1 QP 0 data``."""
+        what = f"QP {int(self.qp_index[f])} data" if self.is_data[f] else "CTS"
+        return f"rank {int(self.src[f])}->{int(self.dst[f])} channel {int(self.channel[f])} {what}"
+
 
 def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTables:
     flows = plan.flows_of(mirror.rank, mirror.direction)
@@ -65,8 +80,14 @@ def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTab
     seen_base = np.zeros(len(flows), np.int64)
     seen_base[is_data] = np.concatenate([[0], np.cumsum(f["npkts"][is_data])[:-1]]) if is_data.any() else []
     n = plan.world_size
+    hinted = np.array([ranks[d].qpn_base is not None for d in f["dst"]], bool)
     return StreamTables(
-        qpn=f["dst_qpn"].astype(np.uint32),
+        qpn=np.full(len(flows), UNKNOWN_QPN, np.uint32),
+        qpn_hint=np.where(hinted, f["dst_qpn"], -1).astype(np.int64),
+        src=f["src"].astype(np.int64),
+        dst=f["dst"].astype(np.int64),
+        channel=f["channel"].astype(np.int64),
+        qp_index=f["qp"].astype(np.int64),
         src_ip=np.stack([ip16(ranks[s].ip) for s in f["src"]]) if len(f) else np.zeros((0, 16), np.uint8),
         dst_ip=np.stack([ip16(ranks[d].ip) for d in f["dst"]]) if len(f) else np.zeros((0, 16), np.uint8),
         is_data=is_data,

@@ -6,6 +6,10 @@ with the declarative header layouts (``wire/headers``) and patched per packet by
 kernel (lengths, IPv4 checksum). BTH and the extension headers that the opcode carries are
 written from the descriptor, the payload is copied from an arena, and the ICRC is computed
 last over the finished frame. Nothing here is per-frame Python.
+
+A mirror stream that reaches its CPU node over L3 (``MirrorSpec.encapsulation`` ``erspan2``
+or ``erspan3``) carries each mirrored frame inside IPv4 + GRE + ERSPAN, as the switch sends
+it: :class:`ErspanTunnel` wraps finished frames and numbers them per session.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from numba import njit
 from gradtap.core.bytes import read_be, write_be, write_le
 from gradtap.core.jit import JIT
 from gradtap.core.memory import copy_bytes
-from gradtap.wire.headers import eth, ipv4, ipv6, udp
+from gradtap.wire.headers import erspan, eth, gre, ipv4, ipv6, udp
 from gradtap.wire.headers.aeth import AETH_OFF_SYNDROME, AETH_SIZE_SYNDROME
 from gradtap.wire.headers.bth import BTH, BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH_DESTQP_MASK, BTH_DESTQP_SHIFT, \
     BTH_LEN, BTH_OFF_ACKREQ, BTH_OFF_DESTQP, BTH_OFF_OPCODE, BTH_OFF_PADCNT, BTH_OFF_PKEY, BTH_PADCNT_MASK, \
@@ -26,6 +30,9 @@ from gradtap.wire.headers.bth import BTH, BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH
     BTH_SIZE_PADCNT, BTH_SIZE_PKEY
 from gradtap.wire.headers.deth import DETH_OFF_QKEY, DETH_OFF_SRCQP, DETH_SIZE_QKEY, DETH_SIZE_SRCQP
 from gradtap.wire.headers.immdt import IMMDT_OFF_IMM, IMMDT_SIZE_IMM
+from gradtap.wire.headers.erspan import ERSPAN3_OFF_TIMESTAMP, ERSPAN3_SIZE_TIMESTAMP, ERSPAN_GRA_100NS
+from gradtap.wire.headers.eth import ETH_LEN
+from gradtap.wire.headers.gre import GRE_SEQ_OFF_SEQ, GRE_SEQ_SIZE_SEQ
 from gradtap.wire.headers.ipv4 import IPV4_LEN, IPV4_OFF_CHECKSUM, IPV4_OFF_TOTAL_LENGTH, IPV4_SIZE_CHECKSUM, \
     IPV4_SIZE_TOTAL_LENGTH
 from gradtap.wire.headers.ipv6 import IPV6_LEN, IPV6_OFF_PAYLOAD_LENGTH, IPV6_SIZE_PAYLOAD_LENGTH
@@ -191,3 +198,86 @@ def encode_frames(packets: np.ndarray, routes: Routes, arena: np.ndarray) -> tup
     if len(packets):
         _encode(packets, table, routes.ipv6, arena, data, offsets, lengths)
     return data, offsets, lengths.astype(np.int32)
+
+
+# Where a simulated ERSPAN session runs, when nothing says otherwise: documentation addresses
+# (RFC 5737 TEST-NET-1) and locally administered MACs, none of them a rank's or a peer's.
+ERSPAN_SWITCH_IP = "192.0.2.1"       # the switch's ERSPAN source address (origin)
+ERSPAN_COLLECTOR_IP = "192.0.2.2"    # the CPU node's address that receives the session
+ERSPAN_SWITCH_MAC = "02:00:00:fe:00:01"
+ERSPAN_COLLECTOR_MAC = "02:00:00:fe:00:02"
+ERSPAN_TICK_NS = 100                 # the ERSPAN III timestamp's unit (ERSPAN_GRA_100NS)
+GRE_SEQ_MODULUS = 1 << (8 * GRE_SEQ_SIZE_SEQ)
+
+
+class ErspanTunnel:
+    """One ERSPAN session: IPv4 + GRE (with sequence number) + ERSPAN type II or III.
+
+    Parameters
+    ----------
+    encapsulation:
+        ``"erspan2"`` (GRE 0x88BE, 8-byte header) or ``"erspan3"`` (GRE 0x22EB, 12-byte header
+        whose timestamp is the frame's time in 100 ns units, modulo 2**32; ``p`` = 1 and
+        ``ft`` = 0, an Ethernet frame, as Linux's ``erspan_build_header_v2`` sends).
+    session:
+        The 10-bit ERSPAN session id.
+    switch_ip, collector_ip, switch_mac, collector_mac:
+        Outer addresses (IPv4): the switch that encapsulates and the CPU node it sends to.
+
+    The GRE sequence number counts the session's frames from 0 (modulo 2**32) in the order
+    the switch sends them, across calls of :meth:`encapsulate`, so frames lost after the
+    switch (on the mirror path) leave gaps.
+    """
+
+    def __init__(self, encapsulation: str, session: int, *, switch_ip: str = ERSPAN_SWITCH_IP,
+                 collector_ip: str = ERSPAN_COLLECTOR_IP, switch_mac: str = ERSPAN_SWITCH_MAC,
+                 collector_mac: str = ERSPAN_COLLECTOR_MAC):
+        if encapsulation not in ("erspan2", "erspan3"):
+            raise ValueError(f"encapsulation {encapsulation!r} is not 'erspan2' or 'erspan3'")
+        mac = lambda m: bytes.fromhex(m.replace(":", ""))  # noqa: E731
+        addr = lambda a: ipaddress.IPv4Address(a).packed  # noqa: E731
+        self.encapsulation, self.session, self.next_seq = encapsulation, session, 0
+        three = encapsulation == "erspan3"
+        head = eth.pack(dst=mac(collector_mac), src=mac(switch_mac), type=eth.ETHERTYPE_IPV4)
+        # Total length and checksum are patched per frame.
+        head += ipv4.IPV4.pack(proto=gre.IPPROTO_GRE, src=addr(switch_ip), dst=addr(collector_ip))
+        head += gre.pack(seq=0, proto=gre.GRE_PROTO_ERSPAN3 if three else gre.GRE_PROTO_ERSPAN2)
+        self._seq_at = len(head) - GRE_SEQ_SIZE_SEQ + GRE_SEQ_OFF_SEQ
+        self._ts_at = len(head) + ERSPAN3_OFF_TIMESTAMP if three else -1
+        head += erspan.pack3(session=session, p=1, gra=ERSPAN_GRA_100NS) if three else erspan.pack2(session=session)
+        self.head = np.frombuffer(head, np.uint8).copy()
+
+    def encapsulate(self, data: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, ts_ns: np.ndarray,
+                    order: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Frames ``data[offsets[i]:offsets[i] + lengths[i]]`` (sent at ``ts_ns[i]``, in the order
+        ``order`` lists them) encapsulated, in the same index order.
+
+        Returns ``(data uint8[total], offsets int64[n], lengths int32[n])``.
+        """
+        n = len(offsets)
+        seq = np.empty(n, np.int64)
+        seq[order] = (self.next_seq + np.arange(n)) % GRE_SEQ_MODULUS
+        self.next_seq = (self.next_seq + n) % GRE_SEQ_MODULUS
+        out_lengths = np.asarray(lengths, np.int64) + len(self.head)
+        out_offsets = np.zeros(n, np.int64)
+        np.cumsum(out_lengths[:-1], out=out_offsets[1:])
+        out = np.empty(int(out_lengths.sum()), np.uint8)
+        if n:
+            _encapsulate(self.head, self._seq_at, self._ts_at, data, np.asarray(offsets, np.int64),
+                         np.asarray(lengths, np.int64), np.asarray(ts_ns, np.int64), seq, out, out_offsets)
+        return out, out_offsets, out_lengths.astype(np.int32)
+
+
+@njit(**JIT)
+def _encapsulate(head, seq_at, ts_at, data, offsets, lengths, ts_ns, seq, out, out_offsets):
+    h = head.shape[0]
+    l3 = ETH_LEN
+    for i in range(offsets.shape[0]):
+        o = out_offsets[i]
+        out[o:o + h] = head
+        write_be(out, o + l3 + IPV4_OFF_TOTAL_LENGTH, h - l3 + lengths[i], IPV4_SIZE_TOTAL_LENGTH)
+        _set_ipv4_checksum(out, o + l3)
+        write_be(out, o + seq_at, seq[i], GRE_SEQ_SIZE_SEQ)
+        if ts_at >= 0:
+            write_be(out, o + ts_at, (ts_ns[i] // ERSPAN_TICK_NS) % (1 << 32), ERSPAN3_SIZE_TIMESTAMP)
+        copy_bytes(out, o + h, data, offsets[i], lengths[i])

@@ -31,7 +31,7 @@ from gradtap.workload import models
 from gradtap.simulator.allreduce import chunk_index, plan_allreduce, ring_partials
 from gradtap.simulator.background import Background
 from gradtap.simulator.faults import FaultSpec, apply_mirror_faults
-from gradtap.simulator.frames import Routes, encode_frames
+from gradtap.simulator.frames import ErspanTunnel, Routes, encode_frames
 from gradtap.simulator.traffic import ConnectionState, Timing, TrafficBuilder
 from gradtap.simulator.training import Trainer
 from gradtap.simulator.truth import TruthWriter
@@ -74,6 +74,8 @@ class _Stream:
         path = out / "streams" / f"{m.name}.{fmt}"
         self.writer = PcapWriter(path, nanosecond=True) if fmt == "pcap" else PcapngWriter(path)
         self.summary = StreamSummary(m.name, path)
+        # A stream over L3 is the switch's ERSPAN session; its id is the mirror's position + 1.
+        self.tunnel = None if m.encapsulation == "none" else ErspanTunnel(m.encapsulation, session=index + 1)
 
     def select(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         p = self.mirror.rank
@@ -198,6 +200,8 @@ class Simulation:
                 ts = np.concatenate([ts, [f[0] for f in extra]])
                 data = np.concatenate([data, blob])
             order = np.argsort(ts, kind="stable")
+            if s.tunnel is not None:
+                data, offsets, lengths = s.tunnel.encapsulate(data, offsets, lengths, ts, order)
             outcome = apply_mirror_faults(lengths[order], self.faults.for_stream(s.mirror.name), s.rng)
             pick = order[outcome.index]
             batch = FrameBatch(data=data, offsets=offsets[pick], caplens=outcome.caplen,

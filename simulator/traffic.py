@@ -151,15 +151,19 @@ class TrafficBuilder:
         return start
 
     def _cts_payloads(self, msgs: np.ndarray, state: ConnectionState, arena: list, sizes: list) -> np.ndarray:
-        """The 32-byte ncclIbSendFifo of each CTS write (docs/wire-format.md)."""
-        cts = np.zeros(len(msgs), dtype=[("addr", "<u8"), ("size", "<i4"), ("rkey", "<u4"),
-                                         ("nreqs", "<u4"), ("tag", "<u4"), ("idx", "<u8")])
+        """The era's ncclIbSendFifo of each CTS write (docs/wire-format.md, "NCCL eras")."""
+        era = N.era_facts(self.job.nccl)
+        cts = np.zeros(len(msgs), dtype=era.cts_dtype)
         sender = self.plan.flows["dst"][msgs["flow"]]
         c = msgs["channel"]
         slot = (state.step_base[c, sender] + msgs["step"]) % N.NCCL_STEPS
         cts["addr"] = state.buffer_va[c, sender] + slot * self.plan.geometry.step_bytes
         cts["size"] = self.plan.geometry.slot_bytes
-        cts["rkey"] = state.rkeys[c, sender, 0]
+        rkey = "rkey" if "rkey" in cts.dtype.names else "rkeys"
+        if cts.dtype[rkey].shape:
+            cts[rkey][:, 0] = state.rkeys[c, sender, 0]     # one device: the first of the per-device rkeys
+        else:
+            cts[rkey] = state.rkeys[c, sender, 0]
         cts["nreqs"] = 1
         cts["tag"] = sender
         cts["idx"] = state.fifo_base[c, sender] + msgs["fifo_seq"] + 1
@@ -167,7 +171,7 @@ class TrafficBuilder:
         offset = sum(sizes)
         arena.append(raw)
         sizes.append(len(raw))
-        return offset + np.arange(len(msgs), dtype=np.int64) * N.CTS_BYTES
+        return offset + np.arange(len(msgs), dtype=np.int64) * era.cts_bytes
 
     # -- timing -------------------------------------------------------------------------
     def _write_times(self, msgs: np.ndarray, t0: int) -> tuple[np.ndarray, int]:
@@ -231,7 +235,8 @@ class TrafficBuilder:
         c = m["channel"]
         data_va = state.buffer_va[c, src] + ((state.step_base[c, src] + m["step"]) % N.NCCL_STEPS) \
             * plan.geometry.step_bytes + m["part_offset"]
-        cts_va = state.fifo_va[c, dst] + ((state.fifo_base[c, dst] + m["fifo_seq"]) % N.CTS_SLOTS) * N.CTS_SLOT_STRIDE
+        stride = N.era_facts(self.job.nccl).cts_slot_stride
+        cts_va = state.fifo_va[c, dst] + ((state.fifo_base[c, dst] + m["fifo_seq"]) % N.CTS_SLOTS) * stride
         pk["reth_va"] = np.where(m["kind"] == CTS, cts_va, np.where(m["remote_offset"] == NO_VA, 0, data_va))
         # Adaptive routing's closing zero-length write has VA 0 and R_Key 0 (a zeroed work request).
         pk["reth_rkey"] = np.where(m["kind"] == CTS, state.rkeys[c, dst, 1],

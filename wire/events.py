@@ -56,6 +56,12 @@ EVENTS: tuple[tuple[str, str], ...] = (
     ("data.va_mismatch", "RETH address is not the planned FIFO slot"),
     ("data.flag_mismatch", "LL/LL128 flag is not the connection's step + 1"),
     ("data.written", "allgather data written to the gradient buffer"),
+    # stage 1, GRE/ERSPAN encapsulation (appended: codes above keep their positions)
+    ("decode.gre_truncated", "GRE header or its optional words past the end of the IP payload"),
+    ("decode.gre_unsupported", "GRE version not 0, routing bit set, or a protocol other than ERSPAN"),
+    ("decode.erspan_truncated", "ERSPAN header (or its platform subheader) past the end of the IP payload"),
+    ("decode.erspan_bad_version", "ERSPAN version is not the GRE protocol's (1 for 0x88be, 2 for 0x22eb)"),
+    ("decode.erspan_unsupported", "ERSPAN III frame type is not Ethernet (an IP packet without its frame)"),
 )
 
 NAMES = tuple(name for name, _ in EVENTS)
@@ -100,6 +106,11 @@ DATA_IMM_MISMATCH = 32
 DATA_VA_MISMATCH = 33
 DATA_FLAG_MISMATCH = 34
 DATA_WRITTEN = 35
+DECODE_GRE_TRUNCATED = 36
+DECODE_GRE_UNSUPPORTED = 37
+DECODE_ERSPAN_TRUNCATED = 38
+DECODE_ERSPAN_BAD_VERSION = 39
+DECODE_ERSPAN_UNSUPPORTED = 40
 
 
 def new_counters() -> np.ndarray:

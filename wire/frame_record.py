@@ -4,6 +4,13 @@ One row per input frame, in arrival order. ``event`` is ``DECODE_OK`` for a comp
 packet whose fields below are then all valid, or the ``decode.*``/``other.*`` code of why
 the frame stops there (see ``wire/events.py``). Addresses are 16 bytes: IPv6 as is, IPv4
 as ``::ffff:a.b.c.d`` (RFC 4291 §2.5.5.2), so one comparison serves both families.
+
+A frame that arrived encapsulated in GRE/ERSPAN (``wire/headers/gre.py``, ``erspan.py``) is
+decoded from the Ethernet frame it carries: every field from ``ip_version`` to
+``payload_len`` describes that inner frame (its VLAN tag, addresses, RoCEv2 headers;
+``payload_off`` points into it). The last three fields are the encapsulation's, so that
+mirror loss can be counted from GRE sequence gaps per ERSPAN session: they are filled as far
+as the GRE and ERSPAN headers were read, whatever the event.
 """
 
 import numpy as np
@@ -31,4 +38,7 @@ FRAME_DTYPE = np.dtype([
     ("payload_off", "i8"),     # first payload byte in the batch's data array
     ("payload_len", "i4"),     # payload bytes (no headers, pad or ICRC)
     ("ts_ns", "i8"),
+    ("erspan_type", "u1"),     # ERSPAN_NONE (0: not encapsulated), ERSPAN_TYPE_I/II/III (1/2/3)
+    ("erspan_session", "i2"),  # 10-bit ERSPAN session id, -1 without an ERSPAN header (plain, type I)
+    ("gre_seq", "i8"),         # GRE sequence number (32 bits), -1 when the GRE header carries none
 ])

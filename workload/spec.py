@@ -161,7 +161,9 @@ class RankSpec(_Strict):
     ip: str
     mac: str
     qpn_base: int | None = Field(None, ge=2, lt=1 << 24,
-                                 description="first QPN of this rank's ring connections; default 0x100*(position+1)")
+                                 description="a hint: first QPN of this rank's ring connections (base + 2*index "
+                                             "+ receiver); the parser learns QPNs from the wire and checks "
+                                             "hints; the simulator uses it (default 0x100*(position+1))")
     udp_sport_base: int | None = Field(None, ge=1, le=65535,
                                        description="UDP source port of this rank's first send connection; default 49152+64*position")
 

@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from gradtap.cli import app
+from gradtap.core.errors import CaptureError
 from gradtap.progress import replay_progress
 from gradtap.tables import events_table, iteration_table
 
@@ -48,3 +49,10 @@ def replay_command(
     console.print(events_table(result))
     console.print(f"replica {'[red]stale[/]' if sink.replica.stale else 'current'} at iteration "
                   f"{sink.replica.iteration}; snapshots in {out / 'snapshots'}; events in {out / 'events.jsonl'}")
+    unlocked = [name for name, locked in result.locked.items() if not locked]
+    for name in unlocked:
+        console.print(f"[yellow]warning:[/] stream {name} never locked on to the job's traffic; why: "
+                      f"lockon.failed in {out / 'events.jsonl'}")
+    if unlocked and len(unlocked) == len(result.locked):
+        raise CaptureError(f"no stream locked on to job {job.name!r}: nothing was applied (the lockon.failed "
+                           f"events in {out / 'events.jsonl'} say what each stream saw and expected)")

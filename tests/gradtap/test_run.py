@@ -122,7 +122,7 @@ def test_gradtap_resync_hands_a_checkpoint_to_the_control_endpoint(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     offered = []
     status = ApplianceStatus(capture={}, events={}, recovered=2, unrecoverable=1, replica_iteration=3, stale=True,
-                             lag_s=0.0, parse_s=0.0, merge_s=0.0, update_s=0.0)
+                             lag_s=0.0, parse_s=0.0, merge_s=0.0, update_s=0.0, locked={"r0": True})
     server = ControlServer(offered.append, lambda: status, free_port())
     try:
         url = f"http://127.0.0.1:{server.port}"

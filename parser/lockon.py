@@ -67,8 +67,10 @@ def misplaced(tables: StreamTables, placed: dict[int, int]) -> str | None:
     iteration. Mirror loss delays some flows' first writes, never every flow's; a plan that
     does not fit the traffic (ring order, buckets, channels) aligns every flow's writes to the
     wrong place, which their sizes alone cannot show when a flow's writes repeat (modulo its
-    period, ``[A, B]`` fits ``[B, A]``). None when some flow starts at 0."""
-    if not placed or min(placed.values()) == 0:
+    period, ``[A, B]`` fits ``[B, A]``). None when some flow starts at 0, or when fewer than
+    two flows were placed: one flow's late start is as likely a loss of its first packets
+    (a stream of one flow cannot show a rotated plan)."""
+    if len(placed) < 2 or min(placed.values()) == 0:
         return None
     where = ", ".join(f"{tables.label(f)} at packet {p}" for f, p in sorted(placed.items())[:4])
     return (f"after the pause that should start an iteration, no flow's first write starts the iteration "

@@ -14,6 +14,7 @@ iteration. Every NCCL fact used here is in ``docs/wire-format.md``.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -79,14 +80,25 @@ def packets(nbytes: int, mtu: int) -> int:
 
 
 def qpn(job: JobSpec, position: int, channel: int, qp: int, receiver: bool) -> int:
-    """QPN of one end of a ring connection: even for the sending side, odd for the receiving.
+    """QPN of one end of a ring connection.
 
-    Real QPNs are assigned by the NIC at connection time; the job's ``qpn_base`` fixes them
-    for the simulator and for captures whose QPNs are known.
+    With the rank's ``qpn_base`` set: ``base + 2 * index + receiver`` (``index`` = channel *
+    QPs per connection + QP). Without it, as a real NIC numbers them: in creation order (the
+    send side then the receive side of each channel and QP, as NCCL connects), from a start
+    and with gaps between consecutive QPNs (other QPs created in between; the real captures
+    show strides of 1 to 5) that follow from the job's name and the rank, so the simulator
+    and any test agree on them. The parser never relies on either: it learns QPNs from the
+    wire (``parser/flow_learning.py``) and only checks ``qpn_base`` as a hint.
     """
     index = channel * job.nccl.qps_per_connection + qp
     base = job.ring.ranks[position].qpn_base
-    return (0x100 * (position + 1) if base is None else base) + 2 * index + int(receiver)
+    if base is not None:
+        return base + 2 * index + int(receiver)
+    seed = int.from_bytes(hashlib.blake2b(f"{job.name}/{position}".encode(), digest_size=8).digest(), "little")
+    rng = np.random.default_rng(seed)
+    count = 2 * index + int(receiver) + 1
+    start = int(rng.integers(0x100, 0x800000))
+    return start + int(rng.integers(1, 6, size=count).sum())
 
 
 def udp_sport(job: JobSpec, sender: int, channel: int, qp: int) -> int:

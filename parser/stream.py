@@ -210,17 +210,17 @@ class StreamParser:
         if self.failure is None and (waited >= self.lockon_ns or self._frames >= self.lockon_frames):
             self.failure = self._why(f"not locked on after {waited / 1e9:.1f} s and {self._frames:,} frames")
 
+    def _unlocked_reason(self) -> str:
+        if not self.lockon.learner.wire:
+            return "no RDMA WRITE between the job's ranks (no flow matched): check the ring's addresses"
+        if self.lockon.learnt is None:
+            return "the job's flows could not be told from the traffic"
+        return (f"flows learnt, but no iteration boundary (a pause of at least {self.lockon.gap_ns / 1e6:g} ms "
+                "in the job's traffic) was followed by a whole iteration")
+
     def _why(self, what: str, reason: str | None = None) -> LockFailure:
-        learnt = self.lockon.learnt
-        if reason is not None:
-            pass
-        elif not self.lockon.learner.wire:
-            reason = "no RDMA WRITE between the job's ranks (no flow matched): check the ring's addresses"
-        elif learnt is None:
-            reason = "the job's flows could not be told from the traffic"
-        else:
-            reason = (f"flows learnt, but no iteration boundary (a pause of at least "
-                      f"{self.lockon.gap_ns / 1e6:g} ms in the job's traffic) was followed by a whole iteration")
+        if reason is None:
+            reason = self._unlocked_reason()
         failure = LockFailure(self.mirror.name, what, reason, self.lockon.learner.explain(), self._frames)
         log.warning("stream %s: %s: %s\n%s", failure.stream, failure.what, failure.reason, failure.detail)
         return failure

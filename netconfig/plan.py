@@ -141,7 +141,7 @@ def mirrors_yaml(plan: Plan, group: GroupPlan) -> str:
              f"# The gradtap appliance for this group runs on CPU node {group.cpu_node}."]
     for s in group.sources:
         how = "switch-local SPAN" if s.encapsulation == "none" else (
-            f"{s.encapsulation.upper()} from {s.switch} to {s.erspan_dst_ip}; decapsulate GRE before parsing")
+            f"{s.encapsulation.upper()} from {s.switch} to {s.erspan_dst_ip}; the appliance opens GRE/ERSPAN itself")
         lines.append(f"# {s.name}: {s.node} {s.nic} ({s.switch} {s.port}) {s.direction} -> "
                      f"{s.cpu_node} {s.cpu_nic} via {how}")
     return "\n".join(lines) + "\n" + yaml.safe_dump(mirrors_section(group), sort_keys=False)

@@ -18,6 +18,7 @@ from gradtap.simulator.traffic import ACK_SYNDROME
 from gradtap.wire.headers import aeth, eth, ipv4, ipv6
 from gradtap.wire.headers import opcodes as op
 from gradtap.wire.psn import PSN_MODULUS, psn_add
+from gradtap.workload.nccl import era_facts
 from gradtap.workload.spec import JobSpec
 
 P2P_BYTES = (40000, 15424, 24576)   # the p2p message sizes seen in the real captures
@@ -42,6 +43,7 @@ class Background:
 
     def __init__(self, job: JobSpec, routes: Routes, positions: set[int], rng: np.random.Generator):
         self.job, self.rng = job, rng
+        self.big_endian_imm = era_facts(job.nccl).imm_big_endian
         self.positions = sorted(positions)
         ranks = job.ring.ranks
         self.routes = {}
@@ -73,7 +75,8 @@ class Background:
             pk["reth_va"][:npk] = 0x7E0000000000
             pk["reth_rkey"][:npk] = 0xBEEF
             pk["reth_len"][:npk] = size
-            pk["imm"][:npk] = int.from_bytes(size.to_bytes(4, "little"), "big")
+            # NCCL's ImmDt is the size, byte-swapped on the wire before 2.29 (docs/wire-format.md).
+            pk["imm"][:npk] = size if self.big_endian_imm else int.from_bytes(size.to_bytes(4, "little"), "big")
             pk["payload_off"][:npk] = arena_base + k * mtu
             pk["payload_len"][:npk] = np.minimum(mtu, size - k * mtu)
             pk["ts_ns"][:npk] = t0 + 1000 + k * 100

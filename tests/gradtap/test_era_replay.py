@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gradtap.replay import run_replay
+from gradtap.simulator.background import P2P_BYTES
 from gradtap.workload import nccl as N
 from tests import naive
 from gradtap.verify import verify
@@ -47,3 +48,8 @@ def test_immdt_byte_order_follows_the_era(tmp_path, era):
     assert all(int.from_bytes(b, order) in sizes for b in imms)
     assert any(int.from_bytes(b, order) != int.from_bytes(b, "big" if order == "little" else "little")
                for b in imms)
+    # The background p2p messages are NCCL's too: their ImmDt follows the era's order as well.
+    p2p = [f["immdt_raw"] for f in (naive.decode_frame(fr)[0] for _, fr in
+                                    naive.read_capture(tmp_path / "streams" / "m-egress.pcap"))
+           if f is not None and f["opcode"] in (0x09, 0x0B) and f["dest_qp"] not in ring_qps]
+    assert p2p and all(int.from_bytes(b, order) in P2P_BYTES for b in p2p)

@@ -5,8 +5,13 @@ bucket, a block is known if at least one stream covers it. Where several cover i
 bytes must be identical (they are the same allreduce result, forwarded by different ranks);
 the comparison is complete (every byte of every doubly covered block, each copy against
 the first stream covering the block, by libc ``memcmp``). A disagreement is reported with
-the streams and the block, and the majority copy wins when there is one; a block whose
-copies tie is treated as not covered.
+the streams and the block, and the majority copy wins when there is one.
+
+A stream outvoted on some block of the bucket has shown wrong bytes (a flow it misplaced, a
+block it assembled from the wrong packets), so where copies tie, its copies do not count:
+the block takes the copy every other covering stream agrees on. A block whose copies still
+tie is treated as not covered. A wrong stream thus never makes the union worse than leaving
+it out would, as long as the others outvote it somewhere in the bucket.
 
 The merger asks every round whether each pending bucket is complete, so a
 :class:`BucketUnion` is lazy: a bucket with a block that no stream covers answers
@@ -41,7 +46,8 @@ def _blocks_differ(a, b, start, nbytes, check):
 class BlockMismatch:
     block: int                               # global coverage block index
     groups: tuple[tuple[str, ...], ...]      # streams that agree with each other, largest group first
-    resolved: bool                           # a strict majority decided the value
+    resolved: bool                           # a strict majority, or the streams not outvoted, decided
+    distrusted: tuple[str, ...] = ()         # streams outvoted elsewhere in the bucket, not counted here
 
 
 @dataclass(frozen=True)
@@ -105,9 +111,15 @@ class BucketUnion:
             for other in np.unique(chosen[cov[s] & (chosen != s)]):
                 disagree |= _blocks_differ(bucket, copies[other][1], blocks.start, blocks.nbytes,
                                            cov[s] & (chosen == other))
+        votes = {int(j): _vote(blocks, copies, cov[:, j], j) for j in np.flatnonzero(disagree)}
+        outvoted = np.zeros(len(copies), bool)
+        for j, (choice, mismatch) in votes.items():
+            if choice is not None:     # everyone outside the winning group is wrong here
+                outvoted |= cov[:, j] & np.array([name not in mismatch.groups[0] for name, _, _ in copies])
         mismatches = []
-        for j in np.flatnonzero(disagree):
-            choice, mismatch = _vote(blocks, copies, cov[:, j], j)
+        for j, (choice, mismatch) in votes.items():
+            if choice is None and outvoted.any():
+                choice, mismatch = _vote(blocks, copies, cov[:, j] & ~outvoted, j, mismatch)
             mismatches.append(mismatch)
             if choice is None:
                 count[j] = 0
@@ -136,11 +148,21 @@ def union(blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]]
     return BucketUnion(blocks, copies, nbytes)
 
 
-def _vote(blocks, copies, covering, j) -> tuple[int | None, BlockMismatch]:
+def _vote(blocks, copies, covering, j, tie: BlockMismatch | None = None) -> tuple[int | None, BlockMismatch]:
+    """The copy of block ``j`` a strict majority of the ``covering`` streams agree on, and the
+    disagreement to report. With ``tie`` (the report of a vote that tied), ``covering`` leaves
+    out the outvoted streams and the value must be unanimous among the rest."""
     lo, hi = blocks.start[j], blocks.start[j] + blocks.nbytes[j]
     groups: dict[bytes, list[int]] = {}
     for s in np.flatnonzero(covering):
         groups.setdefault(copies[s][1][lo:hi].tobytes(), []).append(int(s))
+    if tie is not None:
+        if len(groups) != 1:
+            return None, tie
+        (trusted,) = groups.values()
+        left = {copies[s][0] for s in trusted}
+        return trusted[0], BlockMismatch(tie.block, tie.groups, True,
+                                         tuple(n for g in tie.groups for n in g if n not in left))
     ranked = sorted(groups.values(), key=len, reverse=True)
     names = tuple(tuple(copies[s][0] for s in g) for g in ranked)
     majority = len(ranked[0]) * 2 > int(covering.sum())

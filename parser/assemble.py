@@ -9,14 +9,20 @@ For every frame record (stage 1, ``parser/decode.py``) of a stream whose flows a
    link shifts nothing after it;
 3. finds the planned RDMA write holding that packet (binary search on ``psn_offset``),
    checks opcode, payload length, RETH address/length and ImmDt against the plan;
-4. drops a PSN already seen (retransmission, mirror duplicate);
-5. skips reduce-scatter data; for allgather data checks the LL/LL128 flags against the
-   connection's step counter and writes the elements into the iteration's gradient buffer
-   at the planned offsets, and marks the units of its coverage block(s) it carries.
+4. for LL/LL128 checks the flags against the connection's step counter;
+5. drops a PSN already seen (retransmission, mirror duplicate), after comparing its
+   allgather data with what the first copy wrote: a copy that differs (a stray PSN, a
+   forged frame) makes the blocks it touches uncovered in this stream, counted as
+   ``data.duplicate_conflict``, since nothing says which copy was right;
+6. skips reduce-scatter data; writes allgather data into the iteration's gradient buffer at
+   the planned offsets, and marks the units of its coverage block(s) it carries.
 
 Iterations are assembled in ``W`` slots. A packet of an iteration past the window stops
 the kernel with ``NEED_ADVANCE`` so the caller can retire the oldest slot and call again
-from that frame. The kernel never raises and bounds-checks every access; each frame ends
+from that frame; but only after a pause of ``gap_ns`` in the stream's placed data, as
+between two iterations of training (or over an outage). Without one the PSN is implausible
+(a stray or forged PSN would otherwise retire iterations still arriving) and the frame is
+counted as ``data.implausible_psn``. The kernel never raises and bounds-checks every access; each frame ends
 in exactly one event counter.
 """
 
@@ -29,7 +35,7 @@ from numba import njit
 
 from gradtap.core.bytes import read_le, read_le_u64
 from gradtap.core.jit import JIT
-from gradtap.core.memory import copy_bytes
+from gradtap.core.memory import compare_bytes, copy_bytes
 from gradtap.wire import events as ev
 from gradtap.wire.headers.aeth import AETH_SYNDROME_MASK, AETH_SYNDROME_SHIFT, AETH_SYNDROME_TYPE_MASK, \
     AETH_SYNDROME_TYPE_SHIFT, SYNDROME_NAK
@@ -57,6 +63,8 @@ class StreamState(NamedTuple):
     step_base: np.ndarray   # int64[C]: absolute FIFO step of connection c at that iteration's start
     va_ref: np.ndarray      # int64[C]: a RETH address of c minus its offset in the FIFO slot
     va_step: np.ndarray     # int64[C]: the step (relative to the oldest slot) va_ref was seen at
+    last_ns: np.ndarray     # int64[1]: time of the last data frame placed (-1: none yet)
+    gap_ns: int             # a pause in the data this long may start a new iteration
 
 
 class Slots(NamedTuple):
@@ -150,22 +158,28 @@ def _first_flag(data, start, length, protocol, wire_off):
 
 
 @njit(**JIT)
-def _store(data, start, length, protocol, wire_off, grad, dest, nbytes):
+def _store(data, start, length, protocol, wire_off, grad, dest, nbytes, compare):
     """Write the data of ``length`` payload bytes (at ``wire_off`` in the message) into
-    ``grad[dest : dest + nbytes]`` (the message's elements), never past ``nbytes``."""
+    ``grad[dest : dest + nbytes]`` (the message's elements), never past ``nbytes``. With
+    ``compare``, write nothing and return whether ``grad`` holds other bytes there."""
     if protocol == Protocol.SIMPLE:
         n = min(length, nbytes - wire_off)
         if n > 0:
+            if compare:
+                return compare_bytes(grad, dest + wire_off, data, start, n) != 0
             copy_bytes(grad, dest + wire_off, data, start, n)
     elif protocol == Protocol.LL:
         for j in range(length // LL_LINE_BYTES):
             d = (wire_off // LL_LINE_BYTES + j) * LL_LINE_DATA_BYTES
             line = start + LL_LINE_BYTES * j
-            for b in range(LL_HALF_BYTES):
-                if d + b < nbytes:
-                    grad[dest + d + b] = data[line + LL_DATA1_OFF + b]
-                if d + LL_HALF_BYTES + b < nbytes:
-                    grad[dest + d + LL_HALF_BYTES + b] = data[line + LL_DATA2_OFF + b]
+            for half in range(2):
+                src = line + (LL_DATA2_OFF if half else LL_DATA1_OFF)
+                at = d + half * LL_HALF_BYTES
+                for b in range(min(LL_HALF_BYTES, nbytes - at)):
+                    if not compare:
+                        grad[dest + at + b] = data[src + b]
+                    elif grad[dest + at + b] != data[src + b]:
+                        return True
     else:
         w0 = wire_off // LL128_WORD_BYTES
         for j in range(length // LL128_WORD_BYTES):
@@ -174,9 +188,29 @@ def _store(data, start, length, protocol, wire_off, grad, dest, nbytes):
             if k < 0:
                 continue
             d = ((w // LL128_SLICE_WIRE_WORDS) * LL128_SLICE_DATA_WORDS + k) * LL128_WORD_BYTES
-            for b in range(LL128_WORD_BYTES):
-                if d + b < nbytes:
+            for b in range(min(LL128_WORD_BYTES, nbytes - d)):
+                if not compare:
                     grad[dest + d + b] = data[start + LL128_WORD_BYTES * j + b]
+                elif grad[dest + d + b] != data[start + LL128_WORD_BYTES * j + b]:
+                    return True
+    return False
+
+
+@njit(**JIT)
+def _mark(got, slot, block, k, wire_off, payload_len, protocol, received):
+    """Mark the units of the coverage block(s) a packet carries as received; or, when not
+    ``received`` (its copies conflict), the whole block(s) as not covered. A block never
+    becomes covered again in this slot: the packets that set its other units are seen."""
+    if block < 0:
+        return
+    if protocol == Protocol.LL128:
+        # The 128-byte lines this packet carries, slice by slice.
+        for line in range(wire_off // LL128_LINE_BYTES, (wire_off + payload_len) // LL128_LINE_BYTES):
+            b = block + line // LL128_SLICE_LINES
+            if b < got.shape[1]:
+                got[slot, b] = got[slot, b] | (1 << (line % LL128_SLICE_LINES)) if received else 0
+    elif block + k < got.shape[1]:
+        got[slot, block + k] = got[slot, block + k] | 1 if received else 0
 
 
 @njit(**JIT)
@@ -256,14 +290,14 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
             counters[ev.DATA_OUT_OF_WINDOW] += 1
             continue
         if it >= nslots:
+            if state.last_ns[0] >= 0 and rec["ts_ns"] - state.last_ns[0] < state.gap_ns:
+                counters[ev.DATA_IMPLAUSIBLE_PSN] += 1
+                continue
             return NEED_ADVANCE, i
         slot = (slot0 + it) % nslots
         bit = t.seen_base[f] + pos
         if bit < 0 or bit >= slots.seen.shape[1]:
             counters[ev.DATA_OUT_OF_WINDOW] += 1
-            continue
-        if slots.seen[slot, bit]:
-            counters[ev.DATA_DUPLICATE] += 1
             continue
         w = _find_write(msgs, t.msg_start[f], t.msg_count[f], pos)
         if w < 0:
@@ -322,28 +356,29 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
                                 state.step_base[c] + rel_step + 1):
                 counters[ev.DATA_FLAG_MISMATCH] += 1
                 continue
-        slots.seen[slot, bit] = 1
-        if slots.start_ns[slot] < 0 or rec["ts_ns"] < slots.start_ns[slot]:
-            slots.start_ns[slot] = rec["ts_ns"]
-        if m["phase"] != PHASE_AG:
-            counters[ev.OTHER_REDUCE_SCATTER] += 1
-            continue
+        ag = m["phase"] == PHASE_AG
         nbytes = m["nelem"] * t.elem
         dest = (t.bucket_offsets[m["bucket"]] + m["elem_offset"]) * t.elem
         # An empty send (a chunk past the end of a small bucket) writes nothing anywhere.
-        if nbytes > 0 and (dest < 0 or dest + nbytes > grad_bytes):
+        if ag and nbytes > 0 and (dest < 0 or dest + nbytes > grad_bytes):
             counters[ev.DATA_OUT_OF_WINDOW] += 1
             continue
-        _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes)
-        got = slots.got
-        if m["block"] >= 0:
-            if t.protocol == Protocol.LL128:
-                # Mark the 128-byte lines this packet carries, slice by slice.
-                for line in range(wire_off // LL128_LINE_BYTES, (wire_off + payload_len) // LL128_LINE_BYTES):
-                    b = m["block"] + line // LL128_SLICE_LINES
-                    if b < got.shape[1]:
-                        got[slot, b] |= 1 << (line % LL128_SLICE_LINES)
-            elif m["block"] + k < got.shape[1]:
-                got[slot, m["block"] + k] |= 1
+        if slots.seen[slot, bit]:
+            if ag and _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes,
+                             True):
+                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol, False)
+                counters[ev.DATA_DUPLICATE_CONFLICT] += 1
+            else:
+                counters[ev.DATA_DUPLICATE] += 1
+            continue
+        slots.seen[slot, bit] = 1
+        state.last_ns[0] = rec["ts_ns"]
+        if slots.start_ns[slot] < 0 or rec["ts_ns"] < slots.start_ns[slot]:
+            slots.start_ns[slot] = rec["ts_ns"]
+        if not ag:
+            counters[ev.OTHER_REDUCE_SCATTER] += 1
+            continue
+        _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes, False)
+        _mark(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol, True)
         counters[ev.DATA_WRITTEN] += 1
     return DONE, recs.shape[0]

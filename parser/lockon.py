@@ -40,6 +40,18 @@ from gradtap.wire import events as ev
 from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND, OPCODE_RETH_OFF
 from gradtap.wire.psn import psn_add, psn_delta
 
+PLACE_PACKETS = 5     # a flow's first packets after a boundary that place it
+PLACE_STRIDE = 8      # PSNs between two of them that still say "in order" (a few lost between)
+
+
+def _anchor(psns: np.ndarray) -> int:
+    """The first of a flow's first packets that the next one follows in order (a stray PSN
+    is followed by nothing), or the first when none is."""
+    for a, b in zip(psns[:-1].tolist(), psns[1:].tolist()):
+        if 0 < psn_delta(a, b) <= PLACE_STRIDE:
+            return a
+    return int(psns[0])
+
 
 @dataclass
 class Lock:
@@ -63,19 +75,22 @@ def flow_of(recs: np.ndarray, t: StreamTables) -> np.ndarray:
 
 
 def misplaced(tables: StreamTables, placed: dict[int, int]) -> str | None:
-    """What is wrong when no flow's first write after an iteration boundary starts the
-    iteration. Mirror loss delays some flows' first writes, never every flow's; a plan that
-    does not fit the traffic (ring order, buckets, channels) aligns every flow's writes to the
-    wrong place, which their sizes alone cannot show when a flow's writes repeat (modulo its
-    period, ``[A, B]`` fits ``[B, A]``). None when some flow starts at 0, or when fewer than
-    two flows were placed: one flow's late start is as likely a loss of its first packets
-    (a stream of one flow cannot show a rotated plan)."""
-    if len(placed) < 2 or min(placed.values()) == 0:
+    """What is wrong when no flow's first packet after an iteration boundary lies in its
+    iteration's first write. Mirror loss may take the first packets of every flow's first
+    write, but hardly every packet of every flow's first write; a plan that does not fit the
+    traffic (ring order, buckets, channels) aligns every flow's writes to the wrong place,
+    which their sizes alone cannot show when a flow's writes repeat (modulo its period,
+    ``[A, B]`` fits ``[B, A]``): then every flow starts at a later write. None when some flow
+    starts in its first write, or when fewer than two flows were placed: one flow's late
+    start is as likely a loss of its first write (a stream of one flow cannot show a rotated
+    plan)."""
+    first_write = tables.messages["npkts"][tables.msg_start]
+    if len(placed) < 2 or any(pos < first_write[f] for f, pos in placed.items()):
         return None
     where = ", ".join(f"{tables.label(f)} at packet {p}" for f, p in sorted(placed.items())[:4])
-    return (f"after the pause that should start an iteration, no flow's first write starts the iteration "
-            f"({where}{', ...' if len(placed) > 4 else ''}): the traffic does not follow the job's plan; check "
-            f"the ring order (ring.ranks), the model's bucket sizes and nccl.channels against the job")
+    return (f"after the pause that should start an iteration, no flow's first packet lies in the iteration's "
+            f"first write ({where}{', ...' if len(placed) > 4 else ''}): the traffic does not follow the job's "
+            f"plan; check the ring order (ring.ranks), the model's bucket sizes and nccl.channels against the job")
 
 
 @dataclass(frozen=True)
@@ -173,10 +188,18 @@ class LockOn:
         return cands is not None and (len(cands) == 1 or self.span.get(f, 0) >= self.tables.period[f])
 
     def place(self, recs: np.ndarray, start: int, base_psn: np.ndarray) -> dict[int, int]:
-        """Give every data flow without a base (-1) one from its first write in ``recs[start:]``:
-        the candidate that puts that write earliest in the iteration. Returns that position
-        (packets into the iteration) per flow placed: 0 unless the mirror lost the flow's
-        first packets, or the job's plan is not the traffic's (see :func:`misplaced`)."""
+        """Give every data flow without a base (-1) one from its first packets in ``recs[start:]``:
+        the candidate that puts them earliest in the iteration. Returns the position (packets
+        into the iteration) of each placed flow's first packet: 0 unless the mirror lost the
+        flow's first packets, the packet is a stray, or the job's plan is not the traffic's
+        (see :func:`misplaced`).
+
+        Every packet of the flow counts, not only those that carry a RETH: when the mirror
+        lost a write's first packet, its middle and last packets still say where the flow
+        is, whereas its next write's first packet would fit the lost write's place as well
+        when the flow's writes repeat (placing the whole flow one write early, with every
+        flag, address and length agreeing). The first packet that the next follows in order
+        decides (:func:`_anchor`), so one stray PSN does not."""
         t = self.tables
         todo = [f for f in t.data_flows if base_psn[f] < 0]
         placed: dict[int, int] = {}
@@ -186,13 +209,14 @@ class LockOn:
         flows[:start] = -1
         starts = np.flatnonzero((flows >= 0) & (OPCODE_RETH_OFF[recs["opcode"]] >= 0))
         for f in todo:
-            mine = starts[flows[starts] == f]
-            for i in mine:
+            for i in starts[flows[starts] == f]:
                 self._narrow(f, int(recs["psn"][i]), int(recs["reth_len"][i]))
-            if len(mine) == 0 or f not in self.candidates:
+            first = np.flatnonzero(flows == f)[:PLACE_PACKETS]
+            if len(first) == 0 or f not in self.candidates:
                 continue
-            psn = int(recs["psn"][mine[0]])
-            pos = min(psn_delta(self.ref[f] + c, psn) % int(t.period[f]) for c in self.candidates[f])
+            psn = _anchor(recs["psn"][first].astype(np.int64))
+            period = int(t.period[f])
+            pos = min(psn_delta(self.ref[f] + c, psn) % period for c in self.candidates[f])
             base_psn[f] = psn_add(psn, -pos)
             placed[f] = pos
         return placed

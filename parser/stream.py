@@ -26,7 +26,7 @@ from gradtap.core.memory import copy_bytes
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.flow_learning import FlowLearner
-from gradtap.parser.lockon import LockFailure, LockOn, misplaced
+from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
 from gradtap.parser.stream_tables import stream_tables
 from gradtap.wire import events as ev
 from gradtap.wire.psn import psn_add
@@ -90,7 +90,8 @@ class StreamParser:
         self.need = plan.blocks["need"].astype(np.int32)
         nconn = len(t.conn_steps)
         self.state = StreamState(base_psn=np.full(len(t.qpn), -1, np.int64), step_base=np.full(nconn, -1, np.int64),
-                                 va_ref=np.full(nconn, -1, np.int64), va_step=np.zeros(nconn, np.int64))
+                                 va_ref=np.full(nconn, -1, np.int64), va_step=np.zeros(nconn, np.int64),
+                                 last_ns=np.full(1, -1, np.int64), gap_ns=gap_ns)
         # One gradient array per slot: a retired slot's array is handed out as it is and the
         # slot gets a zeroed one (recycled, see recycle(), or fresh), so retiring copies nothing.
         self.slots = Slots(grads=tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots)),
@@ -136,16 +137,19 @@ class StreamParser:
             if sum(b.data.nbytes for b in self._held) > self.hold_bytes:
                 self._give_up_pending()
             return []
-        lock, held = self._pending, self._held
-        first = decode_batch(held[0], self.verify_icrc, decapsulate=self.decapsulate)[0]
-        wrong = misplaced(self.tables, self.lockon.place(first, 0, self.state.base_psn))
-        if wrong:
-            # Never assemble against a plan the traffic contradicts: count, report, retry later.
+        while True:
+            lock, held = self._pending, self._held
+            first = decode_batch(held[0], self.verify_icrc, decapsulate=self.decapsulate)[0]
+            wrong = misplaced(self.tables, self.lockon.place(first, 0, self.state.base_psn))
+            if not wrong:
+                break
+            # Never assemble against a plan the traffic contradicts: count, report, and try
+            # the next boundary (the mirror may have lost the first write of every flow).
             self.state.base_psn[:] = -1
-            self._release_held()
             if self.failure is None:
                 self.failure = self._why(f"refused to lock on at t={lock.ts_ns} ns", wrong)
-            return []
+            if not self._next_boundary():
+                return []
         self._pending, self._held = None, []
         self.lock_ts, self.iteration = lock.ts_ns, lock.ordinal
         learnt = self.lockon.learnt
@@ -178,6 +182,29 @@ class StreamParser:
         log.warning("stream %s: %d MB held since an iteration boundary without resolving every flow; waiting "
                     "for the next boundary", self.mirror.name, self.hold_bytes >> 20)
         self._release_held()
+
+    def _next_boundary(self) -> bool:
+        """Move the pending boundary to the next pause in the held frames (counting the frames
+        before it as not locked); False, with everything counted, when they hold none."""
+        gap, prev = self.lockon.gap_ns, None
+        for b, batch in enumerate(self._held):
+            recs = decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate)[0]
+            job = np.flatnonzero(self.lockon.job(recs))
+            ts = recs["ts_ns"][job]
+            gaps = np.flatnonzero(np.diff(np.r_[ts[0] if prev is None else prev, ts]) >= gap)
+            if len(gaps):
+                at = int(job[gaps[0]])
+                for before in self._held[:b]:
+                    self._count_unlocked(decode_batch(before, self.verify_icrc, decapsulate=self.decapsulate)[0],
+                                         len(before.offsets), before.data)
+                self._count_unlocked(recs, at, batch.data)
+                self._pending = Lock(index=0, ts_ns=int(recs["ts_ns"][at]), ordinal=self._pending.ordinal + 1)
+                self._held = [_compact(batch, at)] + self._held[b + 1:]
+                return True
+            if len(ts):
+                prev = int(ts[-1])
+        self._release_held()
+        return False
 
     def _release_held(self) -> None:
         """Count the frames held since the pending boundary (they will not be assembled)."""
@@ -229,8 +256,9 @@ class StreamParser:
         """``(iteration, start_ns, grad, got)`` of every slot holding data, oldest first.
 
         ``grad`` and ``got`` are views into the slot, valid until the slot is retired. A
-        covered block's bytes never change once covered (a later copy of its packets is a
-        duplicate and is dropped), so a consumer may take covered blocks from here early.
+        covered block's bytes never change once covered (a later copy of its packets is
+        compared, never written), so a consumer may take covered blocks from here early; a
+        later copy with other bytes uncovers the block (``data.duplicate_conflict``).
         """
         out = []
         slots = self.slots

@@ -62,6 +62,9 @@ EVENTS: tuple[tuple[str, str], ...] = (
     ("decode.erspan_truncated", "ERSPAN header (or its platform subheader) past the end of the IP payload"),
     ("decode.erspan_bad_version", "ERSPAN version is not the GRE protocol's (1 for 0x88be, 2 for 0x22eb)"),
     ("decode.erspan_unsupported", "ERSPAN III frame type is not Ethernet (an IP packet without its frame)"),
+    # stage 2, implausible or conflicting data (appended)
+    ("data.implausible_psn", "PSN of an iteration past the window, without the pause that starts one"),
+    ("data.duplicate_conflict", "PSN already seen, with other data: its blocks are not covered by this stream"),
 )
 
 NAMES = tuple(name for name, _ in EVENTS)
@@ -111,6 +114,8 @@ DECODE_GRE_UNSUPPORTED = 37
 DECODE_ERSPAN_TRUNCATED = 38
 DECODE_ERSPAN_BAD_VERSION = 39
 DECODE_ERSPAN_UNSUPPORTED = 40
+DATA_IMPLAUSIBLE_PSN = 41
+DATA_DUPLICATE_CONFLICT = 42
 
 
 def new_counters() -> np.ndarray:

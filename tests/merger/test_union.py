@@ -48,6 +48,35 @@ def test_a_tie_leaves_the_block_uncovered():
     assert not u.complete and not u.mismatches[0].resolved
 
 
+def test_a_stream_outvoted_in_the_bucket_loses_its_ties():
+    # r0 misplaced a flow: wrong in block 0 (where r1 and r2 outvote it) and in block 1,
+    # which only r1 covers besides it. Leaving r0 out would give r1's block 1: so must the union.
+    blocks = blocks_of([4, 4, 4])
+    good = np.arange(12, dtype=np.uint8)
+    wrong = good.copy()
+    wrong[[0, 4]] ^= 0xFF
+    copies = [("r0", wrong, np.array([True, True, False])), ("r1", good, np.array([True, True, True])),
+              ("r2", good, np.array([True, False, True]))]
+    u = union(blocks, copies, 12)
+    assert u.complete and u.data.tobytes() == good.tobytes()
+    first, second = u.mismatches
+    assert first.resolved and first.distrusted == ()
+    assert second.block == 101 and second.resolved and second.distrusted == ("r0",)
+
+
+def test_a_tie_between_streams_both_outvoted_stays_uncovered():
+    blocks = blocks_of([4, 4, 4])
+    good = np.arange(12, dtype=np.uint8)
+    a, b = good.copy(), good.copy()
+    a[[0, 8]] ^= 1
+    b[[4, 8]] ^= 2
+    copies = [("a", a, np.array([True, True, True])), ("b", b, np.array([True, True, True])),
+              ("c", good, np.array([True, True, False]))]
+    u = union(blocks, copies, 12)
+    assert list(u.covered) == [True, True, False]
+    assert not u.mismatches[2].resolved
+
+
 @pytest.mark.parametrize("seed", range(30))
 def test_union_equals_its_plain_twin(seed):
     rng = np.random.default_rng(seed)
@@ -58,8 +87,9 @@ def test_union_equals_its_plain_twin(seed):
     copies = []
     for s in range(rng.integers(1, 5)):
         data = truth.copy()
-        if rng.random() < 0.5:
-            data[rng.integers(0, total)] ^= 1 << int(rng.integers(0, 8))
+        if rng.random() < 0.5:     # a wrong stream: wrong in one to three places
+            for _ in range(rng.integers(1, 4)):
+                data[rng.integers(0, total)] ^= 1 << int(rng.integers(0, 8))
         copies.append((f"s{s}", data, rng.random(len(sizes)) < 0.7))
     u = union(blocks, copies, total)
     ranges = list(zip(blocks.start.tolist(), blocks.nbytes.tolist()))

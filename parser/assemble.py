@@ -4,17 +4,20 @@ For every frame record (stage 1, ``parser/decode.py``) of a stream whose flows a
 (``parser/lockon.py`` found each flow's PSN at an iteration boundary), the kernel:
 
 1. classifies it (ACK, NAK, CNP, READ/ATOMIC, SEND/UD, CTS, unknown flow, ...);
-2. takes its position from its PSN relative to the flow's base: iteration = offset //
+2. refuses a PSN implausible for its flow (``data.implausible_psn``): more than
+   ``PSN_BEHIND`` packets behind or ``PSN_AHEAD`` ahead of the newest it placed, unless it
+   follows the flow's previous frame in sequence (a stray PSN is followed by nothing);
+3. takes its position from its PSN relative to the flow's base: iteration = offset //
    period, packet = offset % period (24-bit arithmetic), so a packet lost on the mirror
    link shifts nothing after it;
-3. finds the planned RDMA write holding that packet (binary search on ``psn_offset``),
+4. finds the planned RDMA write holding that packet (binary search on ``psn_offset``),
    checks opcode, payload length, RETH address/length and ImmDt against the plan;
-4. for LL/LL128 checks the flags against the connection's step counter;
-5. drops a PSN already seen (retransmission, mirror duplicate), after comparing its
+5. for LL/LL128 checks the flags against the connection's step counter;
+6. drops a PSN already seen (retransmission, mirror duplicate), after comparing its
    allgather data with what the first copy wrote: a copy that differs (a stray PSN, a
    forged frame) makes the blocks it touches uncovered in this stream, counted as
    ``data.duplicate_conflict``, since nothing says which copy was right;
-6. skips reduce-scatter data; writes allgather data into the iteration's gradient buffer at
+7. skips reduce-scatter data; writes allgather data into the iteration's gradient buffer at
    the planned offsets, and marks the units of its coverage block(s) it carries.
 
 Iterations are assembled in ``W`` slots. A packet of an iteration past the window stops
@@ -22,8 +25,8 @@ the kernel with ``NEED_ADVANCE`` so the caller can retire the oldest slot and ca
 from that frame; but only after a pause of ``gap_ns`` in the stream's placed data, as
 between two iterations of training (or over an outage). Without one the PSN is implausible
 (a stray or forged PSN would otherwise retire iterations still arriving) and the frame is
-counted as ``data.implausible_psn``. The kernel never raises and bounds-checks every access; each frame ends
-in exactly one event counter.
+counted as ``data.implausible_psn``. The kernel never raises and bounds-checks every access;
+each frame ends in exactly one event counter.
 """
 
 from __future__ import annotations
@@ -47,12 +50,16 @@ from gradtap.wire.ll import LL_DATA1_OFF, LL_DATA2_OFF, LL_FLAG1_OFF, LL_FLAG2_O
 from gradtap.wire.ll128 import LL128_FLAG_WORD, LL128_LINE_BYTES, LL128_LINE_WORDS, LL128_SLICE_DATA_WORDS, \
     LL128_SLICE_LINES, LL128_SLICE_WIRE_WORDS, LL128_WIRE_TO_DATA, LL128_WORD_BYTES
 from gradtap.wire.protocol import Protocol
-from gradtap.wire.psn import psn_ahead
+from gradtap.wire.psn import psn_add, psn_ahead, psn_delta
 from gradtap.workload.nccl import NCCL_STEPS
 from gradtap.workload.wire_plan import NO_VA, PHASE_AG
 
 DONE, NEED_ADVANCE = 0, 1
 MAX_SKIP = 64            # iterations a stream may jump ahead (e.g. after an outage) before a PSN is absurd
+# A flow's PSN is plausible within this many packets behind (go-back-N retransmissions, late
+# mirror copies) or ahead (mirror loss) of the newest it placed, or right after the flow's
+# previous frame (so a longer outage costs the first frame after it, not the flow).
+PSN_BEHIND, PSN_AHEAD = 1 << 12, 1 << 12
 
 
 class StreamState(NamedTuple):
@@ -64,6 +71,8 @@ class StreamState(NamedTuple):
     va_ref: np.ndarray      # int64[C]: a RETH address of c minus its offset in the FIFO slot
     va_step: np.ndarray     # int64[C]: the step (relative to the oldest slot) va_ref was seen at
     last_ns: np.ndarray     # int64[1]: time of the last data frame placed (-1: none yet)
+    last_psn: np.ndarray    # int64[F]: the newest PSN placed on flow f (-1: none yet)
+    prev_psn: np.ndarray    # int64[F]: the PSN of flow f's previous data frame, placed or not
     gap_ns: int             # a pause in the data this long may start a new iteration
 
 
@@ -282,7 +291,16 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
         if state.base_psn[f] < 0:
             counters[ev.DATA_BEFORE_LOCK] += 1
             continue
-        rel = psn_ahead(state.base_psn[f], np.int64(rec["psn"]))
+        psn = np.int64(rec["psn"])
+        prev = state.prev_psn[f]
+        follows = psn == psn_add(prev, 1)
+        state.prev_psn[f] = psn
+        if state.last_psn[f] >= 0 and not follows:
+            d = psn_delta(state.last_psn[f], psn)
+            if d < -PSN_BEHIND or d > PSN_AHEAD:
+                counters[ev.DATA_IMPLAUSIBLE_PSN] += 1
+                continue
+        rel = psn_ahead(state.base_psn[f], psn)
         it = rel // t.period[f]
         pos = rel % t.period[f]
         if it >= nslots + MAX_SKIP:
@@ -293,6 +311,7 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
             if state.last_ns[0] >= 0 and rec["ts_ns"] - state.last_ns[0] < state.gap_ns:
                 counters[ev.DATA_IMPLAUSIBLE_PSN] += 1
                 continue
+            state.prev_psn[f] = prev        # the frame comes again after the advance
             return NEED_ADVANCE, i
         slot = (slot0 + it) % nslots
         bit = t.seen_base[f] + pos
@@ -373,6 +392,8 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
             continue
         slots.seen[slot, bit] = 1
         state.last_ns[0] = rec["ts_ns"]
+        if state.last_psn[f] < 0 or psn_delta(state.last_psn[f], psn) > 0:
+            state.last_psn[f] = psn
         if slots.start_ns[slot] < 0 or rec["ts_ns"] < slots.start_ns[slot]:
             slots.start_ns[slot] = rec["ts_ns"]
         if not ag:

@@ -91,7 +91,8 @@ class StreamParser:
         nconn = len(t.conn_steps)
         self.state = StreamState(base_psn=np.full(len(t.qpn), -1, np.int64), step_base=np.full(nconn, -1, np.int64),
                                  va_ref=np.full(nconn, -1, np.int64), va_step=np.zeros(nconn, np.int64),
-                                 last_ns=np.full(1, -1, np.int64), gap_ns=gap_ns)
+                                 last_ns=np.full(1, -1, np.int64), last_psn=np.full(len(t.qpn), -1, np.int64),
+                                 prev_psn=np.full(len(t.qpn), -1, np.int64), gap_ns=gap_ns)
         # One gradient array per slot: a retired slot's array is handed out as it is and the
         # slot gets a zeroed one (recycled, see recycle(), or fresh), so retiring copies nothing.
         self.slots = Slots(grads=tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots)),

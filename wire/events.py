@@ -63,7 +63,8 @@ EVENTS: tuple[tuple[str, str], ...] = (
     ("decode.erspan_bad_version", "ERSPAN version is not the GRE protocol's (1 for 0x88be, 2 for 0x22eb)"),
     ("decode.erspan_unsupported", "ERSPAN III frame type is not Ethernet (an IP packet without its frame)"),
     # stage 2, implausible or conflicting data (appended)
-    ("data.implausible_psn", "PSN of an iteration past the window, without the pause that starts one"),
+    ("data.implausible_psn", "PSN far from its flow's recent ones and out of sequence, or of an iteration past "
+                             "the window without the pause that starts one"),
     ("data.duplicate_conflict", "PSN already seen, with other data: its blocks are not covered by this stream"),
 )
 

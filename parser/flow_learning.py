@@ -40,13 +40,16 @@ import numpy as np
 from gradtap.parser.stream_tables import UNKNOWN_QPN, StreamTables
 from gradtap.wire import events as ev
 from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_IMMDT_OFF, OPCODE_KIND, OPCODE_RETH_OFF, \
-    RC_RDMA_WRITE_ONLY
+    RC_RDMA_WRITE_FIRST, RC_RDMA_WRITE_MIDDLE, RC_RDMA_WRITE_ONLY
 from gradtap.wire.psn import psn_delta
 
 MISFIT_SHARE = 0.05         # share of a wire flow's writes that may contradict its planned flow
 MAX_STARTS = 4096           # writes of one wire flow narrowed per batch
 EVIDENCE_MARGIN = 2         # the chosen wire flow fits at least this many times more writes than a rival
 KEEP_ADDRESSES = 64         # RETH and CTS addresses kept per wire flow
+KEEP_STRANGERS = 16         # address pairs of RDMA WRITEs between other hosts, kept to explain a failure
+MAX_WIRE_FLOWS = 1024       # wire flows between the job's ranks watched (a NIC's job uses a few per rank pair)
+EXPLAIN_FLOWS = 16          # wire flows per rank pair listed when explaining a failure
 CTS_ADDR_BYTES = 8          # struct ncclIbSendFifo starts with the u64 address of the announced slot
 
 
@@ -76,6 +79,7 @@ class WireFlow:
     ref: int = -1              # PSN of its first write: bases are relative to it
     span: int = 0              # PSNs watched past ref
     lengths: Counter = field(default_factory=Counter)
+    packet_bytes: int = 0      # largest payload of a WRITE_FIRST or WRITE_MIDDLE: the path MTU
     vas: set[int] = field(default_factory=set)
     announced: set[int] = field(default_factory=set)   # CTS addr fields
     fit: dict[int, _Fit] = field(default_factory=dict)   # planned flow -> fit
@@ -116,6 +120,7 @@ class FlowLearner:
         self.signature = [(int(t.period[f]), m["psn_offset"].tobytes(), m["wire_bytes"].tobytes())
                           for f, m in enumerate(msgs)]
         self.learnt: Learnt | None = None
+        self.strangers: Counter = Counter()   # (src, dst) 16-byte addresses -> RDMA WRITEs not between the ranks
 
     # -- evidence ----------------------------------------------------------------------------
 
@@ -144,22 +149,40 @@ class FlowLearner:
         key = self.keys(recs)
         if self.learnt is not None:
             return key
+        self._count_strangers(recs, key)
         mine = np.flatnonzero(key >= 0)
         if len(mine) == 0:
             return key
         keys, first, inverse = np.unique(key[mine], return_index=True, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")          # each wire flow's rows, in order, in one pass
+        bounds = np.searchsorted(inverse[order], np.arange(len(keys) + 1))
         for k, (kv, i0) in enumerate(zip(keys.tolist(), first.tolist())):
-            rows = mine[inverse == k]
             w = self.wire.get(kv)
             if w is None:
+                if len(self.wire) >= MAX_WIRE_FLOWS:
+                    continue                     # a flood of flows between the ranks: watch the first ones
                 rec = recs[mine[i0]]
                 w = self.wire[kv] = WireFlow(pair=kv >> 24, qpn=kv & 0xFFFFFF, sport=int(rec["udp_sport"]))
-            self._take(w, recs[rows], data)
+            self._take(w, recs[mine[order[bounds[k]:bounds[k + 1]]]], data)
         return key
+
+    def _count_strangers(self, recs: np.ndarray, key: np.ndarray) -> None:
+        other = (key < 0) & (recs["event"] == ev.DECODE_OK) & (OPCODE_KIND[recs["opcode"]] == KIND_WRITE)
+        if not other.any():
+            return
+        ends = np.concatenate([recs["src_ip"][other], recs["dst_ip"][other]], axis=1)
+        pairs, counts = np.unique(ends, axis=0, return_counts=True)
+        for row, n in zip(pairs, counts.tolist()):
+            k = (row[:16].tobytes(), row[16:].tobytes())
+            if k in self.strangers or len(self.strangers) < KEEP_STRANGERS:
+                self.strangers[k] += n
 
     def _take(self, w: WireFlow, r: np.ndarray, data: np.ndarray) -> None:
         w.frames += len(r)
         opcode = r["opcode"]
+        full = (opcode == RC_RDMA_WRITE_FIRST) | (opcode == RC_RDMA_WRITE_MIDDLE)
+        if full.any():
+            w.packet_bytes = max(w.packet_bytes, int(r["payload_len"][full].max()))
         has_imm = OPCODE_IMMDT_OFF[opcode] >= 0
         cts_shaped = (opcode == RC_RDMA_WRITE_ONLY) & ~has_imm & (r["payload_len"] == self.cts_bytes)
         w.data |= bool((~cts_shaped).any())
@@ -306,7 +329,10 @@ class FlowLearner:
                          f"{_few(expect)} B")
             if not wires:
                 lines.append("  no RDMA WRITE between these addresses was seen")
-            for w in sorted(wires, key=lambda w: w.qpn):
+            wires.sort(key=lambda w: -w.frames)
+            if len(wires) > EXPLAIN_FLOWS:
+                lines.append(f"  ({len(wires)} wire flows; the {EXPLAIN_FLOWS} busiest:)")
+            for w in sorted(wires[:EXPLAIN_FLOWS], key=lambda w: w.qpn):
                 fits = w.fitting(planned)
                 what = ("CTS-shaped" if not w.data else
                         f"fits {', '.join(self.labels[f] for f in fits)}" if fits else "fits no planned flow")

@@ -27,6 +27,7 @@ from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.flow_learning import FlowLearner
 from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
+from gradtap.parser.mismatch import what_differs
 from gradtap.parser.stream_tables import stream_tables
 from gradtap.wire import events as ev
 from gradtap.wire.psn import psn_add
@@ -239,10 +240,12 @@ class StreamParser:
             self.failure = self._why(f"not locked on after {waited / 1e9:.1f} s and {self._frames:,} frames")
 
     def _unlocked_reason(self) -> str:
+        differs = what_differs(self.job, self.mirror, self.lockon.learner)
         if not self.lockon.learner.wire:
-            return "no RDMA WRITE between the job's ranks (no flow matched): check the ring's addresses"
+            return "no RDMA WRITE between the job's ranks (no flow matched): " + \
+                (differs or "check the ring's addresses")
         if self.lockon.learnt is None:
-            return "the job's flows could not be told from the traffic"
+            return "the job's flows could not be told from the traffic" + (f": {differs}" if differs else "")
         return (f"flows learnt, but no iteration boundary (a pause of at least {self.lockon.gap_ns / 1e6:g} ms "
                 "in the job's traffic) was followed by a whole iteration")
 

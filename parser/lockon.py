@@ -119,6 +119,7 @@ class LockOn:
     last_ts: int | None = None
     seen_job: bool = False
     begun: int = 0              # iterations begun since the capture started (a partial first one counts)
+    longest_pause: int = 0      # ns: the longest pause seen in the job's traffic
 
     @property
     def learnt(self) -> Learnt | None:
@@ -154,6 +155,7 @@ class LockOn:
             self.begun += int(ts[0] - self.last_ts < self.gap_ns)
         prev = np.r_[self.last_ts, ts[:-1]]
         self.last_ts = int(ts[-1])
+        self.longest_pause = max(self.longest_pause, int((ts - prev).max()))
         gaps = np.flatnonzero(ts - prev >= self.gap_ns)
         begun_before = self.begun
         self.begun += len(gaps)

@@ -247,7 +247,8 @@ class StreamParser:
         if self.lockon.learnt is None:
             return "the job's flows could not be told from the traffic" + (f": {differs}" if differs else "")
         return (f"flows learnt, but no iteration boundary (a pause of at least {self.lockon.gap_ns / 1e6:g} ms "
-                "in the job's traffic) was followed by a whole iteration")
+                f"in the job's traffic, appliance.iteration_gap_ns) was followed by a whole iteration; the longest "
+                f"pause seen was {self.lockon.longest_pause / 1e6:.3g} ms")
 
     def _why(self, what: str, reason: str | None = None) -> LockFailure:
         if reason is None:

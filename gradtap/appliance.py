@@ -82,10 +82,11 @@ class Appliance:
     def stop(self) -> None:
         self.stopping.set()
 
-    def offer(self, checkpoint: dict) -> None:
-        """A trainer checkpoint to resynchronise from (the control endpoint's POST /resync)."""
+    def offer(self, checkpoint: dict) -> list[int]:
+        """A trainer checkpoint to resynchronise from (the control endpoint's POST /resync): it
+        replaces any offer pending; the iterations of the offers it replaced."""
         with self._lock:
-            self.replica.offer(checkpoint)
+            return self.replica.offer(checkpoint, only=True)
 
     def run(self) -> RunResult:
         reason, code = "stopped", 0

@@ -4,44 +4,238 @@ it for a resync.
 A trainer checkpoint is ``{"model": state_dict, "optimizer": state_dict, "iteration": k}``
 (``torch.save``d by the trainer, or the simulator's ``truth/start.pt``); a gradtap snapshot
 directory holds the same as its ``model.pt``/``optimizer.pt`` pair.
+
+Every file is read the same careful way, because an offered checkpoint comes from the
+control endpoint (:func:`offered_checkpoint`): the path is resolved and, for an offer, must
+lie under a directory the operator allowed; only a regular file is opened (checked before
+opening and again on the open descriptor, so a FIFO or a device is never opened for
+reading), and never more than ``max_bytes`` of it is read. The bytes must be a
+``torch.save`` zip archive with stored (uncompressed) members, so loading them cannot take
+more memory than the file has, and ``torch.load`` runs with ``weights_only=True``. A file
+that is missing, unreadable or not a regular file gets one answer, so that the answer does
+not tell which (no existence oracle). What is checked here is the shape of a trainer
+checkpoint; whether it is *this job's* model and optimizer is ``Replica.check_offer``'s
+business.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
+import logging
+import os
 import pickle
+import stat
+import zipfile
+from collections.abc import Mapping, Sequence
+from numbers import Real
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 
 from gradtap.core.errors import ConfigError
 from gradtap.updater import snapshot
 from gradtap.updater.replica import seed_checkpoint
+from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec
 
+log = logging.getLogger(__name__)
 
-def _load(path: Path, what: str) -> dict:
-    try:
-        checkpoint = torch.load(path, weights_only=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{what} {path}: cannot load a trainer checkpoint ({reason})") from None
-    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "iteration"} <= set(checkpoint):
-        raise ConfigError(f"{what} {path}: not a trainer checkpoint (a dict of model, optimizer and iteration)")
-    return checkpoint
+MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 20
 
 
 def start_checkpoint(job: JobSpec, path: Path | None) -> dict:
     """The checkpoint at ``path`` (``--start``), else the job's ``initial_state``: its
-    checkpoint file, or the model built under its seed."""
-    path = path or job.initial_state.checkpoint
-    if path is None:
-        return seed_checkpoint(job, job.initial_state.seed or 0)
-    return _load(Path(path), "--start")
+    checkpoint file, or the model built under its seed. Its iteration is the one the capture
+    starts at; a job whose buckets are DDP's rebuilt ones cannot start at iteration 0 (DDP
+    rebuilds them after it), so a start state of iteration 0 for it is refused rather than
+    replayed into a replica the trainer never was."""
+    given = path or job.initial_state.checkpoint
+    start = seed_checkpoint(job, job.initial_state.seed or 0) if given is None else \
+        load_checkpoint(Path(given), what="--start")
+    if job.ddp.layout == "rebuilt" and int(start["iteration"]) == 0:
+        source = f"--start {given}" if path else f"initial_state.checkpoint {given}" if given else \
+            f"initial_state (seed {job.initial_state.seed or 0})"
+        raise ConfigError(f"{source}: the start state is iteration 0, but job {job.name!r} has ddp.layout "
+                          f"'rebuilt', whose traffic begins at iteration 1 (DDP rebuilds its buckets after "
+                          f"iteration 0); give the trainer's checkpoint of the iteration the capture starts at "
+                          f"(--start; `gradtap simulate` writes it as truth/start.pt), or ddp.layout: initial "
+                          f"for a capture from iteration 0")
+    return start
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Path, *, max_bytes: int | None = None, what: str = "checkpoint") -> dict:
     """A trainer checkpoint file, or a gradtap snapshot directory, to resynchronise from
-    (``GradtapError`` naming the path when it is neither)."""
-    if path.is_dir():
-        return snapshot.load(path)
-    return _load(path, "checkpoint")
+    (``ConfigError`` naming the path when it is neither). At most ``max_bytes`` are read
+    (``None``: no limit)."""
+    path = Path(os.path.realpath(path))      # unlike Path.resolve, never raises (on a symlink loop)
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except (OSError, ValueError):
+        is_dir = False        # reported by _open_regular, in the same words as any unreadable file
+    if is_dir:
+        return _load_snapshot(path, max_bytes, what)
+    with _open_regular(path, what) as f:
+        # An offer is read into memory up to its limit first; a file named on the command line is loaded in place.
+        source = f if max_bytes is None else io.BytesIO(_read_bounded(f, max_bytes, path, what))
+        return _checked(_torch_load(source, path, what), path, what)
+
+
+def offered_checkpoint(path: str, allowed_dirs: Sequence[Path], max_bytes: int) -> dict:
+    """The checkpoint a control request names: ``path`` must be absolute and lie, once its
+    symbolic links are resolved, under one of ``allowed_dirs``; then as :func:`load_checkpoint`."""
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise ConfigError(f"checkpoint {path!r}: give an absolute path on the appliance's host")
+    resolved = Path(os.path.realpath(path))      # lexical where nothing exists: no existence oracle
+    if not any(resolved.is_relative_to(d) for d in allowed_dirs):
+        raise ConfigError(f"checkpoint {path}: outside the directories this appliance takes checkpoints from "
+                          f"({', '.join(map(str, allowed_dirs)) or 'none configured'}; gradtap run --resync-dir)")
+    return load_checkpoint(resolved, max_bytes=max_bytes)
+
+
+def offer_size_limit(job: JobSpec) -> int:
+    """The bytes an offered checkpoint of ``job`` may have: its parameters and both Adam
+    moments in float32, twice over (buffers, the archive's padding and pickles), plus 64 MiB."""
+    numel = sum(p.numel for p in job_params(job))
+    return 2 * 3 * 4 * numel + (64 << 20)
+
+
+def _unreadable(path: Path, what: str) -> ConfigError:
+    return ConfigError(f"{what} {path}: not a readable regular file (it is missing, the appliance may not read it, "
+                       "or it is a FIFO, device or socket)")
+
+
+def _open_regular(path: Path | str, what: str, *, dir_fd: int | None = None, shown: Path | None = None) -> BinaryIO:
+    """The regular file ``path`` (relative to ``dir_fd`` when given), open for reading; a
+    symbolic link as its last part is refused (``path`` is resolved already)."""
+    shown = shown or Path(path)
+    try:
+        if not stat.S_ISREG(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            raise _unreadable(shown, what)
+        # O_NONBLOCK: should the file have become a FIFO since, opening it does not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except (OSError, ValueError) as exc:
+        log.info("%s %s: %s", what, shown, exc)     # the operator's log says which; the answer does not
+        raise _unreadable(shown, what) from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise _unreadable(shown, what)
+    return f
+
+
+def _read_bounded(f: BinaryIO, max_bytes: int, shown: Path, what: str) -> bytes:
+    """All of ``f``, refused when it has more than ``max_bytes`` (by its size, or while reading)."""
+    size = os.fstat(f.fileno()).st_size
+    if size > max_bytes:
+        raise ConfigError(f"{what} {shown}: {size} bytes, more than the {max_bytes} this appliance reads "
+                          "for the job's model")
+    try:
+        data = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ConfigError(f"{what} {shown}: reading failed ({exc.strerror})") from None
+    if len(data) > max_bytes:
+        raise ConfigError(f"{what} {shown}: grew past {max_bytes} bytes while being read")
+    return data
+
+
+def _torch_load(source: BinaryIO, path: Path, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of a ``torch.save`` zip archive whose members are stored,
+    so that nothing inflates beyond the bytes read."""
+    try:
+        with zipfile.ZipFile(source) as archive:
+            compressed = [m.filename for m in archive.infolist() if m.compress_type != zipfile.ZIP_STORED]
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError):
+        raise ConfigError(f"{what} {path}: not a torch.save archive (the zip format torch has written since "
+                          "1.6)") from None
+    if compressed:
+        raise ConfigError(f"{what} {path}: compressed members {compressed[:3]}; torch.save stores them "
+                          "uncompressed")
+    source.seek(0)
+    try:
+        return torch.load(source, weights_only=True)
+    except (OSError, RuntimeError, EOFError, ValueError, TypeError, KeyError, pickle.UnpicklingError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{what} {path}: cannot load a trainer checkpoint ({reason})") from None
+
+
+def _load_snapshot(path: Path, max_bytes: int | None, what: str) -> dict:
+    """A gradtap snapshot directory: its manifest, and both files checked against its sha256s."""
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        raise _unreadable(path, what) from None
+    try:
+        try:
+            with _open_regular(MANIFEST, what, dir_fd=dir_fd, shown=path / MANIFEST) as f:
+                manifest = json.loads(_read_bounded(f, MAX_MANIFEST_BYTES, path / MANIFEST, what))
+        except ConfigError:
+            raise ConfigError(f"{what} {path}: a directory, but not a gradtap snapshot (no readable "
+                              f"{MANIFEST})") from None
+        except (ValueError, RecursionError):
+            raise ConfigError(f"{what} {path}: {MANIFEST} is not JSON (or nested too deeply)") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != snapshot.FORMAT:
+            raise ConfigError(f"{what} {path}: {MANIFEST} is not a {snapshot.FORMAT!r} manifest")
+        sha256 = manifest.get("sha256") if isinstance(manifest.get("sha256"), dict) else {}
+        state, left = {}, max_bytes
+        for name in snapshot.FILES:
+            with _open_regular(name, what, dir_fd=dir_fd, shown=path / name) as f:
+                # Hashed and loaded from the same bytes: what is checked is what is used.
+                data = f.read() if left is None else _read_bounded(f, left, path / name, what)
+            if left is not None:
+                left -= len(data)
+            if hashlib.sha256(data).hexdigest() != sha256.get(name):
+                raise ConfigError(f"{what} {path}: {name} does not match the sha256 in its {MANIFEST}")
+            state[name] = _torch_load(io.BytesIO(data), path / name, what)
+    finally:
+        os.close(dir_fd)
+    return _checked({"model": state["model.pt"], "optimizer": state["optimizer.pt"],
+                     "iteration": manifest.get("iteration")}, path, what)
+
+
+def _checked(checkpoint: Any, path: Path, what: str) -> dict:
+    """``checkpoint`` when it has the shape of a trainer checkpoint: a model state_dict of
+    tensors, an Adam/AdamW state_dict, and an ``iteration`` that is an int ≥ 0."""
+    def refuse(why: str) -> ConfigError:
+        return ConfigError(f"{what} {path}: not a trainer checkpoint ({why}); expected "
+                           "{'model': state_dict, 'optimizer': state_dict, 'iteration': k}")
+
+    if not isinstance(checkpoint, dict) or not {"model", "optimizer", "iteration"} <= set(checkpoint):
+        raise refuse("a dict of model, optimizer and iteration")
+    iteration = checkpoint["iteration"]
+    if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+        raise refuse(f"iteration is {iteration!r}, not an int >= 0")
+    model = checkpoint["model"]
+    if not isinstance(model, Mapping) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                 for k, v in model.items()):
+        raise refuse("model is not a state_dict of named tensors")
+    optimizer = checkpoint["optimizer"]
+    if not isinstance(optimizer, Mapping) or not isinstance(optimizer.get("state"), Mapping) \
+            or not isinstance(optimizer.get("param_groups"), list):
+        raise refuse("optimizer is not a state_dict with state and param_groups")
+    for i, group in enumerate(optimizer["param_groups"]):
+        if not isinstance(group, Mapping) or not _numbers(group, ("lr", "eps", "weight_decay")) \
+                or not isinstance(group.get("betas"), (tuple, list)) or len(group["betas"]) != 2 \
+                or not all(_number(b) for b in group["betas"]) \
+                or not isinstance(group.get("params"), list) \
+                or not all(isinstance(p, int) for p in group["params"]):
+            raise refuse(f"optimizer param_groups[{i}] lacks params, lr, betas, eps or weight_decay")
+    for key, entry in optimizer["state"].items():
+        if not isinstance(entry, Mapping) or not _numbers(entry, ("step",)) \
+                or not all(isinstance(entry.get(m), torch.Tensor) for m in ("exp_avg", "exp_avg_sq")):
+            raise refuse(f"optimizer state[{key!r}] lacks step, exp_avg or exp_avg_sq")
+    return checkpoint
+
+
+def _number(value: Any) -> bool:
+    """A real number, or a one-element tensor (torch keeps ``step``, and may keep ``lr``, as one)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _numbers(mapping: Mapping, keys: tuple[str, ...]) -> bool:
+    return all(_number(mapping.get(k)) for k in keys)

@@ -1,61 +1,46 @@
 """The ``gradtap`` command line: one entry point, one subcommand per job.
 
 Each subcommand lives in a module of ``gradtap.commands`` named after it and registers
-itself on :data:`app`; this module only assembles them. The command modules import nothing
-heavy (PyTorch, Numba, the stages) until a command runs, so ``--help`` and argument errors
-answer at once.
+itself on :data:`app`; this module only assembles them. The command line is plain Click,
+and the command modules import nothing heavy (Rich, pydantic, PyTorch, Numba, the stages)
+until a command runs, so ``--help`` and argument errors answer at once: on a 2-core machine
+Typer's own start-up (pydantic for its parameter adapters, ``rich.markdown`` for its help)
+took half a second before any command code ran.
 """
 
 from __future__ import annotations
 
 import sys
 
-import typer
-from rich.console import Console
-from typer.core import TyperCommand, TyperGroup
+import click
 
 from gradtap.core.errors import GradtapError
 
 
-class _FlagsShowNoType:
-    """Typer's help labels a flag such as ``--json`` or ``--help`` with a value type
-    (``<bool>``), though a flag takes no value: show none."""
+class Command(click.Command):
+    """A subcommand whose one-sentence summary in its group's listing wraps onto more lines
+    instead of being cut at one line with ``...`` (Click's default)."""
 
-    def get_params(self, ctx):
-        params = super().get_params(ctx)
-        for p in params:
-            if getattr(p, "is_flag", False) and p.metavar is None:
-                p.metavar = ""
-        return params
+    def get_short_help_str(self, limit: int = 45) -> str:
+        return super().get_short_help_str(limit=sys.maxsize)
 
 
-class Command(_FlagsShowNoType, TyperCommand):
-    pass
+class Group(Command, click.Group):
+    """A group of commands listed in the order they were added, which is the registry's
+    (``gradtap.commands.COMMAND_MODULES``), not alphabetically; its commands and subgroups
+    are :class:`Command` and :class:`Group`."""
+
+    command_class = Command
+    group_class = type              # Click's spelling for "subgroups are of this same class"
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
 
 
-class Group(_FlagsShowNoType, TyperGroup):
-    pass
-
-
-class App(typer.Typer):
-    """A ``typer.Typer`` whose groups and commands are :class:`Group` and :class:`Command`."""
-
-    def __init__(self, **kwargs):
-        super().__init__(cls=Group, no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
-                         **kwargs)
-
-    def command(self, *args, **kwargs):
-        return super().command(*args, cls=Command, **kwargs)
-
-
-app = App(name="gradtap", help="Rebuild an always-current training checkpoint from mirrored RoCEv2 allreduce "
-                               "traffic.")
-err_console = Console(stderr=True, soft_wrap=True)  # one error, one line, whatever the width
-
-
-@app.callback()
-def _root() -> None:
-    """Rebuild an always-current training checkpoint from mirrored RoCEv2 allreduce traffic."""
+# ``show_default``: every option with a default shows it (``[default: 9464]``); subcommands'
+# contexts inherit the setting from this one.
+app = Group("gradtap", context_settings={"show_default": True},
+            help="Rebuild an always-current training checkpoint from mirrored RoCEv2 allreduce traffic.")
 
 
 def _register() -> None:
@@ -64,9 +49,12 @@ def _register() -> None:
 
 
 def main() -> None:
+    """The ``gradtap`` console script. Usage errors are Click's (exit status 2); a
+    :class:`GradtapError` from a command is one ``error: ...`` line on stderr, exit status 2."""
     _register()
     try:
-        app()
+        app.main(prog_name="gradtap")
     except GradtapError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}")
+        # Plain text, not Rich markup: a message may hold brackets such as ``[0, 1]``.
+        click.echo(f"{click.style('error:', fg='red', bold=True)} {exc}", err=True)
         sys.exit(2)

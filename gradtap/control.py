@@ -11,7 +11,9 @@ replica can no longer follow the trainer. The appliance then
    written before stays valid: it is the last iteration the replica got right.
 
 The event log exists from the start (empty until the first event), so that an operator can
-follow it with ``tail -f`` as soon as the appliance runs.
+follow it with ``tail -f`` as soon as the appliance runs. The appliance's own endpoint, where
+a trainer checkpoint is handed back, is ``gradtap/control_server.py``; :func:`request_resync`
+is its client.
 """
 
 from __future__ import annotations
@@ -23,14 +25,10 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
-from gradtap.core.errors import ConfigError, GradtapError
-
-if TYPE_CHECKING:
-    from gradtap.status import ApplianceStatus
+from gradtap.control_token import read_token
+from gradtap.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -81,70 +79,24 @@ class ControlPlane:
             self.event("fallback_post_failed", endpoint=self.endpoint, error=str(exc))
 
 
-class ControlServer:
-    """The appliance's own control endpoint (on 127.0.0.1 unless told otherwise).
-
-    ``POST /resync`` with ``{"checkpoint": "/path/to/trainer-checkpoint.pt"}`` hands a trainer
-    checkpoint (``{"model", "optimizer", "iteration"}``, as ``torch.save``d by the trainer, or
-    a gradtap snapshot directory) to ``offer``: a stale replica resynchronises from it when
-    the streams reach its iteration. ``GET /status`` returns ``status()`` as JSON.
-    :func:`request_resync` (``gradtap resync``) is the client.
-    """
-
-    def __init__(self, offer: Callable[[dict], None], status: Callable[[], "ApplianceStatus"], port: int,
-                 address: str = "127.0.0.1"):
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from gradtap.checkpoints import load_checkpoint
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's name)
-                if self.path != "/status":
-                    return self._reply(404, {"error": f"no {self.path}; try GET /status or POST /resync"})
-                self._reply(200, asdict(status()))
-
-            def do_POST(self):  # noqa: N802
-                if self.path != "/resync":
-                    return self._reply(404, {"error": f"no {self.path}; try POST /resync"})
-                try:
-                    body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                    checkpoint = load_checkpoint(Path(body["checkpoint"]))
-                except (ValueError, KeyError, TypeError, GradtapError) as exc:
-                    return self._reply(400, {"error": f"cannot use that checkpoint: {exc}"})
-                offer(checkpoint)
-                self._reply(202, {"accepted": True, "iteration": int(checkpoint["iteration"])})
-
-            def _reply(self, code: int, payload: dict) -> None:
-                data = json.dumps(payload, default=str).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer((address, port), Handler)
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="gradtap-control", daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def request_resync(appliance: str, checkpoint: Path, timeout_s: float = 30.0) -> dict:
+def request_resync(appliance: str, checkpoint: Path, token_file: Path, timeout_s: float = 330.0) -> dict:
     """Ask the appliance at ``appliance`` (its control endpoint URL) to resynchronise from
-    ``checkpoint`` (a path the appliance can read); its JSON answer."""
+    ``checkpoint`` (a path the appliance can read, under one of its ``--resync-dir``s),
+    authenticated with the token in ``token_file``; its JSON answer (``gradtap/control_server.py``).
+    The timeout leaves room for the appliance to read and check a large checkpoint."""
+    token = read_token(token_file).decode()
     request = urllib.request.Request(f"{appliance.rstrip('/')}/resync", method="POST",
-                                     data=json.dumps({"checkpoint": str(checkpoint.resolve())}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     data=json.dumps({"checkpoint": str(Path(checkpoint).resolve())}).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {token}"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.loads(response.read())
     except urllib.error.HTTPError as exc:      # the appliance answered, and refused
-        raise ConfigError(f"{appliance} refused it: HTTP {exc.code} {exc.read().decode(errors='replace')}") from None
+        try:
+            reason = json.loads(exc.read())["error"]
+        except (ValueError, KeyError, TypeError):
+            reason = exc.reason
+        raise ConfigError(f"{appliance} refused it: HTTP {exc.code}: {reason}") from None
     except OSError as exc:
         raise ConfigError(f"--appliance {appliance}: no gradtap appliance answered ({exc})") from None

@@ -38,8 +38,8 @@ import torch
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.updater import kernels, selfcheck
 from gradtap.updater.clipping import GradNorms
-from gradtap.updater.state import (FlatLayout, from_checkpoint, model_state_dict, optimizer_state_dict,
-                           param_group)
+from gradtap.updater.state import (FlatLayout, ModelKeys, from_checkpoint, model_state_dict,
+                                   optimizer_state_dict, param_group)
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.schedule import learning_rate
@@ -79,6 +79,7 @@ class Replica:
         self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg)
         self.stale = False
         self.offers: dict[int, Mapping[str, Any]] = {}     # iteration -> trainer checkpoint (offer())
+        self._reached = -1                                  # the latest iteration begin() was asked for
         self.root = selfcheck.root_source(self.cfg)
         self._open: _Iteration | None = None
         self._grad32: np.ndarray | None = None   # widened gradient of a clipped iteration
@@ -108,15 +109,57 @@ class Replica:
         """The iteration begun and not yet ended or aborted, if any."""
         return None if self._open is None else self._open.iteration
 
-    def offer(self, checkpoint: Mapping[str, Any]) -> None:
+    def offer(self, checkpoint: Mapping[str, Any], *, only: bool = False) -> list[int]:
         """Hold the trainer checkpoint ``checkpoint`` (``{"model", "optimizer", "iteration"}``)
         to resync from: a stale replica asked to :meth:`begin` ``checkpoint["iteration"]``
-        loads it first. A later offer for the same iteration replaces the earlier one. At
-        most :data:`MAX_OFFERS` are held: the earliest iterations, which the streams reach
-        first (those the streams have passed are dropped by :meth:`begin`)."""
-        self.offers[int(checkpoint["iteration"])] = checkpoint
+        loads it first. It is checked completely first (:meth:`check_offer`), so that a resync
+        never fails. A later offer for the same iteration replaces the earlier one; with
+        ``only`` (the control endpoint's rule: one pending offer) it replaces every pending
+        offer. At most :data:`MAX_OFFERS` are held: the earliest iterations, which the streams
+        reach first (those the streams have passed are dropped by :meth:`begin`). Returns the
+        iterations of the pending offers it replaced."""
+        iteration = self.check_offer(checkpoint)
+        before = set(self.offers)
+        if only:
+            self.offers.clear()
+        self.offers[iteration] = checkpoint
         while len(self.offers) > MAX_OFFERS:
             del self.offers[max(self.offers)]
+        return sorted((before - set(self.offers)) | (before & {iteration}))
+
+    def check_offer(self, checkpoint: Mapping[str, Any]) -> int:
+        """The iteration of ``checkpoint`` once it is known to be one this replica can resync
+        from; ``ConfigError`` saying why not otherwise. It must be an iteration the streams
+        have not reached yet, of the job's model (the same state_dict keys, parameter shapes
+        and dtypes, buffers as the replica's), with the job's optimizer (betas, eps,
+        weight_decay, and the schedule's lr of its last or next step) and finite values (a
+        second moment is never negative)."""
+        iteration = checkpoint.get("iteration")
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise ConfigError(f"checkpoint iteration is {iteration!r}; expected an int >= 0")
+        usable = max(self.state.iteration, self._reached + 1)
+        if iteration < usable:
+            raise ConfigError(f"checkpoint of iteration {iteration}: the streams are past it (the replica can "
+                              f"resync at iteration {usable} or later); offer the trainer's checkpoint of a "
+                              "later iteration")
+        state, keys = from_checkpoint(checkpoint, self.layout, self.cfg)
+        want, got = _key_kinds(self._keys), _key_kinds(keys)
+        if got != want:
+            differ = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+            raise ConfigError(f"checkpoint model state_dict differs from the job's model at {differ[:3]} "
+                              f"({len(differ)} keys): missing, extra, or another shape or dtype")
+        lrs = {learning_rate(self.cfg, max(iteration - 1, 0)), learning_rate(self.cfg, iteration)}
+        if state.lr not in lrs:
+            raise ConfigError(f"checkpoint optimizer: lr is {state.lr!r} but the job's schedule gives "
+                              f"{' or '.join(map(repr, sorted(lrs)))} at iteration {iteration}")
+        if state.step < 0:
+            raise ConfigError(f"checkpoint optimizer: step is {state.step}")
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            values = getattr(state, name)
+            if not np.isfinite(values).all() or (name == "exp_avg_sq" and (values < 0).any()):
+                raise ConfigError(f"checkpoint {name} holds {'negative or ' if name == 'exp_avg_sq' else ''}"
+                                  "non-finite values; no Adam step of a finite gradient makes them")
+        return iteration
 
     def begin(self, iteration: int) -> Begin:
         """Open ``iteration``, the next one (:attr:`iteration`), and say what happened.
@@ -129,6 +172,7 @@ class Replica:
         """
         if self._open is not None:
             raise GradtapError(f"iteration {self._open.iteration} is still open; end() or abort() it first")
+        self._reached = max(self._reached, iteration)
         for old in [k for k in self.offers if k < iteration]:
             del self.offers[old]
         outcome = Begin.OPENED
@@ -290,6 +334,11 @@ class Replica:
             raise GradtapError(f"apply_bucket: bucket {bucket} takes {numel} elements of {want} "
                                f"({self.wire} on the wire), got {grad.size} of {grad.dtype}")
         return np.ascontiguousarray(grad)
+
+
+def _key_kinds(keys: ModelKeys) -> dict[str, Any]:
+    """A model state_dict's keys, each with its parameter index or its buffer's shape and dtype."""
+    return {key: ref if isinstance(ref, int) else (tuple(ref.shape), ref.dtype) for key, ref in keys.keys}
 
 
 class _Iteration:

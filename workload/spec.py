@@ -233,6 +233,10 @@ class ApplianceSpec(_Strict):
     lockon_timeout_s: float = Field(60.0, gt=0, description="a stream not locked on this long after its first "
                                     "frame (capture time) is reported: lockon.failed")
     lockon_frames: int = Field(5_000_000, gt=0, description="... or after this many frames")
+    control_token_file: Path | None = Field(None, description="file holding the control endpoint's bearer token "
+                                            "(mode 0600; created when missing)")
+    resync_dirs: tuple[Path, ...] = Field((), description="directories the control endpoint may take trainer "
+                                          "checkpoints from")
 
     @field_validator("control_endpoint")
     @classmethod
@@ -307,13 +311,21 @@ def load_job(path: str | Path) -> JobSpec:
     """Read and validate a job spec YAML file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the job spec ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: (top level): not a text file (byte 0x{raw[exc.start]:02x} at offset {exc.start} "
+                          "is not UTF-8); a job spec is a YAML file such as configs/small.yaml") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: (top level): nested too deeply for a job spec; a job spec is a YAML file "
+                          "such as configs/small.yaml") from None
     return parse_job(data, str(path))
 
 

@@ -2,8 +2,9 @@
 when imported; this tuple is the explicit registry the CLI reads, in the order of the data
 flow, which is the order ``gradtap --help`` lists them in.
 
-A command module imports only Typer, Rich and the standard library at the top; the stages
-(PyTorch, Numba, pyroute2, ...) are imported inside the handler, when the command runs.
+A command module imports only Click and the standard library at the top; Rich and the stages
+(PyTorch, Numba, pydantic, pyroute2, ...) are imported inside the handler, when the command
+runs, so that ``gradtap --help`` and argument errors answer at once.
 """
 
 from importlib import import_module

@@ -3,33 +3,34 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
-import typer
-from rich.console import Console
-from rich.panel import Panel
+import click
 
 from gradtap.cli import app
 
-console = Console()
-
 
 @app.command()
-def demo(
-    out: Path = typer.Option(None, "--out", "-o", metavar="DIR",
-                             help="keep everything in this directory (its sim/ and replay/ are replaced); "
-                                  "default: a temporary directory"),
-    keep: bool = typer.Option(False, "--keep",
-                              help="keep the temporary directory (about 260 MB) instead of removing it at the end"),
-    iterations: int = typer.Option(6, "--iterations", "-n", min=2, metavar="N", help="training iterations to capture"),
-    seed: int = typer.Option(0, "--seed", metavar="SEED", help="seed of the model, the data shards and the faults"),
-) -> None:
+@click.option("--out", "-o", type=click.Path(path_type=Path), metavar="DIR",
+              help="keep everything in this directory (its sim/ and replay/ are replaced); "
+                   "default: a temporary directory")
+@click.option("--keep", is_flag=True,
+              help="keep the temporary directory (about 260 MB) instead of removing it at the end")
+@click.option("--iterations", "-n", type=click.IntRange(min=2), default=6, metavar="N",
+              help="training iterations to capture")
+@click.option("--seed", type=int, default=0, metavar="SEED", help="seed of the model, the data shards and the faults")
+def demo(out: Path | None, keep: bool, iterations: int, seed: int) -> None:
     """Simulate, replay, verify bit for bit, resume from the replica, and report."""
+    from rich.console import Console
+    from rich.panel import Panel
+
     from gradtap.demo import run_demo
 
+    console = Console()
     kept = out is not None or keep
-    where = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="gradtap-demo-"))
+    where = out if out is not None else Path(tempfile.mkdtemp(prefix="gradtap-demo-"))
     try:
         ok = run_demo(where, iterations, seed, console, plot=kept)
     finally:
@@ -44,4 +45,4 @@ def demo(
          "continues exactly as if it had never stopped.[/]" if ok else
          "[bold red]Something did not match; see above.[/]") + "\n" + files, title="result"))
     if not ok:
-        raise typer.Exit(1)
+        sys.exit(1)

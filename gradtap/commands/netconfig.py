@@ -4,22 +4,39 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import typer
-from rich.console import Console
+import click
 
-from gradtap.cli import App, app
+from gradtap.cli import Group, app
 from gradtap.core.errors import ConfigError
-from gradtap.tables import table
 
-console = Console()
-netconfig_app = App(name="netconfig", help="Plan which switch ports to mirror, render vendor configs, apply them "
-                                           "on Linux.")
-app.add_typer(netconfig_app, name="netconfig")
+if TYPE_CHECKING:
+    from rich.console import Console
+
+netconfig_app = Group("netconfig", help="Plan which switch ports to mirror, render vendor configs, apply them on "
+                                        "Linux.")
+app.add_command(netconfig_app)
 
 # The names of ``gradtap.netconfig.vendors.VENDORS``, for the help text, which must not import
 # the renderers (pydantic); tests/gradtap/test_cli.py checks that the two agree.
 VENDOR_NAMES = ("sonic", "eos", "nxos", "comware", "junos", "nvue", "linux")
+
+
+def _plan_file(metavar: str, help: str):
+    """An argument naming an existing file (a topology or a plan)."""
+    return click.argument(metavar.lower(), type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                          metavar=metavar, help=help)
+
+
+_plan_argument = _plan_file("PLAN", "plan.json from `gradtap netconfig plan`")
+
+
+def _switch_and_netns(command):
+    """``--switch`` and ``--netns``, as ``apply`` and ``teardown`` both take them."""
+    command = click.option("--netns", metavar="NS", help="network namespace holding the switch's interfaces")(command)
+    return click.option("--switch", metavar="SWITCH",
+                        help="the plan's switch this host is (if several mirror)")(command)
 
 
 def write_plan_dir(plan, out: Path) -> list[Path]:
@@ -49,6 +66,8 @@ def _between(iterations: float | None) -> str:
 def print_plan_report(report: dict, console: Console) -> None:
     """``report_dict(plan)`` as tables: per DP group, per mirror source, per switch, per CPU
     node, then the job's failure probability and cost."""
+    from gradtap.tables import table
+
     groups = table(f"DP groups ({report['topology']}, loss p = {report['loss_rate']:g}, "
                    f"K = {report['packets_per_iteration']:g} packets/iteration)",
                    "group", "ranks", "CPU node", "min\nc_k", "P(fail)\nexact", "P(fail)\nEq. 2",
@@ -79,13 +98,14 @@ def print_plan_report(report: dict, console: Console) -> None:
 
 
 @netconfig_app.command("plan")
-def plan_command(
-    topology: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="TOPOLOGY", help="cluster topology YAML"),
-    out: Path = typer.Option(None, "--out", "-o", metavar="DIR",
-                             help="write plan.json, report.json and mirrors/<group>.yaml here"),
-    as_json: bool = typer.Option(False, "--json", help="print the report as JSON instead of tables"),
-) -> None:
+@_plan_file("TOPOLOGY", "cluster topology YAML")
+@click.option("--out", "-o", type=click.Path(path_type=Path), metavar="DIR",
+              help="write plan.json, report.json and mirrors/<group>.yaml here")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON instead of tables")
+def plan_command(topology: Path, out: Path | None, as_json: bool) -> None:
     """Choose mirror sources per DP group, assign CPU-node ports, and report reliability and cost."""
+    from rich.console import Console
+
     from gradtap.netconfig.planner import plan_topology
     from gradtap.netconfig.report import report_dict
     from gradtap.netconfig.topology import load_topology
@@ -93,8 +113,9 @@ def plan_command(
     plan = plan_topology(load_topology(topology))
     written = write_plan_dir(plan, out) if out else []
     if as_json:
-        typer.echo(json.dumps(report_dict(plan), indent=2))
+        click.echo(json.dumps(report_dict(plan), indent=2))
     else:
+        console = Console()
         print_plan_report(report_dict(plan), console)
         if written:
             console.print(f"wrote {out / 'plan.json'}, {out / 'report.json'} and {len(plan.groups)} job-spec "
@@ -102,24 +123,22 @@ def plan_command(
 
 
 @netconfig_app.command("render")
-def render_command(
-    plan: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="PLAN",
-                                help="plan.json from `gradtap netconfig plan`"),
-    vendor: str = typer.Option(None, "--vendor", metavar="VENDOR",
-                               help=f"override each switch's vendor: {', '.join(VENDOR_NAMES)}"),
-    switch: list[str] = typer.Option([], "--switch", metavar="SWITCH", help="render only this switch (repeatable)"),
-    out: Path = typer.Option(None, "--out", "-o", metavar="DIR", help="write one file per switch and kind here"),
-) -> None:
+@_plan_argument
+@click.option("--vendor", metavar="VENDOR", help=f"override each switch's vendor: {', '.join(VENDOR_NAMES)}")
+@click.option("--switch", multiple=True, metavar="SWITCH", help="render only this switch (repeatable)")
+@click.option("--out", "-o", type=click.Path(path_type=Path), metavar="DIR",
+              help="write one file per switch and kind here")
+def render_command(plan: Path, vendor: str | None, switch: tuple[str, ...], out: Path | None) -> None:
     """Render each switch's mirror configuration and its matching teardown."""
     from gradtap.netconfig.plan import load_plan
     from gradtap.netconfig.render import format_configs, render_plan, write_configs
 
-    configs = render_plan(load_plan(plan), vendor, switch or None)
+    configs = render_plan(load_plan(plan), vendor, list(switch) or None)
     if out:
         for path in write_configs(configs, out):
-            console.print(f"wrote {path}")
+            click.echo(f"wrote {path}")
     else:
-        typer.echo(format_configs(configs), nl=False)
+        click.echo(format_configs(configs), nl=False)
 
 
 def _require_linux(linux: bool) -> None:
@@ -128,7 +147,9 @@ def _require_linux(linux: bool) -> None:
                           "`gradtap netconfig render PLAN --vendor V` and load the output")
 
 
-def _print_mirrors(title: str, rows: list[tuple[str, list]]) -> None:
+def _print_mirrors(console: Console, title: str, rows: list[tuple[str, list]]) -> None:
+    from gradtap.tables import table
+
     t = table(title, "interface", "hook", "mirrored to", "result")
     for result, mirrors in rows:
         for m in mirrors:
@@ -137,41 +158,38 @@ def _print_mirrors(title: str, rows: list[tuple[str, list]]) -> None:
 
 
 @netconfig_app.command("apply")
-def apply_command(
-    plan: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="PLAN",
-                                help="plan.json from `gradtap netconfig plan`"),
-    linux: bool = typer.Option(False, "--linux", help="apply with tc through netlink on this host"),
-    switch: str = typer.Option(None, "--switch", metavar="SWITCH",
-                               help="the plan's switch this host is (if several mirror)"),
-    netns: str = typer.Option(None, "--netns", metavar="NS", help="network namespace holding the switch's interfaces"),
-) -> None:
+@_plan_argument
+@click.option("--linux", is_flag=True, help="apply with tc through netlink on this host")
+@_switch_and_netns
+def apply_command(plan: Path, linux: bool, switch: str | None, netns: str | None) -> None:
     """Install the plan's mirroring on Linux interfaces (idempotent)."""
     _require_linux(linux)
+    from rich.console import Console
+
     from gradtap.netconfig.linux_mirror import apply_mirrors, plan_mirrors
     from gradtap.netconfig.plan import load_plan
 
     name, mirrors = plan_mirrors(load_plan(plan), switch)
     result = apply_mirrors(mirrors, netns)
-    _print_mirrors(f"{name}: mirror filters (classifier: {result.classifier or 'unchanged'})",
+    _print_mirrors(Console(), f"{name}: mirror filters (classifier: {result.classifier or 'unchanged'})",
                    [("created", result.created), ("replaced", result.replaced), ("already in place", result.unchanged)])
 
 
 @netconfig_app.command("teardown")
-def teardown_command(
-    plan: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="PLAN",
-                                help="plan.json from `gradtap netconfig plan`"),
-    linux: bool = typer.Option(False, "--linux", help="remove the tc mirroring through netlink on this host"),
-    switch: str = typer.Option(None, "--switch", metavar="SWITCH",
-                               help="the plan's switch this host is (if several mirror)"),
-    netns: str = typer.Option(None, "--netns", metavar="NS", help="network namespace holding the switch's interfaces"),
-) -> None:
+@_plan_argument
+@click.option("--linux", is_flag=True, help="remove the tc mirroring through netlink on this host")
+@_switch_and_netns
+def teardown_command(plan: Path, linux: bool, switch: str | None, netns: str | None) -> None:
     """Remove exactly the mirroring `apply` installs (idempotent)."""
     _require_linux(linux)
+    from rich.console import Console
+
     from gradtap.netconfig.linux_mirror import plan_mirrors, teardown_mirrors
     from gradtap.netconfig.plan import load_plan
 
     name, mirrors = plan_mirrors(load_plan(plan), switch)
     result = teardown_mirrors(mirrors, netns)
-    _print_mirrors(f"{name}: mirror filters", [("removed", result.removed), ("was not there", result.absent)])
+    console = Console()
+    _print_mirrors(console, f"{name}: mirror filters", [("removed", result.removed), ("was not there", result.absent)])
     if result.qdiscs_removed:
         console.print(f"removed the now-empty clsact qdisc of {', '.join(result.qdiscs_removed)}")

@@ -4,39 +4,40 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import typer
-from rich.console import Console
+import click
 
 from gradtap.cli import app
 from gradtap.core.errors import CaptureError
-from gradtap.progress import replay_progress
-from gradtap.tables import events_table, iteration_table
-
-console = Console()
 
 
 @app.command("replay")
-def replay_command(
-    job_path: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="JOB", help="job spec YAML"),
-    pcaps: list[str] = typer.Argument(..., metavar="PCAP...",
-                                      help="captures: STREAM=PATH, or a file named after its stream"),
-    out: Path = typer.Option(..., "--out", "-o", metavar="DIR",
-                             help="output directory: snapshots/, iterations.jsonl, events.jsonl, replay.json"),
-    start: Path = typer.Option(None, "--start", metavar="CKPT",
-                               help="trainer checkpoint the capture starts from (default: the job's initial_state)"),
-    digests: bool = typer.Option(True, "--digests/--no-digests",
-                                 help="record a digest of the replica after every iteration (for verify)"),
-    resync: list[Path] = typer.Option([], "--resync", metavar="CKPT",
-                                      help="trainer checkpoint to resynchronise a stale replica from when the "
-                                           "streams reach its iteration (repeatable)"),
-) -> None:
+@click.argument("job_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="JOB",
+                help="job spec YAML")
+@click.argument("pcaps", nargs=-1, required=True, metavar="PCAP...",
+                help="captures: STREAM=PATH, or a file named after its stream")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="output directory: snapshots/, iterations.jsonl, events.jsonl, replay.json")
+@click.option("--start", type=click.Path(path_type=Path), metavar="CKPT",
+              help="trainer checkpoint the capture starts from (default: the job's initial_state)")
+@click.option("--digests/--no-digests", default=True,
+              help="record a digest of the replica after every iteration (for verify)")
+@click.option("--resync", multiple=True, type=click.Path(path_type=Path), metavar="CKPT",
+              help="trainer checkpoint to resynchronise a stale replica from when the streams reach its "
+                   "iteration (repeatable)")
+def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Path | None, digests: bool,
+                   resync: tuple[Path, ...]) -> None:
     """Capture → parse → merge → update over files: the appliance, offline."""
+    from rich.console import Console
+
     from gradtap.checkpoints import load_checkpoint, start_checkpoint
+    from gradtap.progress import replay_progress
     from gradtap.replay import match_streams, run_replay
+    from gradtap.tables import events_table, iteration_table
     from gradtap.workload.spec import load_job
 
+    console = Console()
     job = load_job(job_path)
-    streams = match_streams(job, pcaps)
+    streams = match_streams(job, list(pcaps))
     if len(streams) < 3:
         console.print(f"[yellow]warning:[/] {len(streams)} mirror stream(s): FlowCheck's analysis needs 3 to "
                       "survive single mirror-link losses; expect unrecoverable iterations "
@@ -47,8 +48,10 @@ def replay_command(
                                   progress=progress, resync=checkpoints)
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
-    console.print(f"replica {'[red]stale[/]' if sink.replica.stale else 'current'} at iteration "
-                  f"{sink.replica.iteration}; snapshots in {out / 'snapshots'}; events in {out / 'events.jsonl'}")
+    state = "[red]stale[/]" if sink.replica.stale else "current" if sink.applied else \
+        "[yellow]unchanged[/] (nothing applied: still the start state)"
+    console.print(f"replica {state} at iteration {sink.replica.iteration}; snapshots in {out / 'snapshots'}; "
+                  f"events in {out / 'events.jsonl'}")
     unlocked = [name for name, locked in result.locked.items() if not locked]
     for name in unlocked:
         console.print(f"[yellow]warning:[/] stream {name} never locked on to the job's traffic; why: "

@@ -6,15 +6,10 @@ import signal
 import sys
 from pathlib import Path
 
-import typer
-from rich.console import Console
-from rich.live import Live
+import click
 
 from gradtap.cli import app
 from gradtap.core.errors import ConfigError
-from gradtap.tables import status_table
-
-console = Console(stderr=True)
 
 # The names of ``gradtap.capture.registry.SOURCES``, for the help text, which must not import
 # the sources (Numba); tests/gradtap/test_cli.py checks that the two agree.
@@ -48,47 +43,61 @@ def _cpus(text: str, what: str) -> list[int]:
 
 
 @app.command("run")
-def run_command(
-    job_path: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="JOB",
-                                    help="job spec YAML: the model, the optimizer, the ring, the mirror streams"),
-    stream: list[str] = typer.Option(..., "--stream", metavar="NAME=IFACE",
-                                     help="one per mirror stream: NAME, a stream of the job, arrives on "
-                                          "IFACE; NAME=pcap:PATH reads a capture file instead"),
-    out: Path = typer.Option(..., "--out", "-o", metavar="DIR",
-                             help="snapshots/, iterations.jsonl, events.jsonl go here"),
-    source: str = typer.Option("af_packet", "--source", metavar="SOURCE",
-                               help=f"capture source: {', '.join(SOURCE_NAMES)}"),
-    netns: str = typer.Option(None, "--netns", metavar="NS", help="network namespace the interfaces are in"),
-    start: Path = typer.Option(None, "--start", metavar="CKPT",
-                               help="trainer checkpoint to start from (default: the job's initial_state)"),
-    metrics_port: int = typer.Option(9464, "--metrics-port", metavar="PORT", help="Prometheus metrics port (0: off)"),
-    metrics_address: str = typer.Option("127.0.0.1", "--metrics-address", metavar="ADDR",
-                                        help="address the metrics listen on (0.0.0.0: every interface)"),
-    control_port: int = typer.Option(9465, "--control-port", metavar="PORT",
-                                     help="the appliance's control endpoint (POST /resync, GET /status; 0: off)"),
-    control_address: str = typer.Option("127.0.0.1", "--control-address", metavar="ADDR",
-                                        help="address the control endpoint listens on; it accepts checkpoints, "
-                                             "so keep it local unless the network is trusted"),
-    capture_cpus: str = typer.Option("", "--capture-cpus", metavar="CPUS",
-                                     help="cores for the capture workers, one per stream"),
-    parse_cpus: str = typer.Option("", "--parse-cpus", metavar="CPUS", help="cores for parsing, merging and updating"),
-    ring_slots: int = typer.Option(1 << 16, "--ring-slots", min=2, metavar="N",
-                                   help="frames each stream's shared-memory ring holds"),
-    slot_size: int = typer.Option(9216, "--slot-size", min=64, metavar="BYTES",
-                                  help="bytes per ring slot: the largest frame kept whole (longer ones are "
-                                       "truncated and counted)"),
-    hugepages: str = typer.Option("auto", "--hugepages", metavar="MODE",
-                                   help="huge pages for the rings: auto (when the host has them), require, off"),
-    no_status: bool = typer.Option(False, "--no-status",
-                                   help="no live status view (it is shown when stderr is a terminal)"),
-) -> None:
+@click.argument("job_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="JOB",
+                help="job spec YAML: the model, the optimizer, the ring, the mirror streams")
+@click.option("--stream", multiple=True, required=True, metavar="NAME=IFACE",
+              help="one per mirror stream: NAME, a stream of the job, arrives on IFACE; NAME=pcap:PATH reads a "
+                   "capture file instead")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="snapshots/, iterations.jsonl, events.jsonl go here")
+@click.option("--source", default="af_packet", metavar="SOURCE", help=f"capture source: {', '.join(SOURCE_NAMES)}")
+@click.option("--netns", metavar="NS", help="network namespace the interfaces are in")
+@click.option("--start", type=click.Path(path_type=Path), metavar="CKPT",
+              help="trainer checkpoint to start from (default: the job's initial_state)")
+@click.option("--metrics-port", type=int, default=9464, metavar="PORT", help="Prometheus metrics port (0: off)")
+@click.option("--metrics-address", default="127.0.0.1", metavar="ADDR",
+              help="address the metrics listen on (0.0.0.0: every interface)")
+@click.option("--control-port", type=int, default=9465, metavar="PORT",
+              help="the appliance's control endpoint (POST /resync, GET /status; 0: off)")
+@click.option("--control-address", default="127.0.0.1", metavar="ADDR",
+              help="address the control endpoint listens on; it accepts checkpoints, so keep it local unless the "
+                   "network is trusted")
+@click.option("--control-token-file", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="the control endpoint's secret: every request carries 'Authorization: Bearer <content>'; "
+                   "created (mode 0600) when missing; default: the job's appliance.control_token_file, else "
+                   "OUT/control.token")
+@click.option("--resync-dir", "resync_dirs", multiple=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path), metavar="DIR",
+              help="a directory POST /resync may take checkpoints from (repeatable; default: the job's "
+                   "appliance.resync_dirs; with none, every offer is refused)")
+# An empty CPU list means "not pinned": there is no default worth showing.
+@click.option("--capture-cpus", default="", show_default=False, metavar="CPUS",
+              help="cores for the capture workers, one per stream")
+@click.option("--parse-cpus", default="", show_default=False, metavar="CPUS",
+              help="cores for parsing, merging and updating")
+@click.option("--ring-slots", type=click.IntRange(min=2), default=1 << 16, metavar="N",
+              help="frames each stream's shared-memory ring holds")
+@click.option("--slot-size", type=click.IntRange(min=64), default=9216, metavar="BYTES",
+              help="bytes per ring slot: the largest frame kept whole (longer ones are truncated and counted)")
+@click.option("--hugepages", default="auto", metavar="MODE",
+              help="huge pages for the rings: auto (when the host has them), require, off")
+@click.option("--no-status", is_flag=True, help="no live status view (it is shown when stderr is a terminal)")
+def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
+                start: Path | None, metrics_port: int, metrics_address: str, control_port: int,
+                control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...], capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int,
+                hugepages: str, no_status: bool) -> None:
     """Capture mirror ports and keep a replica current until SIGINT/SIGTERM."""
+    from rich.console import Console
+    from rich.live import Live
+
     from gradtap import metrics
     from gradtap.appliance import Appliance, RunOptions, status_loop, wait_for_stop
-    from gradtap.checkpoints import start_checkpoint
-    from gradtap.control import ControlServer
+    from gradtap.checkpoints import offer_size_limit, start_checkpoint
+    from gradtap.control_server import ControlServer, ControlSettings
+    from gradtap.tables import status_table
     from gradtap.workload.spec import load_job
 
+    console = Console(stderr=True)
     job = load_job(job_path)
     specs = dict(parse_stream(s, source, netns) for s in stream)
     cores = _cpus(capture_cpus, "--capture-cpus")
@@ -98,8 +107,13 @@ def run_command(
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:
         metrics.serve(appliance.status, metrics_port, metrics_address)
-    control = ControlServer(appliance.offer, appliance.status, control_port, control_address) \
-        if control_port else None
+    control = None
+    if control_port:
+        settings = ControlSettings(token_file=control_token_file or job.appliance.control_token_file or
+                                   out / "control.token", max_checkpoint_bytes=offer_size_limit(job),
+                                   resync_dirs=tuple(resync_dirs) or job.appliance.resync_dirs,
+                                   address=control_address, port=control_port)
+        control = ControlServer(appliance.offer, appliance.status, settings)
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not no_status else None
     if live is not None:
         live.start()

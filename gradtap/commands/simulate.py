@@ -5,15 +5,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import typer
-from rich.console import Console
+import click
 
 from gradtap.cli import app
 from gradtap.core.errors import ConfigError
-from gradtap.progress import simulation_progress
-from gradtap.tables import summary_table
-
-console = Console()
 
 
 def _must_clear(out: Path, force: bool) -> bool:
@@ -42,27 +37,32 @@ def _clear(out: Path) -> None:
 
 
 @app.command()
-def simulate(
-    config: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="CONFIG", help="job spec YAML"),
-    out: Path = typer.Option(..., "--out", "-o", metavar="DIR",
-                             help="output directory (streams/, truth/, job.yaml); must be empty or new "
-                                  "unless --force"),
-    force: bool = typer.Option(False, "--force", help="clear a non-empty --out first"),
-    iterations: int = typer.Option(3, "--iterations", "-n", min=1, metavar="N", help="captured training iterations"),
-    seed: int = typer.Option(0, "--seed", metavar="SEED", help="seed of data shards, addresses and faults"),
-    faults: str = typer.Option("", "--faults", metavar="FAULTS",
-                               help="comma-separated NAME=PROBABILITY, e.g. mirror_loss=1e-3, link_loss=1e-4, "
-                                    "corrupt=1e-4, reorder=1e-3, duplicate=1e-3, truncate=1e-4; a mirror fault "
-                                    "of one stream: r0-egress.mirror_loss=0.01"),
-    fmt: str = typer.Option("pcap", "--format", metavar="FORMAT", help="pcap (nanosecond) or pcapng"),
-    line_rate_gbps: float = typer.Option(100.0, "--line-rate-gbps", min=1.0, metavar="GBPS",
-                                         help="link speed for timestamps"),
-) -> None:
+@click.argument("config", type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="CONFIG",
+                help="job spec YAML")
+@click.option("--out", "-o", required=True, type=click.Path(path_type=Path), metavar="DIR",
+              help="output directory (streams/, truth/, job.yaml); must be empty or new unless --force")
+@click.option("--force", is_flag=True, help="clear a non-empty --out first")
+@click.option("--iterations", "-n", type=click.IntRange(min=1), default=3, metavar="N",
+              help="captured training iterations")
+@click.option("--seed", type=int, default=0, metavar="SEED", help="seed of data shards, addresses and faults")
+@click.option("--faults", default="", show_default=False, metavar="FAULTS",   # empty: no faults
+              help="comma-separated NAME=PROBABILITY, e.g. mirror_loss=1e-3, link_loss=1e-4, corrupt=1e-4, "
+                   "reorder=1e-3, duplicate=1e-3, truncate=1e-4; a mirror fault of one stream: "
+                   "r0-egress.mirror_loss=0.01")
+@click.option("--format", "fmt", default="pcap", metavar="FORMAT", help="pcap (nanosecond) or pcapng")
+@click.option("--line-rate-gbps", type=click.FloatRange(min=1.0), default=100.0, metavar="GBPS",
+              help="link speed for timestamps")
+def simulate(config: Path, out: Path, force: bool, iterations: int, seed: int, faults: str, fmt: str,
+             line_rate_gbps: float) -> None:
     """Train a real model as N data-parallel ranks and write one capture per mirror stream."""
     clear = _must_clear(out, force)
+    from rich.console import Console
+
+    from gradtap.progress import simulation_progress
     from gradtap.simulator.faults import parse_faults
     from gradtap.simulator.run import Simulation
     from gradtap.simulator.traffic import Timing
+    from gradtap.tables import summary_table
     from gradtap.workload.spec import load_job
 
     job = load_job(config)
@@ -71,6 +71,7 @@ def simulate(
                      timing=Timing(line_rate_gbps=line_rate_gbps), fmt=fmt)
     if clear:                        # only once the arguments are known to be good
         _clear(out)
+    console = Console()
     with simulation_progress(console, iterations) as progress:
         summary = sim.run(progress)
     console.print(summary_table(summary))

@@ -13,9 +13,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import typer
+from click.testing import CliRunner
 from rich.console import Console
-from typer.testing import CliRunner
 
 from gradtap.cli import _register, app
 from gradtap.commands import COMMAND_MODULES
@@ -23,7 +22,11 @@ from tests.golden import CAPTURES
 from tests.simulator.test_simulate import make_job
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("torch", "numba", "numpy", "matplotlib", "pyroute2", "prometheus_client")
+# Nothing of these may be imported before a command runs: the stages' engines, and what a
+# command prints with (Rich) or validates with (pydantic). Typer, which imported both at start-up
+# (half a second of ``--help`` on 2 cores, issue 9), must not come back.
+HEAVY = ("torch", "numba", "numpy", "matplotlib", "pyroute2", "prometheus_client", "rich", "pydantic",
+         "pydantic_core", "typer")
 STAGES = ("capture", "parser", "merger", "updater", "simulator", "workload", "netconfig", "wire")
 NETCONFIG = ("plan", "render", "apply", "teardown")
 HELPS = [["--help"], *([c, "--help"] for c in COMMAND_MODULES), *(["netconfig", c, "--help"] for c in NETCONFIG)]
@@ -43,12 +46,12 @@ def assert_fits(text: str, width: int = 80) -> None:
 
 
 def test_building_the_cli_and_its_help_imports_no_stage():
-    """What ``main()`` does before a command runs, then every help text and an argument
-    error: none of it may import PyTorch, Numba or a stage (that is what made ``--help``
-    take seconds)."""
+    """What ``main()`` does before a command runs, then every help text and argument
+    errors: none of it may import PyTorch, Numba, Rich, pydantic or a stage (that is what
+    made ``--help`` take seconds, then half a second)."""
     code = f"""
 import json, sys
-from typer.testing import CliRunner
+from click.testing import CliRunner
 from gradtap.cli import _register, app, main
 _register()
 runner = CliRunner()
@@ -56,6 +59,8 @@ for args in {HELPS!r}:
     done = runner.invoke(app, args)
     assert done.exit_code == 0, (args, done.output)
 assert runner.invoke(app, ["simulate"]).exit_code == 2          # a missing argument
+assert runner.invoke(app, ["replay", "--bogus"]).exit_code == 2  # an unknown option
+assert runner.invoke(app, ["demo", "-n", "1"]).exit_code == 2    # a value out of range
 sys.argv = ["gradtap", "run", "--help"]
 try:
     main()
@@ -68,6 +73,37 @@ print(json.dumps(sorted(sys.modules)))
     modules = json.loads(done.stdout.splitlines()[-1])
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
     assert not [m for m in modules if m.startswith("gradtap.") and m.split(".")[1] in STAGES]
+
+
+def imported_by(*command: str) -> tuple[set[str], subprocess.CompletedProcess]:
+    """The modules ``command`` imports, from the interpreter's own ``-X importtime`` report
+    (``PYTHONPROFILEIMPORTTIME``, which reaches a console script too), and its result."""
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "COLUMNS": "80"})
+    modules = set(re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)$", done.stderr, re.M))
+    assert modules, done.stderr
+    return modules, done
+
+
+def test_the_console_script_starts_on_the_standard_library_and_click_alone():
+    """``gradtap replay --help`` and ``gradtap replay --bogus`` through the installed console
+    script: past what the interpreter imports for any script (site, the editable-install
+    finder), every module is the standard library's, Click's or the CLI's own. Judging the
+    modules imported rather than the time taken keeps a slow or busy machine from failing
+    this, and a heavy import (Rich, pydantic, Typer, NumPy, a stage) from passing it."""
+    script = Path(sys.executable).with_name("gradtap")
+    assert script.exists(), f"no console script {script}: install the project (bin/_env.sh does)"
+    interpreter, _ = imported_by(sys.executable, "-c", "pass")
+    shell = {"gradtap", "gradtap.cli", "gradtap.commands", "gradtap.core", "gradtap.core.errors"}
+    for args, status, stream, says in ((["--help"], 0, "stdout", "Positional arguments:"),
+                                      (["--bogus"], 2, "stderr", "No such option '--bogus'")):
+        modules, done = imported_by(str(script), "replay", *args)
+        assert done.returncode == status and says in getattr(done, stream), (args, done.stdout)
+        extra = modules - interpreter
+        assert "click" in extra and "gradtap.cli" in extra
+        foreign = sorted(m for m in extra if m.split(".")[0] not in (*sys.stdlib_module_names, "click")
+                         and not (m.startswith("gradtap.commands.") or m in shell))
+        assert not foreign, (args, foreign)
 
 
 def helps(columns: int = 80) -> dict[str, str]:
@@ -88,18 +124,32 @@ def test_help_lists_the_commands_in_the_order_of_the_data_flow():
     assert tuple(listed) == order, text
 
 
+def commands() -> list[tuple[str, object]]:
+    """(``netconfig plan``, its click command) for every command and group."""
+    _register()
+    found = list(app.commands.items())
+    found += [(f"netconfig {n}", c) for n, c in app.commands["netconfig"].commands.items()]
+    return found
+
+
 def test_help_texts_fit_80_columns_and_flags_show_no_value_type():
-    for command, text in helps(80).items():
+    texts = helps(80)
+    for command, text in texts.items():
         assert_fits(text)
         assert "<bool>" not in text, (command, text)
+    flags = 0
+    for name, command in commands():
+        for param in getattr(command, "params", ()):
+            if getattr(param, "is_flag", False):    # the flag's spelling, then at once its help
+                spelled = " / ".join(", ".join(o) for o in (param.opts, param.secondary_opts) if o)
+                assert re.search(rf"^  {re.escape(spelled)}  +{re.escape(param.help.split()[0])}", texts[name],
+                                 re.M), (name, spelled, texts[name])
+                flags += 1
+    assert flags == 8       # --keep, --force, --json (twice), --digests/--no-digests, --no-status, --linux (twice)
 
 
 def test_every_argument_and_option_is_explained():
-    _register()
-    group = typer.main.get_command(app)
-    commands = [(name, group.commands[name]) for name in group.commands]
-    commands += [(f"netconfig {n}", c) for n, c in group.commands["netconfig"].commands.items()]
-    for name, command in commands:
+    for name, command in commands():
         if not hasattr(command, "commands"):
             for param in command.params:
                 assert param.help, f"gradtap {name}: {param.name} has no help text"

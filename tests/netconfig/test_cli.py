@@ -1,4 +1,4 @@
-"""``gradtap netconfig`` end to end: in-process through the Typer app, and once through the real
+"""``gradtap netconfig`` end to end: in-process through the Click app, and once through the real
 entry point (a subprocess) to see errors become exit status 2 and a message."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
+from click.testing import CliRunner
 
 from gradtap.cli import _register, app
 

@@ -34,7 +34,7 @@ from tests.wire.naive_icrc import naive_icrc
 
 ROOT = Path(__file__).resolve().parents[2]
 ROCE_PORT = 4791
-WRITE_FIRST, WRITES = 6, range(6, 12)           # RC RDMA WRITE opcodes (IBTA Table 38)
+WRITE_FIRST, WRITES = 6, tuple(range(6, 12))         # RC RDMA WRITE opcodes (IBTA Table 38)
 
 
 def _bth(frame: bytes) -> int | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import sys
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -55,12 +56,24 @@ class ParamEntry(_Strict):
     dtype: Literal[TORCH_DTYPES] = "float32"  # type: ignore[valid-type]
 
 
+# Packages whose factories a job spec may name without ``model.trusted``: they build models
+# and nothing else. A factory is code that runs in the appliance, with its privileges.
+TRUSTED_FACTORY_PACKAGES = ("gradtap.workload.models", "torch.nn", "torchvision.models", "timm", "transformers")
+
+
 class ModelSpec(_Strict):
-    """Either an import path of a ``torch.nn.Module`` factory, or the parameter list itself."""
+    """Either an import path of a ``torch.nn.Module`` factory, or the parameter list itself.
+
+    A factory is imported and called: a job spec names code that runs. Only the packages of
+    :data:`TRUSTED_FACTORY_PACKAGES` are taken as they are; any other module needs ``trusted:
+    true`` (the operator vouches for it: set it only for your own model code), and the
+    standard library never (it holds no model, and ``subprocess:run`` would run anything)."""
 
     factory: str | None = Field(None, description="'module:callable' returning a torch.nn.Module")
     kwargs: dict[str, Any] = Field(default_factory=dict)
     params: tuple[ParamEntry, ...] | None = None
+    trusted: bool = Field(False, description="the factory's module, outside the model packages gradtap knows, "
+                                             "is trusted to run in the appliance")
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
@@ -68,6 +81,16 @@ class ModelSpec(_Strict):
             raise ValueError("give exactly one of 'factory' (an import path 'module:callable') or 'params' (a list)")
         if self.factory is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.factory):
             raise ValueError(f"factory {self.factory!r} is not an import path of the form 'package.module:callable'")
+        if self.factory is not None:
+            module = self.factory.partition(":")[0]
+            if module.split(".")[0] in sys.stdlib_module_names or module.split(".")[0] == "builtins":
+                raise ValueError(f"factory {self.factory!r} is in Python's standard library, which holds no model; "
+                                 "name a function that returns a torch.nn.Module")
+            known = any(module == pkg or module.startswith(pkg + ".") for pkg in TRUSTED_FACTORY_PACKAGES)
+            if not known and not self.trusted:
+                raise ValueError(f"factory {self.factory!r}: its module runs in the appliance and is not one of the "
+                                 f"model packages gradtap knows ({', '.join(TRUSTED_FACTORY_PACKAGES)}); if it is "
+                                 "your own model code, set model.trusted: true")
         return self
 
 

@@ -26,7 +26,8 @@ from gradtap.pipeline import Pipeline
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
 from gradtap.updater.replica import Replica
-from gradtap.updater.snapshot import Snapshots
+from gradtap.updater.replica_origin import ReplicaOrigin
+from gradtap.updater.snapshot import Snapshots, SnapshotWriteError
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
 
@@ -43,6 +44,7 @@ class RunOptions:
     batch_frames: int = 8192
     poll_s: float = 0.05
     digests: bool = False                 # a state digest per iteration, for `gradtap verify`
+    force: bool = False                   # clear an --out holding another replica's snapshots
 
 
 @dataclass
@@ -62,11 +64,12 @@ class Appliance:
         if unknown:
             raise ConfigError(f"--stream: {sorted(unknown)} are not mirror streams of job {job.name!r}")
         self.job, self.specs, self.out, self.options = job, streams, Path(out), options
-        self.out.mkdir(parents=True, exist_ok=True)
         self.replica = Replica(job, start)
-        self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
+        # First: refuses an --out that cannot be written or holds another replica's snapshots.
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                                   keep=job.appliance.snapshot_keep)
+                                   keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(self.replica),
+                                   force=options.force)
+        self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests)
         self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, self.replica.iteration,
@@ -176,7 +179,12 @@ class Appliance:
             except CaptureError as exc:
                 log.error("stream %s: %s", name, exc)
         self.pipeline.close()
-        self.snapshots.close(self.replica if final_snapshot else None)
+        try:
+            self.snapshots.close(self.replica if final_snapshot else None)
+        except SnapshotWriteError as exc:      # the final snapshot: said, and the rings still closed
+            log.error("%s", exc)
+            self.control.event("snapshot.failed", iteration=exc.iteration, directory=str(exc.directory),
+                               reason=exc.reason, error=str(exc), final=True)
         with self._lock:
             self._final_capture = self._capture_stats()
             for ring in self.rings.values():

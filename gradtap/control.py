@@ -18,6 +18,7 @@ is its client.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -43,13 +44,24 @@ class ControlPlane:
         self._lock = threading.Lock()
 
     def event(self, kind: str, **fields) -> dict:
-        """Append one event to the log and return it."""
+        """Append one event to the log and return it. A log that cannot be appended to (a full
+        disk) loses the event to the process log, never the appliance: the line is written
+        whole or not at all."""
         record = {"event": kind, "time": time.time(), **fields}
-        line = json.dumps(record, sort_keys=True) + "\n"
-        with self._lock, self.event_log.open("a") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        line = (json.dumps(record, sort_keys=True) + "\n").encode()
+        with self._lock:
+            try:
+                with self.event_log.open("ab", buffering=0) as f:
+                    size = f.seek(0, os.SEEK_END)
+                    try:
+                        if f.write(line) != len(line):
+                            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                        os.fsync(f.fileno())
+                    except OSError:
+                        f.truncate(size)
+                        raise
+            except OSError as exc:
+                log.error("%s: cannot append the event (%s): %s", self.event_log, exc.strerror, line.decode().strip())
         return record
 
     def fallback(self, iteration: int, reason: str, **fields) -> dict:

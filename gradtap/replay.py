@@ -30,6 +30,7 @@ from gradtap.parser.lockon import LockFailure
 from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
 from gradtap.replica_sink import ReplicaSink
 from gradtap.updater.replica import Replica
+from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.updater.snapshot import Snapshots
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
@@ -164,19 +165,20 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, digests: bool = True,
                batch_frames: int = 65536, progress: Progress = _no_progress,
-               resync: list[dict] | None = None) -> tuple[ReplayResult, ReplicaSink]:
+               resync: list[dict] | None = None, force: bool = False) -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
     whose ``iteration`` is the capture's first iteration), writing into ``out``:
     ``snapshots/``, ``iterations.jsonl`` (with a state digest per iteration when ``digests``),
     ``events.jsonl`` and ``replay.json``. ``resync``: trainer checkpoints a stale replica
-    resynchronises from when the streams reach their iteration."""
-    out.mkdir(parents=True, exist_ok=True)
+    resynchronises from when the streams reach their iteration. An ``out`` that cannot be
+    written, or holds the snapshots of another replica (another job or start state), is
+    refused before anything in it changes; ``force`` clears the other replica's snapshots."""
+    replica = Replica(job, start)
+    snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
+                          keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(replica), force=force)
     for stale in ("iterations.jsonl", "events.jsonl"):
         (out / stale).unlink(missing_ok=True)
-    replica = Replica(job, start)
     control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
-    snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                          keep=job.appliance.snapshot_keep)
     for checkpoint in resync or []:
         replica.offer(checkpoint)
     sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests)

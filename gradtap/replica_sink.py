@@ -9,11 +9,20 @@ writes one line per iteration to ``iterations.jsonl``, and snapshots the replica
 After every applied iteration the sink can record the replica's state digest
 (``gradtap/digest.py``) so that ``gradtap verify`` checks every iteration, not only the
 snapshots kept.
+
+A snapshot that cannot be written (the disk is full, the directory turned read-only) does
+not stop the appliance: the replica keeps following the trainer in memory, the failure is
+a ``snapshot.failed`` event (once per run of failures, and again if the reason changes),
+and the next snapshot due is tried again; the first that succeeds is a ``snapshot.resumed``
+event. Report lines that cannot be appended wait in memory and are appended, in order,
+once they can be.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +31,9 @@ from gradtap.control import ControlPlane
 from gradtap.digest import replica_digest
 from gradtap.merger.merger import IterationReport
 from gradtap.updater.replica import Begin, Replica
-from gradtap.updater.snapshot import Snapshots
+from gradtap.updater.snapshot import Snapshots, SnapshotWriteError
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaSink:
@@ -35,6 +46,9 @@ class ReplicaSink:
         self.report_path, self.digests = report_path, digests
         self.applied: list[int] = []
         self.lines: list[dict] = []
+        self._unreported: list[dict] = []          # lines not yet appended to report_path
+        self._snapshot_failure: SnapshotWriteError | None = None
+        self._snapshots_missed = 0
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None:
         r = self.replica
@@ -66,12 +80,53 @@ class ReplicaSink:
             if self.digests:
                 line["digest"] = replica_digest(r)
             if self.snapshots is not None and self.snapshots.due(r.iteration):
-                line["snapshot"] = str(self.snapshots.write_replica(r))
+                self._snapshot(line)
         line["stale"] = r.stale
         self.lines.append(line)
         if self.report_path is not None:
-            with self.report_path.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            self._unreported.append(line)
+            self._report()
+
+    def _snapshot(self, line: dict) -> None:
+        """Snapshot the replica; a failure is an event, and the replica goes on in memory."""
+        r, failing = self.replica, self._snapshot_failure
+        try:
+            line["snapshot"] = str(self.snapshots.write_replica(r))
+        except SnapshotWriteError as exc:
+            line["snapshot_failed"] = exc.reason
+            self._snapshot_failure = exc
+            self._snapshots_missed += 1
+            log.error("%s", exc)
+            if failing is None or failing.reason != exc.reason:
+                self.control.event("snapshot.failed", iteration=exc.iteration, directory=str(exc.directory),
+                                   reason=exc.reason, error=str(exc), needed_bytes=exc.needed_bytes,
+                                   free_bytes=exc.free_bytes, next_attempt=self.snapshots.next_due(r.iteration),
+                                   replica="updating in memory")
+            return
+        if failing is not None:
+            self.control.event("snapshot.resumed", iteration=r.iteration, snapshot=line["snapshot"],
+                               missed=self._snapshots_missed)
+            self._snapshot_failure, self._snapshots_missed = None, 0
+
+    def _report(self) -> None:
+        """Append the lines not yet in ``report_path``, whole lines or none (a full disk
+        keeps them in memory until there is room)."""
+        text = "".join(json.dumps(line) + "\n" for line in self._unreported).encode()
+        try:
+            with self.report_path.open("ab", buffering=0) as f:
+                size = f.seek(0, 2)
+                try:
+                    if f.write(text) != len(text):
+                        raise OSError(errno.ENOSPC, "short write")
+                except OSError:
+                    f.truncate(size)
+                    raise
+        except OSError as exc:
+            if len(self._unreported) == 1:
+                log.error("%s: cannot append to it (%s); its lines wait in memory", self.report_path,
+                          exc.strerror)
+            return
+        self._unreported.clear()
 
     def _fallback(self, iteration: int, reason: str) -> None:
         r = self.replica

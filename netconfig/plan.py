@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gradtap.core.errors import ConfigError
 from gradtap.netconfig.hardware import Vendor
-from gradtap.netconfig.topology import Direction, MirrorPolicy
+from gradtap.netconfig.topology import Direction, MirrorPolicy, read_text
 from gradtap.netconfig.validation import format_validation_error
 
 PLAN_FORMAT = "gradtap-netconfig-plan/1"
@@ -115,10 +115,14 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     path = Path(path)
+    text = read_text(path, "plan", "a plan is the plan.json `gradtap netconfig plan` writes")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{path.name}: cannot read plan: {exc}") from exc
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path.name}: cannot read plan: {exc}; a plan is the plan.json "
+                          "`gradtap netconfig plan` writes") from None
+    except RecursionError:
+        raise ConfigError(f"{path.name}: (top level): nested too deeply for a plan") from None
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:

@@ -88,13 +88,30 @@ class Topology(_Model):
     rail_fabric: RailFabric | None = None
 
 
+def read_text(path: Path, what: str, example: str) -> str:
+    """The text of ``path``, a ``what`` file (``example`` says what one looks like); a
+    :class:`ConfigError` naming the file when it cannot be read or is not UTF-8 text."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path.name}: cannot read {what}: {exc.strerror} ({path})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path.name}: (top level): not a text file (byte 0x{raw[exc.start]:02x} at offset "
+                          f"{exc.start} is not UTF-8); {example}") from None
+
+
 def load_topology(path: str | Path) -> Topology:
     """Read, expand and validate a topology file; raise :class:`ConfigError` listing every problem."""
     path = Path(path)
+    text = read_text(path, "topology", "a topology is a YAML file such as those in configs/topologies/")
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path.name}: cannot read topology: {exc}") from exc
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path.name}: cannot read topology: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path.name}: (top level): nested too deeply for a topology") from None
     return parse_topology(data, source=path.name)
 
 

@@ -154,11 +154,15 @@ class Simulation:
         captured = []
         started = time.perf_counter()
         try:
-            for _ in range(first):
+            while trainer.iteration < first:     # a start checkpoint may be past it already
                 progress("training iteration 0 (initial bucket layout, before capture)", 0, self.iterations)
                 trainer.step()
             truth.layout(params, buckets, job.ddp.grad_dtype, trainer.iteration)
             truth.start(trainer.state_dict())
+            # The job as captured: its streams start from truth/start.pt, which the job names
+            # (relative to job.yaml), so that a replay of it needs no --start.
+            start = job.initial_state.model_copy(update={"seed": None, "checkpoint": Path("truth") / "start.pt"})
+            (self.out / "job.yaml").write_text(dump_job(job.model_copy(update={"initial_state": start})))
             clock["capturing"] = True
             for k in range(self.iterations):
                 it = trainer.iteration

@@ -28,14 +28,32 @@ the previous snapshot untouched; its temporary directory is removed by the next 
 Only one writer per directory is allowed (an ``fcntl`` lock enforces it).
 
 Retention keeps the ``keep`` most recently written snapshots, so the one ``LATEST`` names
-always stays (after a resync to an older checkpoint it can be an older iteration).
+always stays (after a resync to an older checkpoint it can be an older iteration). The
+snapshots retention would drop once the new one is complete are dropped before it is
+written, except the one ``LATEST`` names: ``keep: K`` needs room for K snapshots (2 when
+K is 1), never K + 1.
+
+Disk space. Before writing, the free space of the directory's filesystem is compared with
+the snapshot's size (its tensors' bytes, plus the files' overhead). A snapshot that does
+not fit, or whose writing fails (``ENOSPC``, a read-only remount, an I/O error), raises
+:class:`SnapshotWriteError` saying what happened and what to do; nothing of it is left on
+disk and ``LATEST`` still names the previous snapshot. The caller decides what follows
+(the appliance logs an event, keeps updating its replica in memory, and tries again at the
+next snapshot due).
+
+Ownership. A directory holds the snapshots of one replica: :class:`Snapshots` given the
+replica's :class:`~gradtap.updater.replica_origin.ReplicaOrigin` records it in
+``ORIGIN.json`` and refuses a directory that holds another replica's snapshots, unless
+told to clear them (``force``).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -45,12 +63,34 @@ from typing import Any
 import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.updater.replica_origin import ORIGIN, ReplicaOrigin, origin_json, parse_origin
+
+log = logging.getLogger(__name__)
 
 FORMAT = "gradtap-snapshot/1"
 LATEST = "LATEST"
 PREFIX = "iteration-"
 TMP_PREFIX = ".tmp-"
 FILES = ("model.pt", "optimizer.pt")
+# Bytes a snapshot needs beyond its tensors' storage: torch.save's zip records (measured
+# 350-460 B per tensor with torch 2.x, taken as 1 KiB) and, per file and for the
+# directory, up to one filesystem block of rounding; plus the manifest and LATEST.
+RECORD_OVERHEAD = 1024
+SMALL_FILES = 64 * 1024
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+class SnapshotWriteError(GradtapError):
+    """A snapshot could not be written. Nothing of it is left on disk, and ``LATEST`` still
+    names the previous snapshot. ``reason`` is ``disk_full``, ``read_only`` or ``io_error``;
+    ``needed_bytes``/``free_bytes`` are set when the space check refused it."""
+
+    def __init__(self, message: str, *, directory: Path, iteration: int, reason: str,
+                 needed_bytes: int | None = None, free_bytes: int | None = None):
+        super().__init__(message)
+        self.directory, self.iteration, self.reason = directory, iteration, reason
+        self.needed_bytes, self.free_bytes = needed_bytes, free_bytes
 
 
 class _HashingWriter:
@@ -59,10 +99,15 @@ class _HashingWriter:
     def __init__(self, f):
         self.f = f
         self.sha256 = hashlib.sha256()
+        self.error: OSError | None = None
 
     def write(self, data) -> int:
         self.sha256.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as exc:          # torch.save reports it as "unexpected pos"
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -77,13 +122,47 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _save(obj: Any, path: Path) -> str:
-    """``torch.save`` to ``path``, fsynced; returns the file's sha256."""
+    """``torch.save`` to ``path``, fsynced; returns the file's sha256. A failed write raises
+    its ``OSError`` (torch.save would turn it into a ``RuntimeError`` about positions)."""
     with open(path, "xb") as f:
         writer = _HashingWriter(f)
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
     return writer.sha256.hexdigest()
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+
+
+def snapshot_bytes(state: dict[str, Any], block: int) -> int:
+    """An upper estimate of the bytes a snapshot of ``state`` takes on a filesystem of
+    ``block``-byte blocks: every storage ``torch.save`` writes, once, plus the overhead."""
+    storages: dict[int, int] = {}
+    count = 0
+    for part in ("model", "optimizer"):
+        for t in _tensors(state[part]):
+            storage = t.untyped_storage()
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+            count += 1
+    return sum(storages.values()) + RECORD_OVERHEAD * count + (len(FILES) + 2) * block + SMALL_FILES
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
 
 
 def _write_small(path: Path, text: str) -> None:
@@ -156,8 +235,20 @@ def load(path: str | Path) -> dict[str, Any]:
             "iteration": int(manifest["iteration"])}
 
 
+def _discard(path: Path) -> None:
+    """Remove a snapshot directory: out of the snapshot namespace first (atomic), so a kill
+    mid-delete leaves a temporary directory for the next writer, never a half snapshot.
+    Best effort: what cannot be removed stays, under a temporary name when possible."""
+    doomed = path.with_name(f"{TMP_PREFIX}{path.name}-deleted-{os.getpid()}")
+    try:
+        os.rename(path, doomed)
+    except OSError:
+        doomed = path
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 class Snapshots:
-    """The snapshot directory of one job, with its policy.
+    """The snapshot directory of one replica, with its policy.
 
     Parameters
     ----------
@@ -169,33 +260,83 @@ class Snapshots:
         Write one every ``every`` iterations (:meth:`due`); ``None``: only on request.
     keep:
         How many snapshots to keep (at least 1).
+    origin:
+        The replica's origin (``ReplicaOrigin.of(replica)``, taken before its first
+        iteration), recorded in ``ORIGIN.json``. A directory that records another origin,
+        or holds snapshots but records none, is refused (``ConfigError``). ``None``: no
+        origin is recorded or checked (a directory of snapshots only).
+    force:
+        Clear a directory holding another replica's snapshots instead of refusing it.
     """
 
-    def __init__(self, directory: str | Path, job: str, *, every: int | None = None, keep: int = 3):
+    def __init__(self, directory: str | Path, job: str, *, every: int | None = None, keep: int = 3,
+                 origin: ReplicaOrigin | None = None, force: bool = False):
         if every is not None and every < 1:
             raise ConfigError(f"snapshot every: {every} must be at least 1 iteration (or unset)")
         if keep < 1:
             raise ConfigError(f"snapshot keep: {keep} must be at least 1")
         self.directory = Path(directory)
         self.job, self.every, self.keep = job, every, keep
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.directory / ".lock", "a")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.directory / ".lock", "a")
+        except OSError as exc:
+            raise ConfigError(f"{self.directory}: cannot write snapshots there ({exc.strerror}); give an output "
+                              "directory this process can write (--out; is its filesystem mounted "
+                              "read-only?)") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._lock.close()
             raise GradtapError(f"{self.directory}: another process is writing snapshots there") from None
-        for stale in self.directory.glob(TMP_PREFIX + "*"):    # left by a writer that was killed
-            if stale.is_dir():
-                shutil.rmtree(stale, ignore_errors=True)
+        try:
+            for stale in self.directory.glob(TMP_PREFIX + "*"):    # left by a writer that was killed
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
+            if origin is not None:
+                self._claim(origin, force)
+            if (self.directory / LATEST).exists():
+                other = verify(_latest_path(self.directory)).get("job")
+                if other != job:
+                    raise ConfigError(f"{self.directory}: holds snapshots of job {other!r}, not {job!r}; "
+                                      "give each job its own snapshot directory")
+        except OSError as exc:
+            self._lock.close()
+            raise ConfigError(f"{self.directory}: cannot use it for snapshots ({exc.strerror}); give an output "
+                              "directory this process can read and write (--out)") from None
+        except BaseException:
+            self._lock.close()
+            raise
+
+    def _claim(self, origin: ReplicaOrigin, force: bool) -> None:
+        """Make the directory ``origin``'s: it already is, it holds nothing, or (``force``)
+        it is cleared; otherwise refuse it."""
+        recorded_path = self.directory / ORIGIN
+        text = recorded_path.read_text() if recorded_path.exists() else None
+        recorded = None if text is None else parse_origin(text)
+        if recorded == origin:
+            return
+        held = text is not None or (self.directory / LATEST).exists() or bool(self.snapshots())
+        if held and not force:
+            if recorded is None:
+                whose = f"holds snapshots of an unknown replica (no readable {ORIGIN} records whose they are)"
+                what = ""
             else:
-                stale.unlink(missing_ok=True)
-        if (self.directory / LATEST).exists():
-            other = verify(_latest_path(self.directory)).get("job")
-            if other != job:
-                self.close()
-                raise ConfigError(f"{self.directory}: holds snapshots of job {other!r}, not {job!r}; "
-                                  "give each job its own snapshot directory")
+                whose = f"holds the snapshots of {recorded.describe()}"
+                differ = recorded.differences(origin)
+                what = f" ({' and '.join(differ)} {'differs' if len(differ) == 1 else 'differ'})"
+            raise ConfigError(f"{self.directory}: {whose}; this run is {origin.describe()}{what}. Give this run "
+                              f"another output directory (--out), or pass --force to clear {self.directory} "
+                              "and begin it anew")
+        if held:
+            log.warning("%s: clearing the snapshots of another replica (force)", self.directory)
+            (self.directory / LATEST).unlink(missing_ok=True)   # first: nothing names the old replica's state
+            _fsync_dir(self.directory)
+            for old in self.snapshots():
+                _discard(old)
+        self._replace_small(ORIGIN, origin_json(origin))
 
     def close(self, replica=None) -> None:
         """Release the directory; with ``replica``, first write its final snapshot (a clean
@@ -210,34 +351,34 @@ class Snapshots:
         """Whether a state ready for ``iteration`` falls on the ``every`` schedule."""
         return self.every is not None and iteration > 0 and iteration % self.every == 0
 
+    def next_due(self, iteration: int) -> int | None:
+        """The first iteration after ``iteration`` on the ``every`` schedule."""
+        return None if self.every is None else (iteration // self.every + 1) * self.every
+
     def write(self, state: dict[str, Any], *, step: int) -> Path:
         """Write ``state`` (``Replica.state_dict()``) as a snapshot and point ``LATEST`` at it.
 
-        Returns its directory. Blocks until everything is on disk.
+        Returns its directory. Blocks until everything is on disk. Raises
+        :class:`SnapshotWriteError` when it does not fit or cannot be written.
         """
         iteration = int(state["iteration"])
         final = self.directory / snapshot_name(iteration)
-        if final.exists():
-            try:
-                verify(final)
-            except GradtapError:
-                shutil.rmtree(final)
-            else:
-                self._point_latest(final.name)
-                return final
-        tmp = self.directory / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        sums = {"model.pt": _save(state["model"], tmp / "model.pt"),
-                "optimizer.pt": _save(state["optimizer"], tmp / "optimizer.pt")}
-        manifest = {"format": FORMAT, "job": self.job, "iteration": iteration, "step": int(step),
-                    "created_unix": time.time(), "torch": torch.__version__, "sha256": sums}
-        _write_small(tmp / "manifest.json", json.dumps(manifest, indent=1) + "\n")
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(self.directory)
-        self._point_latest(final.name)
-        self._retain(final.name)
+        try:
+            if final.exists():
+                try:
+                    verify(final)
+                except GradtapError:
+                    _discard(final)
+                else:
+                    self._replace_small(LATEST, final.name + "\n")
+                    return final
+            for old in self._expiring(new=1):
+                _discard(old)
+            self._check_space(state, iteration)
+            self._write_new(state, step, final)
+        except OSError as exc:
+            raise self._failed(exc, iteration) from None
+        self._retain()
         return final
 
     def write_replica(self, replica) -> Path:
@@ -257,25 +398,105 @@ class Snapshots:
                  if p.is_dir() and p.name[len(PREFIX):].isdigit()]
         return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
-    def _point_latest(self, name: str) -> None:
-        tmp = self.directory / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        _write_small(tmp, name + "\n")
-        os.rename(tmp, self.directory / LATEST)
+    def _latest_name(self) -> str | None:
+        try:
+            return (self.directory / LATEST).read_text().strip()
+        except OSError:
+            return None
+
+    def _write_new(self, state: dict[str, Any], step: int, final: Path) -> None:
+        """Write the snapshot into a temporary directory, rename it to ``final`` and point
+        ``LATEST`` at it; on any failure remove what was written."""
+        tmp = self.directory / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            sums = {"model.pt": _save(state["model"], tmp / "model.pt"),
+                    "optimizer.pt": _save(state["optimizer"], tmp / "optimizer.pt")}
+            manifest = {"format": FORMAT, "job": self.job, "iteration": int(state["iteration"]),
+                        "step": int(step), "created_unix": time.time(), "torch": torch.__version__,
+                        "sha256": sums}
+            _write_small(tmp / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+            _fsync_dir(tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        try:
+            _fsync_dir(self.directory)
+            self._replace_small(LATEST, final.name + "\n")
+        except BaseException:
+            if self._latest_name() != final.name:      # complete, but nothing names it: the space back
+                _discard(final)
+            raise
+
+    def _replace_small(self, name: str, text: str) -> None:
+        """Replace the small file ``name`` atomically (temporary file, fsync, rename, fsync)."""
+        tmp = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}"
+        try:
+            tmp.unlink(missing_ok=True)
+            _write_small(tmp, text)
+            os.rename(tmp, self.directory / name)
+        except BaseException:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass                                    # the next writer removes it
+            raise
         _fsync_dir(self.directory)
 
-    def _retain(self, latest_name: str) -> None:
-        """Keep the ``keep`` most recently written snapshots (LATEST is always one of them)."""
+    def _expiring(self, new: int) -> list[Path]:
+        """The snapshots retention drops once ``new`` more are written: all but the ``keep - new``
+        most recently written, never the one ``LATEST`` names (until it is replaced, it is the
+        only complete state)."""
         def written(path: Path) -> float:
             try:
                 return float(json.loads((path / "manifest.json").read_text())["created_unix"])
             except (OSError, ValueError, KeyError, TypeError):
                 return float("-inf")          # unreadable: the first to go
 
-        for old in sorted(self.snapshots(), key=written)[:-self.keep]:
-            if old.name != latest_name:
-                # Out of the snapshot namespace first (atomic), so a kill mid-delete leaves
-                # a temporary directory for the next writer, never a half snapshot.
-                doomed = self.directory / f"{TMP_PREFIX}{old.name}-deleted-{os.getpid()}"
-                os.rename(old, doomed)
-                shutil.rmtree(doomed)
+        old = sorted(self.snapshots(), key=written)
+        latest = self._latest_name()
+        return [p for p in old[:max(0, len(old) - max(0, self.keep - new))] if p.name != latest]
+
+    def _retain(self) -> None:
+        """Keep the ``keep`` most recently written snapshots (LATEST is always one of them). A
+        snapshot that cannot be removed is logged, not raised: the new one is complete."""
+        for old in self._expiring(new=0):
+            _discard(old)
+            if old.exists():
+                log.warning("%s: could not remove the expired snapshot %s", self.directory, old.name)
+
+    def _check_space(self, state: dict[str, Any], iteration: int) -> None:
+        fs = os.statvfs(self.directory)
+        free = fs.f_bavail * fs.f_frsize
+        needed = snapshot_bytes(state, fs.f_frsize)
+        if needed > free:
+            raise SnapshotWriteError(
+                f"{self.directory}: disk full: the snapshot of iteration {iteration} needs about {_mib(needed)} "
+                f"and its filesystem has {_mib(free)} free; nothing was written, and {self._still()}. "
+                f"Free space there, give the appliance an output directory (--out) on a larger filesystem, or "
+                f"keep fewer snapshots (appliance.snapshot_keep: {self.keep}, each about {_mib(needed)})",
+                directory=self.directory, iteration=iteration, reason="disk_full", needed_bytes=needed,
+                free_bytes=free)
+
+    def _still(self) -> str:
+        latest = self._latest_name()
+        return f"{LATEST} still names {latest}" if latest else "there is no earlier snapshot"
+
+    def _failed(self, exc: OSError, iteration: int) -> SnapshotWriteError:
+        """The :class:`SnapshotWriteError` of an ``OSError`` raised while writing."""
+        what = exc.strerror or str(exc)
+        if exc.errno in DISK_FULL:
+            reason, head, advice = "disk_full", "disk full: ", (
+                "Free space there, give the appliance an output directory (--out) on a larger filesystem, or "
+                f"keep fewer snapshots (appliance.snapshot_keep: {self.keep})")
+        elif exc.errno in NOT_WRITABLE:
+            reason, head, advice = "read_only", "", (
+                "Make the directory writable again (was its filesystem remounted read-only?), or give the "
+                "appliance another output directory (--out)")
+        else:
+            reason, head, advice = "io_error", "", "Check the disk (the kernel log names the device's errors)"
+        return SnapshotWriteError(f"{self.directory}: {head}cannot write the snapshot of iteration {iteration} "
+                                  f"({what}); what was written of it is removed, and {self._still()}. {advice}",
+                                  directory=self.directory, iteration=iteration, reason=reason)

@@ -207,8 +207,9 @@ def build(factory: str, kwargs: Mapping[str, Any] | None = None, *, seed: int,
         torch.manual_seed(seed)
         try:
             model = fn(**dict(kwargs or {}))
-        except TypeError as e:
-            raise ConfigError(f"model.kwargs: {dict(kwargs or {})} do not fit {factory} ({e})") from e
+        except (TypeError, ValueError) as e:      # a factory's own check of its arguments (sizes: abc)
+            raise ConfigError(f"model.kwargs: {dict(kwargs or {})} do not fit {factory} ({e}); give the "
+                              f"keyword arguments {factory} takes") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model.factory: {factory} returned {type(model).__name__}, not a torch.nn.Module")
     return model

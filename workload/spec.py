@@ -349,7 +349,20 @@ def load_job(path: str | Path) -> JobSpec:
     except RecursionError:
         raise ConfigError(f"{path}: (top level): nested too deeply for a job spec; a job spec is a YAML file "
                           "such as configs/small.yaml") from None
-    return parse_job(data, str(path))
+    return _beside(parse_job(data, str(path)), path.parent)
+
+
+def _beside(job: JobSpec, directory: Path) -> JobSpec:
+    """The job with its relative file paths taken relative to ``directory`` (its YAML file's),
+    as a reader of the file expects, not to wherever the command runs."""
+    def here(p: Path | None) -> Path | None:
+        return p if p is None or p.is_absolute() else directory / p
+
+    a = job.appliance
+    return job.model_copy(update={
+        "initial_state": job.initial_state.model_copy(update={"checkpoint": here(job.initial_state.checkpoint)}),
+        "appliance": a.model_copy(update={"control_token_file": here(a.control_token_file),
+                                          "resync_dirs": tuple(here(d) for d in a.resync_dirs)})})
 
 
 def dump_job(job: JobSpec) -> str:

@@ -24,8 +24,10 @@ from gradtap.core.errors import CaptureError
 @click.option("--resync", multiple=True, type=click.Path(path_type=Path), metavar="CKPT",
               help="trainer checkpoint to resynchronise a stale replica from when the streams reach its "
                    "iteration (repeatable)")
+@click.option("--force", is_flag=True,
+              help="clear the snapshots in --out when they are another replica's (another job or start state)")
 def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Path | None, digests: bool,
-                   resync: tuple[Path, ...]) -> None:
+                   resync: tuple[Path, ...], force: bool) -> None:
     """Capture → parse → merge → update over files: the appliance, offline."""
     from rich.console import Console
 
@@ -45,7 +47,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     checkpoints = [load_checkpoint(path) for path in resync]
     with replay_progress(console, streams) as progress:
         result, sink = run_replay(job, streams, out, start_checkpoint(job, start), digests=digests,
-                                  progress=progress, resync=checkpoints)
+                                  progress=progress, resync=checkpoints, force=force)
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
     state = "[red]stale[/]" if sink.replica.stale else "current" if sink.applied else \

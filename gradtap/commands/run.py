@@ -82,10 +82,12 @@ def _cpus(text: str, what: str) -> list[int]:
 @click.option("--hugepages", default="auto", metavar="MODE",
               help="huge pages for the rings: auto (when the host has them), require, off")
 @click.option("--no-status", is_flag=True, help="no live status view (it is shown when stderr is a terminal)")
+@click.option("--force", is_flag=True,
+              help="clear the snapshots in --out when they are another replica's (another job or start state)")
 def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
                 start: Path | None, metrics_port: int, metrics_address: str, control_port: int,
                 control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...], capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int,
-                hugepages: str, no_status: bool) -> None:
+                hugepages: str, no_status: bool, force: bool) -> None:
     """Capture mirror ports and keep a replica current until SIGINT/SIGTERM."""
     from rich.console import Console
     from rich.live import Live
@@ -102,7 +104,8 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     specs = dict(parse_stream(s, source, netns) for s in stream)
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
-                         capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"))
+                         capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
+                         force=force)
     appliance = Appliance(job, specs, out, start_checkpoint(job, start), options)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:

@@ -17,11 +17,13 @@ import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.workload.models import build
+from gradtap.workload.spec import MirrorSpec
 from gradtap.simulator.training import make_optimizer
 from tests.updater.naive_adam import TorchStep, random_reduced
 from tests.updater.test_replica import assert_equal_state, job
 from gradtap.updater import snapshot
-from gradtap.updater.replica import Replica
+from gradtap.updater.replica import Replica, seed_checkpoint
+from gradtap.updater.replica_origin import ORIGIN, ReplicaOrigin, parse_origin
 
 
 def stepped(j, iterations, seed=0):
@@ -196,3 +198,78 @@ def test_sigkill_mid_write_leaves_the_previous_snapshot(tmp_path):
         assert manifest["iteration"] >= max(seen_iteration, 1)       # never goes back
         seen_iteration = manifest["iteration"]
     assert kills_mid_write >= 2, f"only {kills_mid_write} kills landed inside a write"
+
+
+def test_a_directory_refuses_the_snapshots_of_another_replica(tmp_path):
+    """Issue 11, item 5: a wrong job replayed into a directory, then the right one. Snapshot
+    names carry only the iteration, so the wrong replica's snapshots would pass every
+    checksum and LATEST would name them; the directory records its replica's origin and
+    refuses another, naming the directory, whose it is, what differs and the fix."""
+    right, wrong = job(), job(eps=1e-6)                   # the same name, another optimizer
+    wrong_replica = Replica.from_job(wrong)
+    snaps = snapshot.Snapshots(tmp_path, wrong.name, origin=ReplicaOrigin.of(wrong_replica))
+    wrong_replica.apply(0, np.concatenate(random_reduced(wrong, np.random.default_rng(0))))
+    snaps.write_replica(wrong_replica)
+    snaps.close()
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+
+    right_replica = Replica.from_job(right)
+    origin = ReplicaOrigin.of(right_replica)
+    with pytest.raises(ConfigError) as caught:
+        snapshot.Snapshots(tmp_path, right.name, origin=origin)
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path}: holds the snapshots of job 'replica-test' begun at iteration 0 ")
+    assert "(the job spec's optimizer section differs)" in message
+    assert "another output directory (--out), or pass --force" in message
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before   # untouched
+
+    other_start = Replica(right, seed_checkpoint(right, 1))
+    with pytest.raises(ConfigError, match=r"\(the job spec's optimizer section and the start state differ\)"):
+        snapshot.Snapshots(tmp_path, right.name, origin=ReplicaOrigin.of(other_start))
+
+    snaps = snapshot.Snapshots(tmp_path, right.name, origin=origin, force=True)     # cleared
+    assert snaps.snapshots() == [] and not (tmp_path / snapshot.LATEST).exists()
+    right_replica.apply(0, np.concatenate(random_reduced(right, np.random.default_rng(0))))
+    path = snaps.write_replica(right_replica)
+    snaps.close()
+    assert path.name == "iteration-000001"                # the name the wrong replica's had
+    loaded = snapshot.load(snapshot.latest(tmp_path))
+    assert_equal_state(Replica(right, loaded), right_replica_reference(right))
+
+
+def right_replica_reference(j):
+    """PyTorch's Adam over the gradient the test above applied: the state the snapshot must hold."""
+    reference = TorchStep(j)
+    reference.step(0, random_reduced(j, np.random.default_rng(0)))
+    return reference
+
+
+def test_one_replica_may_reopen_its_directory_with_other_appliance_settings(tmp_path):
+    j = job()
+    replica = Replica.from_job(j)
+    snaps = snapshot.Snapshots(tmp_path, j.name, origin=ReplicaOrigin.of(replica))
+    replica.apply(0, np.concatenate(random_reduced(j, np.random.default_rng(0))))
+    first = snaps.write_replica(replica)
+    snaps.close()
+    assert json.loads((tmp_path / ORIGIN).read_text())["start_iteration"] == 0
+    settings = j.model_copy(update={"appliance": j.appliance.model_copy(update={"snapshot_keep": 5}),
+                                    "mirrors": (*j.mirrors, MirrorSpec(name="m2", rank=1, direction="ingress"))})
+    again = snapshot.Snapshots(tmp_path, j.name, origin=ReplicaOrigin.of(Replica.from_job(settings)))
+    assert again.snapshots() == [first]
+    again.close()
+
+
+def test_snapshots_of_an_unknown_replica_are_refused(tmp_path):
+    j = job()
+    replica, _ = stepped(j, 1)
+    snaps = snapshot.Snapshots(tmp_path, j.name)          # no origin recorded
+    snaps.write_replica(replica)
+    snaps.close()
+    origin = ReplicaOrigin.of(Replica.from_job(j))
+    with pytest.raises(ConfigError, match=r"holds snapshots of an unknown replica \(no readable ORIGIN.json"):
+        snapshot.Snapshots(tmp_path, j.name, origin=origin)
+    (tmp_path / ORIGIN).write_text("{not json")
+    with pytest.raises(ConfigError, match="unknown replica"):
+        snapshot.Snapshots(tmp_path, j.name, origin=origin)
+    snapshot.Snapshots(tmp_path / "new", j.name, origin=origin).close()                # an empty one is claimed
+    assert parse_origin((tmp_path / "new" / ORIGIN).read_text()) == origin

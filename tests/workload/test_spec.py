@@ -1,6 +1,8 @@
 """The job spec loads every shipped config and rejects bad input with errors that name the
 field, the bad value and what is allowed."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,32 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("- a list")
     with pytest.raises(ConfigError, match="mapping"):
         load_job(bad)
+
+
+# Issue 11: files that are no job spec at all are named, never a traceback.
+NOT_TEXT = [
+    pytest.param(b"name: small\n\xff\xfe\x00\x01", r"\(top level\): not a text file \(byte 0xff at offset 12 is not "
+                 r"UTF-8\); a job spec is a YAML file such as configs/small\.yaml", id="binary"),
+    pytest.param(b"\x1f\x8b\x08\x00" + bytes(range(256)), r"\(top level\): not a text file \(byte 0x8b at offset 1 ",
+                 id="gzip"),
+    pytest.param(bytes(4096), r"not valid YAML: unacceptable character #x0000", id="zeros"),
+    pytest.param(b"[" * 100_000, r"\(top level\): nested too deeply for a job spec", id="deep"),
+]
+
+
+@pytest.mark.parametrize("content, message", NOT_TEXT)
+def test_a_file_that_is_no_job_spec_is_named(tmp_path, content, message):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=rf"^{path}: {message}"):
+        load_job(path)
+
+
+def test_the_command_line_says_so_without_a_traceback(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(NOT_TEXT[0].values[0])
+    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "replay", str(path),
+                           f"s={path}", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"error: {path}: (top level): not a text file"), done.stderr
+    assert not (tmp_path / "out").exists()

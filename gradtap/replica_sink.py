@@ -68,7 +68,8 @@ class ReplicaSink:
         r = self.replica
         line = {"iteration": iteration, "recovered": report.recovered, "coverage": report.coverage,
                 "missing_blocks": report.missing_blocks,
-                "mismatches": [{"block": m.block, "groups": m.groups, "resolved": m.resolved}
+                "mismatches": [{"block": m.block, "groups": m.groups, "resolved": m.resolved,
+                                "distrusted": m.distrusted}
                                for m in report.mismatches]}
         if report.mismatches:
             self.control.event("duplicate_mismatch", iteration=iteration, blocks=line["mismatches"])

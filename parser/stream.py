@@ -193,6 +193,8 @@ class StreamParser:
             recs = decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate)[0]
             job = np.flatnonzero(self.lockon.job(recs))
             ts = recs["ts_ns"][job]
+            if len(ts) == 0:
+                continue
             gaps = np.flatnonzero(np.diff(np.r_[ts[0] if prev is None else prev, ts]) >= gap)
             if len(gaps):
                 at = int(job[gaps[0]])
@@ -203,8 +205,7 @@ class StreamParser:
                 self._pending = Lock(index=0, ts_ns=int(recs["ts_ns"][at]), ordinal=self._pending.ordinal + 1)
                 self._held = [_compact(batch, at)] + self._held[b + 1:]
                 return True
-            if len(ts):
-                prev = int(ts[-1])
+            prev = int(ts[-1])
         self._release_held()
         return False
 

@@ -192,9 +192,9 @@ class LockOn:
     def place(self, recs: np.ndarray, start: int, base_psn: np.ndarray) -> dict[int, int]:
         """Give every data flow without a base (-1) one from its first packets in ``recs[start:]``:
         the candidate that puts them earliest in the iteration. Returns the position (packets
-        into the iteration) of each placed flow's first packet: 0 unless the mirror lost the
-        flow's first packets, the packet is a stray, or the job's plan is not the traffic's
-        (see :func:`misplaced`).
+        into the iteration) of each placed flow's anchor, its first packet in sequence: 0
+        unless the mirror lost the flow's first packets or the job's plan is not the
+        traffic's (see :func:`misplaced`).
 
         Every packet of the flow counts, not only those that carry a RETH: when the mirror
         lost a write's first packet, its middle and last packets still say where the flow

@@ -13,11 +13,7 @@ with the checks), where such a read raises ``IndexError``.
 from __future__ import annotations
 
 import ipaddress
-import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,11 +27,11 @@ from gradtap.wire import events as ev
 from gradtap.parser.decode import decode_batch, is_roce
 from gradtap.wire.headers.opcodes import OPCODE_EXT_LEN, OPCODE_VALID, OPCODES
 from tests import naive
+from tests.core.boundscheck import rerun_with_boundscheck
 from tests.parser.test_decode import CAPTURES, check_record
 from tests.simulator.test_simulate import make_job, simulate
 from gradtap.workload.layout import job_plan
 
-ROOT = Path(__file__).resolve().parents[2]
 FUZZ = settings(max_examples=600, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 BTH_FIELDS = ("ip_version", "src_ip", "dst_ip", "udp_sport", "opcode", "dest_qp", "psn", "padcnt")
@@ -211,9 +207,4 @@ def test_boundscheck_is_on():
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(config.BOUNDSCHECK), reason="this is the subprocess")
 def test_no_read_outside_a_frame_under_boundscheck():
-    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", GRADTAP_JIT_CACHE="0")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert " passed" in out.stdout and "failed" not in out.stdout
-    assert "1 skipped" in out.stdout     # only this test is skipped there: test_boundscheck_is_on ran
+    rerun_with_boundscheck(__file__)      # test_boundscheck_is_on runs there

@@ -13,11 +13,7 @@ its batch's data array, so a read past its end is a read past the array:
 from __future__ import annotations
 
 import ipaddress
-import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,9 +24,9 @@ from numba import config
 from gradtap.capture.frames import FrameBatch
 from gradtap.parser.decode import decode_batch
 from gradtap.wire import events as ev
+from tests.core.boundscheck import rerun_with_boundscheck
 from tests.parser.test_erspan import KINDS, check_erspan_record, decode_one, inner_corpus, wrap
 
-ROOT = Path(__file__).resolve().parents[2]
 FUZZ = settings(max_examples=600, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 HEADERS = 14 + 4 + 40 + 16 + 12 + 8       # outer headers at most (tags, IPv6, GRE, ERSPAN III + subheader)
@@ -133,9 +129,4 @@ def test_batches_count_every_frame_once(corpus):
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(bool(config.BOUNDSCHECK), reason="this is the subprocess")
 def test_no_read_outside_a_frame_under_boundscheck():
-    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", GRADTAP_JIT_CACHE="0")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=880)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert " passed" in out.stdout and "failed" not in out.stdout
-    assert "1 skipped" in out.stdout     # only this test is skipped there
+    rerun_with_boundscheck(__file__)

@@ -208,7 +208,8 @@ def test_fields_agree_with_tshark(path):
 WRITTEN_OUT = {"immdt": ("IMMDT",), "eth": ("ETH", "VLAN"), "cnp": ("CNP_BODY",), "ipv4": ("IPV4",),
                "deth": ("DETH",), "ieth": ("IETH",), "aeth": ("AETH", "SYNDROME"), "udp": ("UDP",),
                "atomiceth": ("ATOMICETH", "ATOMICACKETH"), "ipv6": ("IPV6",), "bth": ("BTH",),
-               "reth": ("RETH",)}
+               "reth": ("RETH",), "gre": ("GRE", "GRE_CHECKSUM", "GRE_KEY", "GRE_SEQ"),
+               "erspan": ("ERSPAN2", "ERSPAN3", "ERSPAN3_SUBHEADER")}
 
 
 @pytest.mark.parametrize("module,layouts", sorted(WRITTEN_OUT.items()))

@@ -125,15 +125,15 @@ def run_ring_2_19(args, ringIx, nranks, size, proto, eltSize):  # noqa: N803
         loop += 1
 
 
-def run_ring_2_20(args, ringIx, nranks):  # noqa: N803
-    chunkCount = args["chunkCount"]
+def ring_loops(gridOffset, channelCount, chunkCount, lastChunkCount, ringIx, nranks):  # noqa: N803
+    """The device loop of 2.20 on: contiguous per-channel ranges, loop after loop; the last
+    loop's chunk is ``lastChunkCount(remCount)``, which is where the eras differ."""
     loopCount = nranks * chunkCount
-    gridOffset, channelCount = args["workOffset"], args["workCount"]
     loop = 0
     for elemOffset in range(0, channelCount, loopCount):
         remCount = channelCount - elemOffset
         if remCount < loopCount:
-            chunkCount = args["lastChunkCount"]
+            chunkCount = lastChunkCount(remCount)
 
         def offset_nelem(chunk):
             chunkOffset = chunk * chunkCount
@@ -141,6 +141,11 @@ def run_ring_2_20(args, ringIx, nranks):  # noqa: N803
         for step, chunk, offset, nelem in ring_sends(ringIx, nranks, offset_nelem):
             yield loop, step, chunk, offset, nelem
         loop += 1
+
+
+def run_ring_2_20(args, ringIx, nranks):  # noqa: N803
+    yield from ring_loops(args["workOffset"], args["workCount"], args["chunkCount"],
+                          lambda remCount: args["lastChunkCount"], ringIx, nranks)
 
 
 def ncclProtoGrainSize(proto):  # noqa: N802
@@ -161,19 +166,8 @@ def ncclCollCbdPart(work, channelId, proto, eltSize):  # noqa: N802, N803
 
 def run_ring_2_22(work, channelId, ringIx, nranks, proto, eltSize):  # noqa: N803
     gridOffset, channelCount, chunkCount = ncclCollCbdPart(work, channelId, proto, eltSize)
-    loopCount = nranks * chunkCount
-    loop = 0
-    for elemOffset in range(0, channelCount, loopCount):
-        remCount = channelCount - elemOffset
-        if remCount < loopCount:
-            chunkCount = alignUp(DIVUP(remCount, nranks), 16 // eltSize)
-
-        def offset_nelem(chunk):
-            chunkOffset = chunk * chunkCount
-            return gridOffset + elemOffset + chunkOffset, min(chunkCount, remCount - chunkOffset)
-        for step, chunk, offset, nelem in ring_sends(ringIx, nranks, offset_nelem):
-            yield loop, step, chunk, offset, nelem
-        loop += 1
+    yield from ring_loops(gridOffset, channelCount, chunkCount,
+                          lambda remCount: alignUp(DIVUP(remCount, nranks), 16 // eltSize), ringIx, nranks)
 
 
 # -- host: the work of each channel, per era ---------------------------------------------------

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks._bandwidth import memcpy_bandwidth
-from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader, read_pcap
 from gradtap.parser.stream import StreamParser
 from gradtap.simulator.faults import parse_faults
@@ -37,11 +36,6 @@ from gradtap.workload.spec import load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOCOLS = ("Simple", "LL", "LL128")
-
-
-def tail(batch: FrameBatch, start: int) -> FrameBatch:
-    return FrameBatch(data=batch.data, offsets=batch.offsets[start:], caplens=batch.caplens[start:],
-                      wirelens=batch.wirelens[start:], ts_ns=batch.ts_ns[start:], linktype=batch.linktype)
 
 
 def measure(job, path: Path, stream: str, batch: int, skip: int) -> dict:
@@ -59,7 +53,7 @@ def measure(job, path: Path, stream: str, batch: int, skip: int) -> dict:
                 skip -= len(b.offsets)
                 continue
             if skip:
-                b, skip = tail(b, skip), 0
+                b, skip = b.tail(skip), 0
             was = parser.locked
             started = time.perf_counter()
             done = parser.feed(b)

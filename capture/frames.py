@@ -71,6 +71,11 @@ class FrameBatch:
         start = int(self.offsets[i])
         return memoryview(self.data)[start:start + int(self.caplens[i])]
 
+    def tail(self, start: int) -> FrameBatch:
+        """The batch from frame ``start`` on, sharing ``data`` (no copy)."""
+        return FrameBatch(data=self.data, offsets=self.offsets[start:], caplens=self.caplens[start:],
+                          wirelens=self.wirelens[start:], ts_ns=self.ts_ns[start:], linktype=self.linktype)
+
     @property
     def nbytes(self) -> int:
         """Captured bytes in the batch (sum of caplens)."""

@@ -313,3 +313,10 @@ def test_frame_batch_validates_its_arrays():
     with pytest.raises(ValueError, match="disagree"):
         FrameBatch(ok.data, ok.offsets, ok.caplens, ok.wirelens, ok.ts_ns[:1])
     assert len(FrameBatch.concat([])) == 0
+
+
+def test_a_frame_batch_tail_shares_its_data():
+    batch = FrameBatch.from_frames([b"abc", b"de", b"fghi"], [1, 2, 3])
+    rest = batch.tail(1)
+    assert frames_of(rest) == [b"de", b"fghi"] and rest.ts_ns.tolist() == [2, 3] and rest.data is batch.data
+    assert len(batch.tail(3)) == 0

@@ -2,8 +2,8 @@
 under every capture fault on one, two and all three streams.
 
 Each fault rewrites the frames of a real capture file the way a lossy or hostile mirror link
-would, with its own byte offsets (RFC 791, RFC 768, IBTA BTH) and, where a fault must keep
-the ICRC valid, the plain ICRC of ``tests/wire/naive_icrc.py``. For every cell:
+would (``tests/frame_edits.py``: the tests' own byte offsets and, where a fault must keep the
+ICRC valid, the plain ICRC of ``tests/wire/naive_icrc.py``). For every cell:
 
 - the replica is never silently wrong: every iteration it applied equals the trainer's, bit
   for bit (``gradtap.verify``), and every iteration it did not apply follows a ``fallback``
@@ -22,63 +22,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.replay import run_replay
 from gradtap.simulator.faults import parse_faults
 from gradtap.simulator.run import Simulation
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import load_job
+from tests.frame_edits import WRITE_FIRST, bth_offset, fix_ip_checksum, read_frames, resign, write_frames, \
+    writes
 from tests.gradtap.test_replay import start_of, streams_of
-from tests.wire.naive_icrc import naive_icrc
 
 ROOT = Path(__file__).resolve().parents[2]
-ROCE_PORT = 4791
-WRITE_FIRST, WRITES = 6, tuple(range(6, 12))         # RC RDMA WRITE opcodes (IBTA Table 38)
-
-
-def _bth(frame: bytes) -> int | None:
-    """Offset of the BTH of an untagged IPv4 RoCEv2 frame, else None."""
-    if len(frame) < 14 + 20 + 8 + 12 or frame[12:14] != b"\x08\x00" or frame[23] != 17:
-        return None
-    udp = 14 + (frame[14] & 0x0F) * 4
-    if struct.unpack_from("!H", frame, udp + 2)[0] != ROCE_PORT:
-        return None
-    return udp + 8
-
-
-def _writes(frames):
-    """Indices of the RDMA WRITE frames (the job's data and CTS)."""
-    out = []
-    for i, (frame, _) in enumerate(frames):
-        bth = _bth(frame)
-        if bth is not None and frame[bth] in WRITES:
-            out.append(i)
-    return out
-
-
-def _resign(frame: bytearray) -> bytes:
-    frame[-4:] = struct.pack("<I", naive_icrc(bytes(frame)))
-    return bytes(frame)
-
-
-def _ip_checksum(frame: bytearray) -> None:
-    ihl = (frame[14] & 0x0F) * 4
-    frame[24:26] = b"\0\0"
-    words = struct.unpack_from(f"!{ihl // 2}H", frame, 14)
-    s = sum(words)
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    frame[24:26] = struct.pack("!H", ~s & 0xFFFF)
-
-
 def drop_every_10th_write(frames, rng):
-    doomed = set(_writes(frames)[9::10])
+    doomed = set(writes(frames)[9::10])
     return [f for i, f in enumerate(frames) if i not in doomed]
 
 
 def drop_every_2nd_write_first(frames, rng):
-    firsts = [i for i in _writes(frames) if frames[i][0][_bth(frames[i][0])] == WRITE_FIRST]
+    firsts = [i for i in writes(frames) if frames[i][0][bth_offset(frames[i][0])] == WRITE_FIRST]
     doomed = set(firsts[1::2])
     return [f for i, f in enumerate(frames) if i not in doomed]
 
@@ -86,7 +47,7 @@ def drop_every_2nd_write_first(frames, rng):
 def _every_10th(edit):
     def fault(frames, rng):
         out = list(frames)
-        for i in _writes(frames)[9::10]:
+        for i in writes(frames)[9::10]:
             frame = bytearray(frames[i][0])
             edit(frame)
             out[i] = (bytes(frame), frames[i][1])
@@ -109,24 +70,24 @@ def udp_length_lies(frame):
 @_every_10th
 def ip_total_length_plus_50(frame):
     struct.pack_into("!H", frame, 16, struct.unpack_from("!H", frame, 16)[0] + 50)
-    _ip_checksum(frame)
+    fix_ip_checksum(frame)
 
 
 @_every_10th
 def ihl_3(frame):
     frame[14] = (frame[14] & 0xF0) | 3
-    _ip_checksum(frame)
+    fix_ip_checksum(frame)
 
 
 def random_psn_on_a_quarter(frames, rng):
     """A quarter of the writes carry a random PSN, with a valid ICRC (a hostile sender)."""
     out = list(frames)
-    for i in _writes(frames):
+    for i in writes(frames):
         if rng.random() < 0.25:
             frame = bytearray(frames[i][0])
-            bth = _bth(frame)
+            bth = bth_offset(frame)
             frame[bth + 9:bth + 12] = int(rng.integers(0, 1 << 24)).to_bytes(3, "big")
-            out[i] = (_resign(frame), frames[i][1])
+            out[i] = (resign(frame), frames[i][1])
     return out
 
 
@@ -134,16 +95,16 @@ def forged_copies(frames, rng):
     """One write in twenty gets a copy with other payload bytes and a valid ICRC, before or
     after it: the copies conflict, and nothing says which is right."""
     out = []
-    forge = set(i for i in _writes(frames) if rng.random() < 0.05)
+    forge = set(i for i in writes(frames) if rng.random() < 0.05)
     for i, (frame, ts) in enumerate(frames):
         if i not in forge:
             out.append((frame, ts))
             continue
         fake = bytearray(frame)
-        bth = _bth(frame)
+        bth = bth_offset(frame)
         payload = slice(bth + 12 + 16 if frame[bth] in (6, 10, 11) else bth + 12, len(frame) - 4)
         fake[payload] = rng.integers(0, 256, len(fake[payload]), dtype=np.uint8).tobytes()
-        pair = [(_resign(fake), ts), (frame, ts)]
+        pair = [(resign(fake), ts), (frame, ts)]
         out += pair if rng.random() < 0.5 else pair[::-1]
     return out
 
@@ -170,12 +131,8 @@ def small(tmp_path_factory):
 
 
 def _rewrite(src: Path, dst: Path, fault, seed: int) -> int:
-    batch = read_pcap(src)
-    frames = [(batch.data[o:o + c].tobytes(), int(t)) for o, c, t in zip(batch.offsets, batch.caplens, batch.ts_ns)]
-    frames = fault(frames, np.random.default_rng(seed))
-    with PcapWriter(dst) as w:
-        for frame, ts in frames:
-            w.write(frame, ts)
+    frames = fault(read_frames(src), np.random.default_rng(seed))
+    write_frames(dst, frames)
     return len(frames)
 
 

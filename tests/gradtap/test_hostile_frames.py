@@ -19,11 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.replay import run_replay
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
-from tests.gradtap.test_fault_matrix import WRITES, _bth, _ip_checksum, _resign
+from tests.frame_edits import WRITES, bth_offset, fix_ip_checksum, read_frames, resign, write_frames
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
 
@@ -35,12 +34,7 @@ def captured(tmp_path_factory):
     out = tmp_path_factory.mktemp("hostile")
     job = make_job(3, "LL", 2, "fp32", mtu=1024)
     simulate(out, job, iterations=3)
-    frames = {}
-    for name, path in streams_of(out, job).items():
-        batch = read_pcap(path)
-        frames[name] = [(batch.data[o:o + c].tobytes(), int(t))
-                        for o, c, t in zip(batch.offsets, batch.caplens, batch.ts_ns)]
-    return job, out, frames
+    return job, out, {name: read_frames(path) for name, path in streams_of(out, job).items()}
 
 
 def _mutate(frame: bytes, kind: str, value: int) -> list[bytes]:
@@ -50,7 +44,7 @@ def _mutate(frame: bytes, kind: str, value: int) -> list[bytes]:
     if kind == "twice":
         return [frame, frame]
     b = bytearray(frame)
-    bth = _bth(frame)
+    bth = bth_offset(frame)
     if kind == "icrc":
         b[-1] ^= 1 + value % 255
         return [bytes(b)]
@@ -69,10 +63,10 @@ def _mutate(frame: bytes, kind: str, value: int) -> list[bytes]:
             return [frame]
         del b[len(b) - 4 - cut:len(b) - 4]
         struct.pack_into("!H", b, 16, struct.unpack_from("!H", b, 16)[0] - cut)
-        _ip_checksum(b)
+        fix_ip_checksum(b)
         udp = 14 + (b[14] & 0x0F) * 4
         struct.pack_into("!H", b, udp + 4, struct.unpack_from("!H", b, udp + 4)[0] - cut)
-    return [_resign(b)]
+    return [resign(b)]
 
 
 mutation = st.tuples(st.integers(0, 2), st.floats(0, 1, exclude_max=True), st.sampled_from(KINDS),
@@ -88,17 +82,15 @@ def test_the_replica_is_exact_or_stale_with_an_event(captured, mutations):
     edits: dict[str, dict[int, tuple[str, int]]] = {}
     for stream, where, kind, value in mutations:
         name = names[stream]
-        writes = [i for i, (f, _) in enumerate(frames[name]) if _bth(f) is not None and f[_bth(f)] in WRITES]
+        writes = [i for i, (f, _) in enumerate(frames[name]) if bth_offset(f) is not None and f[bth_offset(f)] in WRITES]
         edits.setdefault(name, {})[writes[int(where * len(writes))]] = (kind, value)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         pcaps = streams_of(out, job)
         for name, changes in edits.items():
             pcaps[name] = tmp / f"{name}.pcap"
-            with PcapWriter(pcaps[name]) as w:
-                for i, (frame, ts) in enumerate(frames[name]):
-                    for f in (_mutate(frame, *changes[i]) if i in changes else [frame]):
-                        w.write(f, ts)
+            write_frames(pcaps[name], [(f, ts) for i, (frame, ts) in enumerate(frames[name])
+                                       for f in (_mutate(frame, *changes[i]) if i in changes else [frame])])
         result, sink = run_replay(job, pcaps, tmp / "replay", start_of(out))
         for name in pcaps:
             assert sum(result.counters[name].values()) == result.frames[name], (name, result.counters[name])

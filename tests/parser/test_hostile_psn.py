@@ -13,59 +13,32 @@ again (``tests/wire/naive_icrc.py``), so stage 1 accepts them and stage 2 must j
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import pytest
 
 from gradtap.capture.frames import FrameBatch
-from gradtap.capture.pcap import read_pcap
 from gradtap.parser.stream import StreamParser
 from gradtap.wire import events as ev
 from gradtap.workload.layout import job_plan
 from gradtap.workload.wire_plan import PHASE_AG
+from tests.frame_edits import WRITES, bth_offset, psn_of, read_frames, resign
 from tests.parser.test_stream import assert_exact
 from tests.simulator.test_simulate import make_job, simulate
-from tests.wire.naive_icrc import naive_icrc
-
-WRITES = range(6, 12)
-
-
-def _bth(frame: bytes) -> int | None:
-    """BTH offset of an untagged IPv4 RoCEv2 frame (RFC 791, RFC 768), else None."""
-    if frame[12:14] != b"\x08\x00" or frame[23] != 17:
-        return None
-    udp = 14 + (frame[14] & 0x0F) * 4
-    return udp + 8 if struct.unpack_from("!H", frame, udp + 2)[0] == 4791 else None
-
-
-def _psn(frame: bytes) -> int:
-    bth = _bth(frame)
-    return int.from_bytes(frame[bth + 9:bth + 12], "big")
 
 
 def _with(frame: bytes, psn: int | None = None, payload: bytes | None = None) -> bytes:
+    """The frame with another PSN or the end of its payload replaced, and a valid ICRC."""
     b = bytearray(frame)
-    bth = _bth(frame)
+    bth = bth_offset(frame)
     if psn is not None:
         b[bth + 9:bth + 12] = (psn % (1 << 24)).to_bytes(3, "big")
     if payload is not None:
         b[len(b) - 4 - len(payload):len(b) - 4] = payload
-    b[-4:] = struct.pack("<I", naive_icrc(bytes(b)))
-    return bytes(b)
-
-
-def _frames(path):
-    batch = read_pcap(path)
-    return [(batch.data[o:o + c].tobytes(), int(t)) for o, c, t in zip(batch.offsets, batch.caplens, batch.ts_ns)]
+    return resign(b)
 
 
 def _batch(frames) -> FrameBatch:
-    lens = np.array([len(f) for f, _ in frames], np.int64)
-    offsets = np.r_[0, np.cumsum(lens)[:-1]].astype(np.int64)
-    data = np.frombuffer(b"".join(f for f, _ in frames), np.uint8).copy()
-    return FrameBatch(data=data, offsets=offsets, caplens=lens.astype(np.int32), wirelens=lens.astype(np.int32),
-                      ts_ns=np.array([t for _, t in frames], np.int64), linktype=1)
+    return FrameBatch.from_frames([f for f, _ in frames], ts_ns=[t for _, t in frames])
 
 
 def _parse(job, name, frames, batch=4096):
@@ -82,7 +55,7 @@ def capture(request, tmp_path_factory):
     job = make_job(3, request.param, 2, "fp32", mtu=1024)
     simulate(out, job, iterations=3)
     name = "m-egress"
-    clean, its = _parse(job, name, _frames(out / "streams" / f"{name}.pcap"))
+    clean, its = _parse(job, name, read_frames(out / "streams" / f"{name}.pcap"))
     assert [it.index for it in its] == [0, 1, 2]
     return job, out, name, clean, its
 
@@ -92,7 +65,7 @@ def _flow_writes(frames, parser):
     t = parser.tables
     out: dict[int, list[int]] = {}
     for i, (frame, _) in enumerate(frames):
-        bth = _bth(frame)
+        bth = bth_offset(frame)
         if bth is None or frame[bth] not in WRITES:
             continue
         qpn = int.from_bytes(frame[bth + 5:bth + 8], "big")
@@ -104,14 +77,14 @@ def _flow_writes(frames, parser):
 
 def test_psns_far_ahead_without_a_pause_make_no_phantom_iterations(capture):
     job, out, name, clean, truth_its = capture
-    frames = _frames(out / "streams" / f"{name}.pcap")
+    frames = read_frames(out / "streams" / f"{name}.pcap")
     flows = _flow_writes(frames, clean)
     rng = np.random.default_rng(3)
     strays = {}
     for f, idx in flows.items():
         period = int(clean.tables.period[f])
         for i in rng.choice(idx[len(idx) // 4:], 20, replace=False):   # after lock-on, mid-traffic
-            strays[int(i)] = _with(frames[i][0], psn=_psn(frames[i][0]) + period * int(rng.integers(2, 60)))
+            strays[int(i)] = _with(frames[i][0], psn=psn_of(frames[i][0]) + period * int(rng.integers(2, 60)))
     hostile = []
     for i, fr in enumerate(frames):
         hostile.append(fr)
@@ -130,19 +103,19 @@ def test_psns_far_ahead_without_a_pause_make_no_phantom_iterations(capture):
 @pytest.mark.parametrize("forged_first", [False, True])
 def test_a_conflicting_copy_uncovers_the_blocks_it_touches(capture, forged_first):
     job, out, name, clean, truth_its = capture
-    frames = _frames(out / "streams" / f"{name}.pcap")
+    frames = read_frames(out / "streams" / f"{name}.pcap")
     plan = job_plan(job)
     # A full-size middle or last packet of an allgather write of iteration 1: its copy gets other bytes.
     t = clean.tables
     target = None
     for f, idx in _flow_writes(frames, clean).items():
-        base = (_psn(frames[idx[0]][0]))
+        base = (psn_of(frames[idx[0]][0]))
         for i in idx[len(idx) // 3:]:
             frame = frames[i][0]
-            pos = (_psn(frame) - base) % (1 << 24) % int(t.period[f])
+            pos = (psn_of(frame) - base) % (1 << 24) % int(t.period[f])
             m = t.messages[t.msg_start[f]:t.msg_start[f] + t.msg_count[f]]
             w = np.flatnonzero((m["psn_offset"] <= pos) & (pos < m["psn_offset"] + m["npkts"]))
-            if len(w) and m["phase"][w[0]] == PHASE_AG and m["nelem"][w[0]] > 0 and frame[_bth(frame)] in (7, 8):
+            if len(w) and m["phase"][w[0]] == PHASE_AG and m["nelem"][w[0]] > 0 and frame[bth_offset(frame)] in (7, 8):
                 target = i
                 break
         if target is not None:
@@ -151,7 +124,7 @@ def test_a_conflicting_copy_uncovers_the_blocks_it_touches(capture, forged_first
     frame, ts = frames[target]
     # One data byte changed (the first payload byte is data in every protocol: LL and LL128
     # lines start with data, so the flags still say the right step).
-    first = len(frame) - 4 - (len(frame) - _bth(frame) - 12 - 4)
+    first = len(frame) - 4 - (len(frame) - bth_offset(frame) - 12 - 4)
     forged = (_with(frame, payload=bytes([frame[first] ^ 0x40]) + frame[first + 1:-4]), ts)
     hostile = frames[:target] + ([forged, frames[target]] if forged_first else [frames[target], forged]) + \
         frames[target + 1:]
@@ -177,7 +150,7 @@ def _drop_first(frames, clean, whole_write):
 
 def test_a_flow_that_lost_its_first_packets_is_placed_by_the_rest(capture):
     job, out, name, clean, truth_its = capture
-    frames = _frames(out / "streams" / f"{name}.pcap")
+    frames = read_frames(out / "streams" / f"{name}.pcap")
     parser, its = _parse(job, name, _drop_first(frames, clean, whole_write=False))
     assert parser.locked and parser.failure is None and [it.index for it in its] == [0, 1, 2]
     assert_exact(its, out, job_plan(job))
@@ -189,7 +162,7 @@ def test_every_flow_losing_its_first_write_is_refused_there_and_locks_at_the_nex
     """Then nothing tells the first write's loss from a plan one write off (the writes repeat);
     the next pause does."""
     job, out, name, clean, truth_its = capture
-    frames = _frames(out / "streams" / f"{name}.pcap")
+    frames = read_frames(out / "streams" / f"{name}.pcap")
     parser, its = _parse(job, name, _drop_first(frames, clean, whole_write=True), batch=1 << 16)
     assert_exact(its, out, job_plan(job))
     c = ev.as_dict(parser.counters)

@@ -16,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 
-from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader, read_pcap
 from gradtap.wire import events as ev
 from gradtap.parser.stream import StreamParser
@@ -38,14 +37,9 @@ def parse_stream(out, job, name, batch_frames=65536, skip_frames=0):
             if skip_frames:
                 cut = min(skip_frames, len(batch.offsets))
                 skip_frames -= cut
-                batch = _tail(batch, cut)
+                batch = batch.tail(cut)
             its += parser.feed(batch)
     return parser, its + parser.flush()
-
-
-def _tail(batch: FrameBatch, start: int) -> FrameBatch:
-    return FrameBatch(data=batch.data, offsets=batch.offsets[start:], caplens=batch.caplens[start:],
-                      wirelens=batch.wirelens[start:], ts_ns=batch.ts_ns[start:], linktype=batch.linktype)
 
 
 def truth_grads(out):

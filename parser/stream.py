@@ -241,11 +241,12 @@ class StreamParser:
             self.failure = self._why(f"not locked on after {waited / 1e9:.1f} s and {self._frames:,} frames")
 
     def _unlocked_reason(self) -> str:
-        differs = what_differs(self.job, self.mirror, self.lockon.learner)
-        if not self.lockon.learner.wire:
+        learner = self.lockon.learner
+        if not learner.wire:
             return "no RDMA WRITE between the job's ranks (no flow matched): " + \
-                (differs or "check the ring's addresses")
+                (what_differs(self.job, self.mirror, learner) or "check the ring's addresses")
         if self.lockon.learnt is None:
+            differs = what_differs(self.job, self.mirror, learner)
             return "the job's flows could not be told from the traffic" + (f": {differs}" if differs else "")
         return (f"flows learnt, but no iteration boundary (a pause of at least {self.lockon.gap_ns / 1e6:g} ms "
                 f"in the job's traffic, appliance.iteration_gap_ns) was followed by a whole iteration; the longest "

@@ -15,6 +15,8 @@ it starts from.
 
 from __future__ import annotations
 
+import copy
+
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -158,7 +160,9 @@ class Simulation:
                 progress("training iteration 0 (initial bucket layout, before capture)", 0, self.iterations)
                 trainer.step()
             truth.layout(params, buckets, job.ddp.grad_dtype, trainer.iteration)
-            truth.start(trainer.state_dict())
+            # When the trainer's state was start.pt: the moment the capture begins (the appliance
+            # numbers the captured iterations by it, gradtap/start.py).
+            truth.start({**trainer.state_dict(), "time_ns": clock["t"]})
             # The job as captured: its streams start from truth/start.pt, which the job names
             # (relative to job.yaml), so that a replay of it needs no --start.
             start = job.initial_state.model_copy(update={"seed": None, "checkpoint": Path("truth") / "start.pt"})
@@ -231,7 +235,9 @@ def build_trainer(job: JobSpec, buckets, allreduce, seed: int, checkpoint: dict 
                       start_iteration=int(checkpoint.get("iteration", 0)) if checkpoint else 0)
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
-        trainer.optimizer.load_state_dict(checkpoint["optimizer"])
+        # A copy: Optimizer.load_state_dict keeps the given moment tensors (same dtype and
+        # device) and steps them in place, which would change the caller's checkpoint.
+        trainer.optimizer.load_state_dict(copy.deepcopy(checkpoint["optimizer"]))
     return trainer
 
 

@@ -7,14 +7,17 @@ against real NCCL traffic in ``tests/workload/test_plan_captures.py``.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import defaultdict
 
 import numpy as np
 import pytest
+import torch
 
 from gradtap.simulator.faults import parse_faults
-from gradtap.simulator.run import Simulation
+from gradtap.simulator.run import Simulation, resume
+from gradtap.simulator.truth import optimizer_arrays
 from tests import naive
 from tests.core.no_jit import run_without_jit
 from gradtap.workload.layout import job_plan
@@ -195,3 +198,19 @@ def test_without_jit_the_captures_are_the_same(tmp_path, family):
     for name in names:
         assert (tmp_path / "plain" / "streams" / name).read_bytes() == \
             (tmp_path / "compiled" / "streams" / name).read_bytes(), name
+
+
+def test_resuming_leaves_the_checkpoint_as_it_was(tmp_path):
+    """``resume`` trains from a checkpoint without stepping its tensors in place (torch's
+    ``Optimizer.load_state_dict`` keeps them), so a second resume from it is the same."""
+    job = make_job(3, "LL", 2, "fp32")
+    simulate(tmp_path, job, iterations=3)
+    start = torch.load(tmp_path / "truth" / "start.pt", weights_only=True)
+    before = copy.deepcopy(start)
+    for until in (2, 3):
+        trainer = resume(job, start, seed=7, until=until)
+        got = optimizer_arrays(trainer.model, trainer.optimizer)
+        with np.load(tmp_path / "truth" / f"iter_{until - 1:06d}" / "state.npz") as truth:
+            assert all(got[k].tobytes() == truth[k].tobytes() for k in truth.files), until
+    for i, moments in before["optimizer"]["state"].items():
+        assert torch.equal(moments["exp_avg"], start["optimizer"]["state"][i]["exp_avg"])

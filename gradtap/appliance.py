@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ from gradtap.core.errors import CaptureError, ConfigError
 from gradtap.pipeline import Pipeline
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
+from gradtap.start import Numbering, ReplicaStart, replica_start
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.updater.snapshot import Snapshots, SnapshotWriteError
@@ -56,25 +58,31 @@ class RunResult:
 
 
 class Appliance:
-    """Capture ``streams`` (name → :class:`SourceSpec`) of ``job`` into a replica started from ``start``."""
+    """Capture ``streams`` (name → :class:`SourceSpec`) of ``job`` into a replica started from
+    ``start`` (a trainer checkpoint, or None to wait for the trainer's: ``gradtap/start.py``)."""
 
-    def __init__(self, job: JobSpec, streams: dict[str, SourceSpec], out: Path, start: dict,
+    def __init__(self, job: JobSpec, streams: dict[str, SourceSpec], out: Path, start: ReplicaStart | dict | None,
                  options: RunOptions = RunOptions()):
         unknown = set(streams) - {m.name for m in job.mirrors}
         if unknown:
             raise ConfigError(f"--stream: {sorted(unknown)} are not mirror streams of job {job.name!r}")
         self.job, self.specs, self.out, self.options = job, streams, Path(out), options
-        self.replica = Replica(job, start)
+        if not isinstance(start, ReplicaStart):
+            start = replica_start(job, start, "the start state")
+        self.replica = Replica(job, start.checkpoint)
         # First: refuses an --out that cannot be written or holds another replica's snapshots.
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                                   keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(self.replica),
+                                   keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(self.replica, start.waiting),
                                    force=options.force)
         self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
+        self.numbering = Numbering(start, self.replica, self.control)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests)
-        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, self.replica.iteration,
+        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, start.first_iteration,
                                  on_lockon_failed=lambda failure: self.control.event("lockon.failed",
-                                                                                     **failure.as_event()))
+                                                                                     **failure.as_event()),
+                                 on_anchor=self.numbering.placed)
+        self.numbering.attach(self.pipeline)
         self.rings: dict[str, FrameRing] = {}
         self.workers: dict[str, CaptureWorker] = {}
         self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
@@ -85,17 +93,21 @@ class Appliance:
     def stop(self) -> None:
         self.stopping.set()
 
-    def offer(self, checkpoint: dict) -> list[int]:
+    def offer(self, checkpoint: dict, source: str = "POST /resync") -> list[int]:
         """A trainer checkpoint to resynchronise from (the control endpoint's POST /resync): it
-        replaces any offer pending; the iterations of the offers it replaced."""
+        replaces any offer pending; the iterations of the offers it replaced. Until the
+        iterations are numbered, it must carry ``time_ns`` (``gradtap/start.py``)."""
         with self._lock:
-            return self.replica.offer(checkpoint, only=True)
+            return self.numbering.offer(checkpoint, source)
 
     def run(self) -> RunResult:
         reason, code = "stopped", 0
+        files = any(spec.source == "pcap" for spec in self.specs.values())
         try:
             self._start_workers()
             self._pin_parsers()
+            with self._lock:
+                self.pipeline.listening_ns = time.time_ns()    # every worker listens: no iteration begins unseen
             self.ready.set()
             while not self.stopping.is_set():
                 if all(ring.finished for ring in self.rings.values()):
@@ -108,8 +120,10 @@ class Appliance:
                     break
                 batches = {n: ring.read(self.options.batch_frames, self.options.poll_s, self.stopping)
                            for n, ring in self.rings.items()}
+                # A live capture's clock runs on while its ports are quiet; a file's is its frames'.
+                now = -1 if files else time.time_ns()
                 with self._lock:
-                    self.pipeline.round(batches)
+                    self.pipeline.round(batches, now)
             with self._lock:
                 self.pipeline.finish()
         finally:

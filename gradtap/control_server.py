@@ -92,13 +92,14 @@ class ControlSettings:
 class ControlServer:
     """The control endpoint of one appliance, serving in a thread from construction to :meth:`close`.
 
-    ``offer(checkpoint)`` takes a checked checkpoint dict and returns the iterations of the
-    pending offers it replaced (``Replica.offer(checkpoint, only=True)``; ``ConfigError``
+    ``offer(checkpoint, source)`` takes a checked checkpoint dict (and where it came from,
+    for messages) and returns the iterations of the pending offers it replaced
+    (``Appliance.offer``: ``Replica.offer(checkpoint, only=True)``; ``ConfigError``
     when the job refuses it); ``status()`` returns a dataclass (``ApplianceStatus``). Both
     are called from worker threads, never from the event loop.
     """
 
-    def __init__(self, offer: Callable[[dict], Sequence[int]], status: Callable[[], Any],
+    def __init__(self, offer: Callable[[dict, str], Sequence[int]], status: Callable[[], Any],
                  settings: ControlSettings):
         self.settings = settings
         self._token = ensure_token(settings.token_file)
@@ -234,7 +235,8 @@ class ControlServer:
         try:
             checkpoint = await asyncio.wait_for(asyncio.shield(self._reading), s.checkpoint_timeout_s)
             # Checked against the job and held; the work is bounded by the size read, so no timeout.
-            replaced = list(await self._loop.run_in_executor(self._checkpoints, self._offer, checkpoint))
+            replaced = list(await self._loop.run_in_executor(self._checkpoints, self._offer, checkpoint,
+                                                             f"POST /resync {path}"))
         except TimeoutError:
             return _busy(f"the checkpoint was not read within {s.checkpoint_timeout_s:g} s; nothing was offered")
         except GradtapError as exc:

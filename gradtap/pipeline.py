@@ -18,6 +18,7 @@ import numpy as np
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.merger.merger import IterationReport, Merger, Sink
+from gradtap.merger.numbering import Anchor, AnchorRefused, StreamStarts, anchor_ordinal
 from gradtap.parser.lockon import LockFailure
 from gradtap.parser.stream import StreamParser
 from gradtap.wire import events as ev
@@ -51,42 +52,60 @@ class IterationTiming:
     lag_s: float
 
 
+AnchorOutcome = Callable[[Anchor, "int | None", "str | None"], None]   # anchor, ordinal placed at, or why refused
+
+
 class Pipeline:
     """Every stream's parser, the merger and the sink of ``job``, advanced one round at a time:
     each stream's new frames are parsed, then the merger learns what each stream retired and
     holds in flight, and hands what is complete to the sink, numbered by the trainer's
-    iteration from ``first_iteration`` (that of the capture's first iteration)."""
+    iteration from ``first_iteration`` (that of the capture's first iteration), or, when that
+    is None, from where an :meth:`anchor` falls (``merger/numbering.py``); ``on_anchor`` hears
+    where each anchor fell, or why it could not be placed."""
 
-    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink, first_iteration: int = 0,
-                 on_lockon_failed: Callable[[LockFailure], None] | None = None):
+    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink,
+                 first_iteration: int | None = 0, on_lockon_failed: Callable[[LockFailure], None] | None = None,
+                 on_anchor: AnchorOutcome | None = None):
         gap = job.appliance.iteration_gap_ns
+        self.gap_ns = gap
         self._on_lockon_failed = on_lockon_failed
+        self._on_anchor = on_anchor
+        self._anchors: dict[str, Anchor] = {}       # "start", "offer" -> not yet placed
+        self.listening_ns: int | None = None     # when a live capture began listening (before its first frame)
         self._failures_told: set[str] = set()
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in streams}
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
         self._sink = _TimedSink(sink, self.times)
-        self.merger = Merger(plan, list(streams), self._sink, first_iteration)
-        self.last_fed: dict[int, float] = {}        # iteration -> start of the last round carrying its frames
+        self.merger = Merger(plan, list(streams), self._sink, first_iteration, settle_ns=gap)
+        self.last_fed: dict[int, float] = {}        # ordinal -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._retired: dict[int, list[tuple[str, np.ndarray]]] = {}   # iteration -> gradients the merger holds
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
 
-    def round(self, batches: dict[str, FrameBatch]) -> None:
+    def round(self, batches: dict[str, FrameBatch], now_ns: int = -1) -> None:
+        """Parse each stream's new frames, then merge and update. ``now_ns``: the capture's
+        clock (a live capture's wall clock, which runs on while no frame comes); the frames'
+        own times advance it too."""
         started = time.perf_counter()
         work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
         results = list(self._pool.map(lambda nb: self._parse(*nb), work))
         t = time.perf_counter()
+        frames_end = dict((n, int(b.ts_ns[-1])) for n, b in work)
         for name, retired in results:
             parser = self.parsers[name]
             placed = parser.placed()
             for i, n in placed.items():       # by the streams' ordinal, as the merger takes them
                 if n != self._placed[name].get(i):
-                    self.last_fed[self.merger.first + i] = started
+                    self.last_fed[i] = started
+                    self.merger.heard(i, frames_end[name])
             self._placed[name] = placed
+        self._place_anchors()
+        for name, retired in results:
+            parser = self.parsers[name]
             for a in retired:
                 self._retired.setdefault(a.index, []).append((name, a.grad))
             self.merger.update(name, retired, parser.in_progress())
-        self.merger.advance()
+        self.merger.advance(max([now_ns, *frames_end.values()]))
         self._recycle()
         self._tell_failures()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
@@ -94,8 +113,10 @@ class Pipeline:
     def finish(self) -> list[IterationReport]:
         """End of input: every stream hands back what it holds, every pending iteration is due."""
         t = time.perf_counter()
-        for name, p in self.parsers.items():
-            self.merger.update(name, p.flush(), [])
+        flushed = {name: p.flush() for name, p in self.parsers.items()}
+        self._place_anchors()
+        for name, retired in flushed.items():
+            self.merger.update(name, retired, [])
         reports = self.merger.close()
         self._tell_failures()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
@@ -108,6 +129,52 @@ class Pipeline:
         for g in [g for g in self._retired if g < self.merger.next]:
             for name, grad in self._retired.pop(g):
                 self.parsers[name].recycle(grad)
+
+    def anchor(self, anchor: Anchor, *, start: bool = False) -> None:
+        """Number iterations by ``anchor`` once the streams show where it falls; when they are
+        numbered already, check that it agrees. One start-state anchor and one offer's are
+        held; an offer's replaces the previous offer's (as the offer itself does)."""
+        self._anchors["start" if start else "offer"] = anchor
+
+    @property
+    def numbered(self) -> bool:
+        return self.merger.first is not None
+
+    def _place_anchors(self) -> None:
+        if not self._anchors:
+            return
+        streams = {}
+        for name, p in self.parsers.items():
+            capture_ns, starts = p.starts()
+            if self.listening_ns is not None:
+                capture_ns = self.listening_ns if capture_ns is None else min(capture_ns, self.listening_ns)
+            streams[name] = StreamStarts(capture_ns, starts)
+        for key, a in list(self._anchors.items()):
+            try:
+                ordinal = anchor_ordinal(a, streams, self.gap_ns)
+                if ordinal is None:
+                    continue
+                self._number(a, ordinal)
+            except AnchorRefused as exc:
+                ordinal, refused = None, str(exc)
+            else:
+                refused = None
+            del self._anchors[key]
+            if self._on_anchor is not None:
+                self._on_anchor(a, ordinal, refused)
+
+    def _number(self, a: Anchor, ordinal: int) -> None:
+        """Number the merger by ``a``, at ``ordinal``, or check that its numbering agrees."""
+        m = self.merger
+        if m.first is None:
+            if ordinal < m.next:
+                raise AnchorRefused(f"{a.source}: iteration {a.iteration} is captured iteration {ordinal}, which the "
+                                    f"streams have passed; offer the trainer's checkpoint ahead of its iteration")
+            m.number(ordinal, a.iteration)
+        elif m.first + ordinal != a.iteration:
+            raise AnchorRefused(f"{a.source}: its time_ns places iteration {a.iteration} at captured iteration "
+                                f"{ordinal}, which the replica numbers {m.first + ordinal}: the checkpoint's "
+                                f"iteration or time is wrong, or the replica's start state was")
 
     def locked(self) -> dict[str, bool]:
         return {n: p.locked for n, p in self.parsers.items()}
@@ -124,7 +191,8 @@ class Pipeline:
         return {n: ev.as_dict(p.counters) for n, p in self.parsers.items()}
 
     def timings(self) -> list[IterationTiming]:
-        return self._sink.timings(self.last_fed)
+        first = self.merger.first or 0
+        return self._sink.timings({first + i: t for i, t in self.last_fed.items()})
 
     def close(self) -> None:
         self._pool.shutdown()

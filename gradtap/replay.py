@@ -29,6 +29,7 @@ from gradtap.merger.merger import IterationReport, Sink
 from gradtap.parser.lockon import LockFailure
 from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
 from gradtap.replica_sink import ReplicaSink
+from gradtap.start import Numbering, replica_start
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.updater.snapshot import Snapshots
@@ -137,10 +138,17 @@ def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
 
 def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
            progress: Progress = _no_progress, first_iteration: int = 0,
-           on_lockon_failed: Callable[[LockFailure], None] | None = None) -> ReplayResult:
+           on_lockon_failed: Callable[[LockFailure], None] | None = None,
+           numbering: Numbering | None = None) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``, numbering iterations from
-    ``first_iteration`` (the trainer's iteration of the captures' first one); never hangs (ends at EOF)."""
-    pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration, on_lockon_failed)
+    ``first_iteration`` (the trainer's iteration of the captures' first one), or as ``numbering``
+    says (``gradtap/start.py``); never hangs (ends at EOF)."""
+    if numbering is not None:
+        first_iteration = numbering.start.first_iteration
+    pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration, on_lockon_failed,
+                        on_anchor=None if numbering is None else numbering.placed)
+    if numbering is not None:
+        numbering.attach(pipeline)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
     started = time.perf_counter()
     try:
@@ -165,27 +173,31 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, digests: bool = True,
                batch_frames: int = 65536, progress: Progress = _no_progress,
-               resync: list[dict] | None = None, force: bool = False) -> tuple[ReplayResult, ReplicaSink]:
+               resync: list[dict] | None = None, force: bool = False,
+               start_source: str = "the start state") -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
-    whose ``iteration`` is the capture's first iteration), writing into ``out``:
+    whose ``iteration`` is the capture's first iteration, or, when it has a ``time_ns``, the
+    first that began after it: ``gradtap/start.py``), writing into ``out``:
     ``snapshots/``, ``iterations.jsonl`` (with a state digest per iteration when ``digests``),
     ``events.jsonl`` and ``replay.json``. ``resync``: trainer checkpoints a stale replica
     resynchronises from when the streams reach their iteration. An ``out`` that cannot be
     written, or holds the snapshots of another replica (another job or start state), is
     refused before anything in it changes; ``force`` clears the other replica's snapshots."""
-    replica = Replica(job, start)
+    begin = replica_start(job, start, start_source)
+    replica = Replica(job, begin.checkpoint)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
                           keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(replica), force=force)
     for stale in ("iterations.jsonl", "events.jsonl"):
         (out / stale).unlink(missing_ok=True)
     control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
+    numbering = Numbering(begin, replica, control)
     for checkpoint in resync or []:
         replica.offer(checkpoint)
     sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests)
     finished = False
     try:
         result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, progress=progress,
-                        first_iteration=replica.iteration,
+                        numbering=numbering,
                         on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()))
         finished = replica.open_iteration is None and bool(sink.applied)
     finally:

@@ -67,13 +67,16 @@ class ReplicaSink:
     def iteration_done(self, iteration: int, report: IterationReport) -> None:
         r = self.replica
         line = {"iteration": iteration, "recovered": report.recovered, "coverage": report.coverage,
-                "missing_blocks": report.missing_blocks,
+                "missing_blocks": report.missing_blocks, "contradicted_blocks": report.contradicted_blocks,
                 "mismatches": [{"block": m.block, "groups": m.groups, "resolved": m.resolved,
                                 "distrusted": m.distrusted}
                                for m in report.mismatches]}
         if report.mismatches:
             self.control.event("duplicate_mismatch", iteration=iteration, blocks=line["mismatches"])
-        if not report.recovered:
+        if report.contradicted_blocks:
+            self._fallback(iteration, f"applied blocks contradicted by a later copy of their frames: "
+                                      f"{report.contradicted_blocks} (bucket: blocks)")
+        elif not report.recovered:
             self._fallback(iteration, f"blocks no mirror stream delivered: {report.missing_blocks} (bucket: blocks)")
         elif not r.stale and r.open_iteration == iteration:
             r.end()

@@ -80,6 +80,9 @@ def verification_lines(v: Verification) -> list[str]:
     """What ``gradtap verify`` found, the first differences named."""
     lines = [f"digests of {len(v.digests_checked)} iteration(s) and {len(v.snapshots_checked)} snapshot(s) "
              "compared with the ground truth"]
+    if v.before_start:
+        lines.append(f"captured before the trainer's checkpoint the replica began from (not applied): "
+                     f"{v.before_start}")
     if v.stale:
         lines.append(f"iterations not applied (replica stale): {v.stale}")
     lines += [f"[red]DIFFERENT[/] {d}" for d in v.differences[:5]]

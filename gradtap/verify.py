@@ -5,7 +5,9 @@ replica's state digest after every applied one: ``gradtap/digest.py``) and ``sna
 The ground truth (``truth/``) holds the trainer's state after every captured iteration.
 :func:`verify` checks that
 
-- every captured iteration has its line, and every line's iteration was captured;
+- every captured iteration from the replica's first has its line, and every line's
+  iteration was captured (iterations captured before the trainer's checkpoint the replica
+  began from, which it never applies, are listed as :attr:`Verification.before_start`);
 - every digest equals the truth's (a difference names the kind of tensor, or the step);
 - every snapshot kept is the truth's job, holds the iteration its directory names, and
   equals the truth tensor by tensor (a difference names the first differing tensor and
@@ -54,6 +56,7 @@ class Verification:
     digests_checked: list[int] = field(default_factory=list)
     snapshots_checked: list[int] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)          # iterations the replica did not apply
+    before_start: list[int] = field(default_factory=list)   # captured before the replica began (no line)
     differences: list[Difference] = field(default_factory=list)
 
     @property
@@ -200,8 +203,10 @@ def verify(replay_dir: Path, truth: Path, params: tuple[ParamSpec, ...]) -> Veri
         if "digest" in rec:
             result.digests_checked.append(it)
             result.differences += compare_digest(it, rec["digest"], truth_digest(_truth_state(truth, it), names))
+    first = min(seen, default=None)
+    result.before_start = sorted(it for it in captured - seen if first is not None and it < first)
     result.differences += [Difference(it, "iterations.jsonl", detail="has no line for this captured iteration")
-                           for it in sorted(captured - seen)]
+                           for it in sorted(captured - seen - set(result.before_start))]
     _check_snapshots(replay_dir / "snapshots", truth, params, manifest["job"], result)
     result.differences.sort(key=lambda d: d.iteration)
     return result

@@ -3,12 +3,24 @@
 The merger watches every stream parser's in-flight iterations (``StreamParser.in_progress``)
 and their final copies (what ``feed``/``flush`` retire). Streams number iterations by their
 ordinal since the capture began, which all streams captured together share. The merger hands
-them on numbered by the trainer's iteration: ordinal 0 is ``first_iteration`` (the iteration
-of the checkpoint the replica started from when the capture began with it).
+them on numbered by the trainer's iteration: ordinal ``o`` is ``first + o``, where ``first``
+is given at construction (the start state's iteration, when the capture began with it) or
+later by :meth:`Merger.number` (``merger/numbering.py``). Iterations the merger cannot
+number yet, and those before the ordinal numbering starts from, are skipped once due: the
+sink never hears of them, and :attr:`Merger.skipped` counts them.
 
 For the oldest iteration not yet finished it hands each bucket to the sink as soon as the
 union of the streams covers every block of it, duplicates cross-checked (``merger/union.py``),
 so the replica's update overlaps the capture. Iterations are applied strictly in order.
+
+**Settling.** An iteration whose buckets are all handed is finished (the sink told, the
+replica's step ended) only once it has *settled*: every stream has retired it, or no stream
+has placed a frame of it for ``settle_ns`` (the pause between iterations) by the capture's
+clock. Until then a later copy of a frame may still arrive; one that contradicts the copy a
+handed block was taken from uncovers that block in its stream (``data.duplicate_conflict``,
+``parser/assemble.py``). A block covered by a stream when its bucket was handed and no
+longer covered by it when the iteration settles was applied from a copy something
+contradicts: the iteration is unrecoverable (``contradicted_blocks``), never silently wrong.
 
 **Deadline.** Bucket b of iteration i is due when some stream already carries allgather
 data of bucket b in iteration i+1 (the default of the issue: the start of the next
@@ -49,6 +61,7 @@ class IterationReport:
     start_ns: int
     recovered: bool = True
     missing_blocks: dict[int, int] = field(default_factory=dict)      # bucket -> blocks nobody covered
+    contradicted_blocks: dict[int, int] = field(default_factory=dict)  # bucket -> applied blocks later contradicted
     mismatches: list[BlockMismatch] = field(default_factory=list)
     coverage: dict[str, float] = field(default_factory=dict)          # stream -> fraction of blocks covered
 
@@ -59,15 +72,22 @@ class _Iteration:
     handed: np.ndarray                      # bool[buckets]
     retired: dict[str, AssembledIteration] = field(default_factory=dict)
     report: IterationReport | None = None
+    cover: dict[int, list[tuple[str, np.ndarray]]] = field(default_factory=dict)   # bucket -> covered when handed
 
 
 class Merger:
     """Merge ``streams`` of one job into ``sink``, numbering iterations from ``first_iteration``
-    (the trainer's iteration of the capture's first one)."""
+    (the trainer's iteration of the capture's first one; None: not known yet, see :meth:`number`)."""
 
-    def __init__(self, plan: WirePlan, streams: list[str], sink: Sink, first_iteration: int = 0):
+    def __init__(self, plan: WirePlan, streams: list[str], sink: Sink, first_iteration: int | None = 0,
+                 settle_ns: int = 0):
         self.plan, self.streams, self.sink = plan, list(streams), sink
+        self.settle_ns = settle_ns
+        self.now_ns = -1                            # the capture's clock: the latest frame time seen
+        self._last_ns: dict[int, int] = {}          # ordinal -> time of the latest frame placed in it
         self.first = first_iteration
+        self.from_ordinal = 0                       # ordinals before it are skipped
+        self.skipped = 0                            # iterations skipped, unnumbered or before from_ordinal
         elem = plan.elem_size
         self.buckets = [BucketBlocks.of(plan.blocks, b, plan.bucket_offsets[b], elem)
                         for b in range(len(plan.bucket_numels))]
@@ -97,9 +117,26 @@ class Merger:
                 self.iterations[g].retired[a.stream] = a
         self._views[stream] = {self._global(stream, i, t): (grad, got) for i, t, grad, got in slots}
 
-    def advance(self) -> None:
-        """Hand off every complete bucket of the oldest iterations, and finish those due."""
+    def heard(self, ordinal: int, ts_ns: int) -> None:
+        """Some stream placed a frame of ``ordinal`` at (or before) ``ts_ns``."""
+        if ordinal >= self.next:
+            self._last_ns[ordinal] = max(self._last_ns.get(ordinal, -1), ts_ns)
+
+    def advance(self, now_ns: int = -1) -> None:
+        """The capture's clock is at ``now_ns``: hand off every complete bucket of the oldest
+        iterations, and finish those due or settled."""
+        self.now_ns = max(self.now_ns, now_ns)
         self._advance()
+
+    def number(self, ordinal: int, iteration: int) -> None:
+        """Ordinal ``ordinal`` is the trainer's ``iteration``: number from it on, and skip the
+        ordinals before it. ``ValueError`` when the merger is past it already."""
+        if ordinal < self.next:
+            raise ValueError(f"captured iteration {ordinal} is merged already (the merger is at {self.next})")
+        self.first, self.from_ordinal = iteration - ordinal, ordinal
+
+    def numbered(self, g: int) -> bool:
+        return self.first is not None and g >= self.from_ordinal
 
     def close(self) -> list[IterationReport]:
         """End of input: every pending iteration is due now."""
@@ -131,15 +168,30 @@ class Merger:
             self.next = max(self.next, min(self.iterations))
         while self.next in self.iterations:
             g = self.next
+            if not self.numbered(g):
+                if self.first is None and not self._due(g):
+                    return          # numbering may still come while it is in flight
+                self._skip(g)
+                continue
             it = self.iterations[g]
             for b in np.flatnonzero(~it.handed):
-                u = union(self.buckets[b], self._copies(g, b), self.byte_range[b][1] - self.byte_range[b][0])
+                copies = self._copies(g, b)
+                u = union(self.buckets[b], copies, self.byte_range[b][1] - self.byte_range[b][0])
                 if u.complete:
+                    it.cover[int(b)] = [(s, covered.copy()) for s, _, covered in copies]
                     self._hand(g, b, u)
-            if it.handed.all() or self._due(g):
+            if self._due(g) or (it.handed.all() and self._settled(g)):
                 self._finish(g)
             else:
                 return
+
+    def _settled(self, g: int) -> bool:
+        """No stream will place more of iteration g: each retired it, or it has been quiet
+        for ``settle_ns`` by the capture's clock."""
+        it = self.iterations[g]
+        if all(s in it.retired for s in self.streams):
+            return True
+        return self.now_ns - self._last_ns.get(g, it.start_ns) >= self.settle_ns
 
     def _due(self, g: int) -> bool:
         it = self.iterations[g]
@@ -151,6 +203,17 @@ class Merger:
                 if g + 1 in views and views[g + 1][1][idx].any():
                     return True
         return False
+
+    def _contradicted(self, g: int) -> dict[int, int]:
+        """Per handed bucket of iteration g, the blocks some stream covered when the bucket
+        was handed and covers no longer (a later copy contradicted its own)."""
+        out = {}
+        for b, then in self.iterations[g].cover.items():
+            now = {s: covered for s, _, covered in self._copies(g, b)}
+            lost = sum(int((covered & ~now[s]).sum()) for s, covered in then if s in now)
+            if lost:
+                out[b] = lost
+        return out
 
     def _hand(self, g: int, b: int, u) -> None:
         it = self.iterations[g]
@@ -168,17 +231,33 @@ class Merger:
             it.report = IterationReport(self.first + g, it.start_ns)
         return it.report
 
+    def _skip(self, g: int) -> None:
+        """Iteration g is not numbered (or precedes the numbering): drop it unheard."""
+        self.next = g + 1
+        self._last_ns.pop(g, None)
+        if self.iterations.pop(g, None) is not None:
+            self.skipped += 1
+        for views in self._views.values():
+            views.pop(g, None)
+
     def _finish(self, g: int) -> None:
         """Iteration g is due: hand what is complete, or declare it unrecoverable."""
+        if not self.numbered(g):
+            self._skip(g)
+            return
         self.next = g + 1
         it = self.iterations.get(g)
         if it is None:
             return
         report = self._report(g)
+        self._last_ns.pop(g, None)
+        report.contradicted_blocks.update(self._contradicted(g))
         pending = {int(b): union(self.buckets[b], self._copies(g, b), self.byte_range[b][1] - self.byte_range[b][0])
                    for b in np.flatnonzero(~it.handed)}
         missing = {b: int((~u.covered).sum()) for b, u in pending.items() if not u.complete}
-        if missing:
+        if report.contradicted_blocks:
+            report.recovered = False      # what was applied is in doubt; nothing more of it is
+        elif missing:
             # Unrecoverable: nothing more of it is applied, not even its complete buckets.
             report.recovered = False
             report.missing_blocks.update(missing)

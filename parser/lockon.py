@@ -42,6 +42,7 @@ from gradtap.wire.psn import psn_add, psn_delta
 
 PLACE_PACKETS = 5     # a flow's first packets after a boundary that place it
 PLACE_STRIDE = 8      # PSNs between two of them that still say "in order" (a few lost between)
+MAX_STARTS = 64       # iteration start times kept (for numbering by a trainer checkpoint's time)
 
 
 def _anchor(psns: np.ndarray) -> int:
@@ -118,6 +119,8 @@ class LockOn:
     span: dict[int, int] = field(default_factory=dict)              # flow -> PSNs watched past ref
     last_ts: int | None = None
     seen_job: bool = False
+    capture_ns: int | None = None   # time of the first frame the stream saw
+    starts: dict[int, int] = field(default_factory=dict)           # ordinal -> time of its first job frame
     begun: int = 0              # iterations begun since the capture started (a partial first one counts)
     longest_pause: int = 0      # ns: the longest pause seen in the job's traffic
 
@@ -145,24 +148,34 @@ class LockOn:
         ts = recs["ts_ns"][job]
         if self.last_ts is None and len(recs):
             # The capture was already listening at its first frame, job traffic or not.
-            self.last_ts = int(recs["ts_ns"][0])
+            self.last_ts = self.capture_ns = int(recs["ts_ns"][0])
         if len(job) == 0:
             return None
         if not self.seen_job:
             # If the job's first frame comes less than a gap after the capture began, the
             # capture began inside an iteration: that partial iteration is the first begun.
             self.seen_job = True
-            self.begun += int(ts[0] - self.last_ts < self.gap_ns)
+            if ts[0] - self.last_ts < self.gap_ns:
+                self.began(0, int(ts[0]))      # the partial iteration, as far as the capture saw it
+                self.begun += 1
         prev = np.r_[self.last_ts, ts[:-1]]
         self.last_ts = int(ts[-1])
         self.longest_pause = max(self.longest_pause, int((ts - prev).max()))
         gaps = np.flatnonzero(ts - prev >= self.gap_ns)
         begun_before = self.begun
+        for k in range(max(0, len(gaps) - MAX_STARTS), len(gaps)):
+            self.began(begun_before + k, int(ts[gaps[k]]))
         self.begun += len(gaps)
         if len(gaps) == 0:
             return None
         first = job[gaps[0]]
         return Lock(index=int(first), ts_ns=int(recs["ts_ns"][first]), ordinal=begun_before)
+
+    def began(self, ordinal: int, ts: int) -> None:
+        """Note when iteration ``ordinal`` began (the latest :data:`MAX_STARTS` are kept)."""
+        self.starts[ordinal] = ts
+        if len(self.starts) > MAX_STARTS:
+            del self.starts[min(self.starts)]
 
     def resolved(self) -> bool:
         """Every data flow is learnt and its alignment known (see the module docstring)."""

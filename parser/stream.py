@@ -275,6 +275,18 @@ class StreamParser:
                 out.append((self.iteration + r, int(slots.start_ns[s]), slots.grads[s], slots.got[s]))
         return out
 
+    def starts(self) -> tuple[int | None, dict[int, int]]:
+        """When the stream's capture began (its first frame; None before one), and when each
+        of its recent iterations began (ordinal -> time of its first job frame): counted
+        while locking on, then as assembled (``merger/numbering.py`` numbers them by these)."""
+        out = dict(self.lockon.starts)
+        slots = self.slots
+        for r in range(len(slots.grads)):
+            s = (self.slot0 + r) % len(slots.grads)
+            if slots.start_ns[s] >= 0:
+                out[self.iteration + r] = int(slots.start_ns[s])
+        return self.lockon.capture_ns, out
+
     def placed(self) -> dict[int, int]:
         """Packets placed so far in every iteration held: iteration -> distinct packets (PSN
         positions) seen. A count that grew between two calls means frames of that iteration
@@ -321,6 +333,8 @@ class StreamParser:
         s, slots = self.slot0, self.slots
         out = AssembledIteration(self.mirror.name, self.iteration, int(slots.start_ns[s]),
                                  slots.grads[s], slots.got[s].copy(), self.need)
+        if out.start_ns >= 0:
+            self.lockon.began(out.index, out.start_ns)
         if self._spare:
             fresh = self._spare.pop()
             fresh.fill(0)

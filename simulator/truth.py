@@ -6,7 +6,9 @@ Layout of ``truth/`` (documented in the README):
   parameters (name, shape, element offset in the bucket) and its element offset in the flat
   gradient; the wire dtype; the first captured iteration.
 - ``start.pt``: the trainer's state before the first captured iteration, as
-  ``{"model": state_dict, "optimizer": state_dict, "iteration": k}`` (``torch.load``).
+  ``{"model": state_dict, "optimizer": state_dict, "iteration": k, "time_ns": t}``
+  (``torch.load``), ``t`` the simulated time at which it was the trainer's state (the
+  capture begins then).
 - ``iter_NNNNNN/grad.npy``: the fully reduced gradient of that iteration as one flat array
   in the wire dtype (bf16 as its uint16 bit patterns), buckets concatenated in launch order.
 - ``iter_NNNNNN/state.npz``: parameters, ``exp_avg``, ``exp_avg_sq`` (keys

@@ -14,7 +14,9 @@ The origin is
   (``training``), which ports are mirrored (``mirrors``) and ``initial_state`` (superseded
   by the start state itself) may change between runs of one replica;
 * the start state: its iteration and a sha256 over the replica's parameters and Adam
-  moments (float32, in the replica's flat layout), its step count and learning rate.
+  moments (float32, in the replica's flat layout), its step count and learning rate; or,
+  for a replica that began waiting for the trainer's checkpoint (``gradtap/start.py``),
+  iteration -1 and :data:`FROM_TRAINER`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 FORMAT = "gradtap-replica-origin/1"
 ORIGIN = "ORIGIN.json"
 JOB_SECTIONS = ("model", "ddp", "optimizer", "nccl", "ring")
+FROM_TRAINER = "the trainer's first offered checkpoint"
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,14 @@ class ReplicaOrigin:
     start_sha256: str
 
     @classmethod
-    def of(cls, replica) -> "ReplicaOrigin":
+    def of(cls, replica, waiting: bool = False) -> "ReplicaOrigin":
         """The origin of a :class:`gradtap.updater.replica.Replica` as constructed (before
-        its first iteration)."""
+        its first iteration); ``waiting``: it waits for the trainer's checkpoint."""
         spec = replica.job.model_dump(mode="json")
         sections = {s: hashlib.sha256(json.dumps(spec[s], sort_keys=True).encode()).hexdigest()
                     for s in JOB_SECTIONS}
+        if waiting:
+            return cls(replica.job.name, sections, -1, FROM_TRAINER)
         s = replica.state
         h = hashlib.sha256()
         for array in (s.param, s.exp_avg, s.exp_avg_sq):
@@ -52,6 +57,8 @@ class ReplicaOrigin:
         return cls(replica.job.name, sections, int(s.iteration), h.hexdigest())
 
     def describe(self) -> str:
+        if self.start_sha256 == FROM_TRAINER:
+            return f"job {self.job!r} begun from {FROM_TRAINER}"
         return (f"job {self.job!r} begun at iteration {self.start_iteration} "
                 f"from state {self.start_sha256[:12]}")
 

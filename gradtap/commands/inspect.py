@@ -93,10 +93,10 @@ def run_inspect(file: Path, job: Path | None, max_flows: int, stream: str | None
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from gradtap.parser.inspect import inspect_capture
-    from gradtap.workload.spec import load_job
+    from gradtap.job_file import open_job
 
     progress_console = Console(stderr=True)
-    spec = load_job(job) if job is not None else None
+    spec = open_job(job) if job is not None else None
     if not progress_console.is_terminal:
         return inspect_capture(file, spec, max_flows=max_flows, stream=stream)
     columns = (TextColumn("inspecting"), BarColumn(), DownloadColumn(), TimeRemainingColumn())

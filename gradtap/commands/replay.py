@@ -35,10 +35,10 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from gradtap.progress import replay_progress
     from gradtap.replay import match_streams, run_replay
     from gradtap.tables import events_table, iteration_table
-    from gradtap.workload.spec import load_job
+    from gradtap.job_file import open_job
 
     console = Console()
-    job = load_job(job_path)
+    job = open_job(job_path)
     streams = match_streams(job, list(pcaps))
     if len(streams) < 3:
         console.print(f"[yellow]warning:[/] {len(streams)} mirror stream(s): FlowCheck's analysis needs 3 to "
@@ -47,7 +47,9 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     checkpoints = [load_checkpoint(path) for path in resync]
     with replay_progress(console, streams) as progress:
         result, sink = run_replay(job, streams, out, start_checkpoint(job, start), digests=digests,
-                                  progress=progress, resync=checkpoints, force=force)
+                                  progress=progress, resync=checkpoints, force=force,
+                                  start_source=f"--start {start}" if start else
+                                  f"initial_state of {job_path}")
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
     state = "[red]stale[/]" if sink.replica.stale else "current" if sink.applied else \

@@ -53,7 +53,10 @@ def _cpus(text: str, what: str) -> list[int]:
 @click.option("--source", default="af_packet", metavar="SOURCE", help=f"capture source: {', '.join(SOURCE_NAMES)}")
 @click.option("--netns", metavar="NS", help="network namespace the interfaces are in")
 @click.option("--start", type=click.Path(path_type=Path), metavar="CKPT",
-              help="trainer checkpoint to start from (default: the job's initial_state)")
+              help="trainer checkpoint to start from: with time_ns, its iteration is the first captured one to "
+                   "begin after it; without, the trainer's state when the capture began (default: the job's "
+                   "initial_state.checkpoint; with none, the replica waits, stale, for the trainer's checkpoint "
+                   "with time_ns through POST /resync)")
 @click.option("--metrics-port", type=int, default=9464, metavar="PORT", help="Prometheus metrics port (0: off)")
 @click.option("--metrics-address", default="127.0.0.1", metavar="ADDR",
               help="address the metrics listen on (0.0.0.0: every interface)")
@@ -96,17 +99,21 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.appliance import Appliance, RunOptions, status_loop, wait_for_stop
     from gradtap.checkpoints import offer_size_limit, start_checkpoint
     from gradtap.control_server import ControlServer, ControlSettings
+    from gradtap.start import replica_start
     from gradtap.tables import status_table
-    from gradtap.workload.spec import load_job
+    from gradtap.job_file import open_job
 
     console = Console(stderr=True)
-    job = load_job(job_path)
+    job = open_job(job_path)
     specs = dict(parse_stream(s, source, netns) for s in stream)
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
                          force=force)
-    appliance = Appliance(job, specs, out, start_checkpoint(job, start), options)
+    # A seed is no start state for a live job: it may be running already (gradtap/start.py).
+    source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
+    checkpoint = start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
+    appliance = Appliance(job, specs, out, replica_start(job, checkpoint, source), options)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:
         metrics.serve(appliance.status, metrics_port, metrics_address)
@@ -128,7 +135,11 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
             live.stop()
         if control is not None:
             control.close()
+    if not appliance.pipeline.numbered:
+        state = ("replica never started: no checkpoint with time_ns was offered that the capture could place "
+                 "(events.jsonl says why)")
+    else:
+        state = f"replica at iteration {appliance.replica.iteration}{' (stale)' if appliance.replica.stale else ''}"
     console.print(f"gradtap run: {result.reason}; {result.iterations} iteration(s) merged, "
-                  f"{result.unrecoverable} unrecoverable; replica at iteration {appliance.replica.iteration}"
-                  f"{' (stale)' if appliance.replica.stale else ''}")
+                  f"{result.unrecoverable} unrecoverable; {state}")
     sys.exit(result.exit_code)

@@ -63,9 +63,9 @@ def simulate(config: Path, out: Path, force: bool, iterations: int, seed: int, f
     from gradtap.simulator.run import Simulation
     from gradtap.simulator.traffic import Timing
     from gradtap.tables import summary_table
-    from gradtap.workload.spec import load_job
+    from gradtap.job_file import open_job
 
-    job = load_job(config)
+    job = open_job(config)
     sim = Simulation(job, out, iterations=iterations, seed=seed,
                      faults=parse_faults(faults, tuple(m.name for m in job.mirrors)),
                      timing=Timing(line_rate_gbps=line_rate_gbps), fmt=fmt)

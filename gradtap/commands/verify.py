@@ -25,9 +25,9 @@ def verify_command(replay_dir: Path, truth: Path, job_path: Path | None) -> None
     from gradtap.tables import verification_lines
     from gradtap.verify import verify
     from gradtap.workload.layout import job_params
-    from gradtap.workload.spec import load_job
+    from gradtap.job_file import open_job
 
-    job = load_job(job_path or truth.parent / "job.yaml")
+    job = open_job(job_path or truth.parent / "job.yaml")
     v = verify(replay_dir, truth, job_params(job))
     console = Console()
     for line in verification_lines(v):

@@ -93,7 +93,7 @@ def stale():
 @pytest.fixture
 def endpoint(tmp_path, stale):
     replica, _ = stale
-    with serving(tmp_path, lambda c: replica.offer(c, only=True)) as e:
+    with serving(tmp_path, lambda c, source: replica.offer(c, only=True)) as e:
         yield e
 
 
@@ -131,7 +131,7 @@ def test_token_files_are_kept_like_private_keys(tmp_path):
         with pytest.raises(ConfigError, match=rf"control token file {tmp_path / 't'}: mode 0{mode:o} .*chmod 600"):
             read_token(tmp_path / "t")
         with pytest.raises(ConfigError, match="chmod 600"):       # the server refuses to start on it too
-            ControlServer(lambda c: [], lambda: STATUS, ControlSettings(tmp_path / "t", 1 << 20, port=0))
+            ControlServer(lambda c, source: [], lambda: STATUS, ControlSettings(tmp_path / "t", 1 << 20, port=0))
     (tmp_path / "short").write_text("x" * (MIN_TOKEN_BYTES - 1) + "\n")
     os.chmod(tmp_path / "short", 0o600)
     with pytest.raises(ConfigError, match=rf"{tmp_path / 'short'}: the token has 15 bytes, fewer than 16"):
@@ -334,7 +334,7 @@ from pathlib import Path
 from gradtap.control_server import ControlServer, ControlSettings
 from gradtap.status import ApplianceStatus
 
-def offer(checkpoint):
+def offer(checkpoint, source):
     raise AssertionError("nothing readable was offered")
 
 status = ApplianceStatus({}, {}, 0, 0, 0, False, 0.0, 0.0, 0.0, 0.0, {})
@@ -359,7 +359,7 @@ def test_an_oversized_body_is_refused_with_413(endpoint, stale):
 
 def test_a_checkpoint_larger_than_the_limit_is_not_read(tmp_path, stale):
     replica, reference = stale
-    with serving(tmp_path, lambda c: replica.offer(c, only=True), max_checkpoint_bytes=4096) as endpoint:
+    with serving(tmp_path, lambda c, source: replica.offer(c, only=True), max_checkpoint_bytes=4096) as endpoint:
         path = save(endpoint.offers / "c5.pt", trainer_checkpoint(reference, 5))
         code, answer = endpoint.offer(path)
         assert code == 400 and f"{path.stat().st_size} bytes, more than the 4096" in answer["error"], answer
@@ -379,7 +379,7 @@ def _raw(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, float]:
 
 def test_slow_requests_are_cut_off(tmp_path, stale):
     replica, _ = stale
-    with serving(tmp_path, lambda c: replica.offer(c, only=True), request_timeout_s=0.5) as endpoint:
+    with serving(tmp_path, lambda c, source: replica.offer(c, only=True), request_timeout_s=0.5) as endpoint:
         # Headers that never end: the connection is closed.
         answer, took = _raw(endpoint.server.port, b"GET /status HTTP/1.1\r\nHost: x\r\n")
         assert answer == b"" and took < 5
@@ -427,7 +427,7 @@ def test_one_checkpoint_is_read_at_a_time_and_requests_are_bounded(tmp_path, sta
 
 def test_a_checkpoint_not_read_in_time_is_never_offered(tmp_path, stale):
     replica, reference = stale
-    with serving(tmp_path, lambda c: replica.offer(c, only=True), checkpoint_timeout_s=1e-3) as endpoint:
+    with serving(tmp_path, lambda c, source: replica.offer(c, only=True), checkpoint_timeout_s=1e-3) as endpoint:
         padded = {**trainer_checkpoint(reference, 5), "padding": torch.zeros(8 << 20)}    # 32 MiB: more than 1 ms
         code, answer = endpoint.offer(save(endpoint.offers / "c5.pt", padded))
         assert code == 503 and "not read within 0.001 s; nothing was offered" in answer["error"], answer
@@ -439,7 +439,7 @@ def test_a_checkpoint_not_read_in_time_is_never_offered(tmp_path, stale):
 def test_forty_offers_keep_one_pending_and_memory_bounded(tmp_path):
     j = job(factory=("gradtap.workload.models:mlp", {"sizes": [1024, 1024]}))     # a 12.6 MB checkpoint
     replica, reference = drive(j, iterations=1)
-    with serving(tmp_path, lambda c: replica.offer(c, only=True),
+    with serving(tmp_path, lambda c, source: replica.offer(c, only=True),
                  max_checkpoint_bytes=offer_size_limit(j)) as endpoint:
         paths = [save(endpoint.offers / f"c{k}.pt", trainer_checkpoint(reference, k)) for k in range(5, 9)]
         size = paths[0].stat().st_size
@@ -528,9 +528,9 @@ def test_settings_are_checked_and_close_frees_the_port(tmp_path, stale):
     replica, _ = stale
     with pytest.raises(ConfigError, match=r"resync directory .*nowhere \(--resync-dir, .*\): not a directory"):
         ControlSettings(tmp_path / "t", 1 << 20, (tmp_path / "nowhere",))
-    with serving(tmp_path, lambda c: replica.offer(c, only=True)) as endpoint:
+    with serving(tmp_path, lambda c, source: replica.offer(c, only=True)) as endpoint:
         with pytest.raises(ConfigError, match=f"127.0.0.1:{endpoint.server.port}: cannot listen"):
-            ControlServer(lambda c: [], lambda: STATUS,
+            ControlServer(lambda c, source: [], lambda: STATUS,
                           ControlSettings(tmp_path / "control.token", 1 << 20, port=endpoint.server.port))
         thread = endpoint.server._thread
     assert not thread.is_alive()
@@ -561,7 +561,7 @@ def test_the_appliance_resyncs_from_a_checkpoint_posted_to_it(tmp_path):
     streams = {m.name: SourceSpec("pcap", (str(sim / "streams" / f"{m.name}.pcap"),), {}) for m in j.mirrors}
     appliance = Appliance(j, streams, tmp_path / "run", start,
                           RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True))
-    with serving(tmp_path, lambda c: appliance.replica.offer(c, only=True), appliance.status,
+    with serving(tmp_path, appliance.offer, appliance.status,
                  max_checkpoint_bytes=offer_size_limit(j)) as endpoint:
         torch.save(dict(resume(j, start, seed=7, until=4).state_dict()), endpoint.offers / "trainer-4.pt")
         code, answer = endpoint.offer(endpoint.offers / "trainer-4.pt")

@@ -6,7 +6,10 @@ mirrors what ranks 0, 1 and 2 send (tc clsact + u32 + mirred, through pyroute2) 
 mirror veths into the CPU node, where the appliance captures them with ``af_xdp`` in one run
 and ``af_packet`` in another. The simulator's traffic is sent from the rank namespaces as
 real frames, in time order, at a bounded rate, with a pause between iterations as training
-has. The replica after every iteration must equal the ground truth bit for bit.
+has. The appliance starts without a start state, as on a running job: the test, playing the
+trainer, offers its checkpoint with the wall-clock time at which it was the trainer's state,
+just before the first captured iteration is sent. The replica after every iteration must
+equal the ground truth bit for bit.
 
 Only namespaces this test creates carry traffic; everything is removed even on failure.
 """
@@ -94,7 +97,7 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     with Cluster(source[3]) as cluster:
         streams = {f"r{r}": SourceSpec(source, (f"c{k}",), {"netns": cluster.cpu}) for k, r in enumerate(MIRRORED)}
-        appliance = Appliance(job, streams, tmp_path / "run", start,
+        appliance = Appliance(job, streams, tmp_path / "run", None,
                               RunOptions(ring_slots=1 << 14, slot_size=4352, hugepages="auto", digests=True))
         result = {}
         runner = threading.Thread(target=lambda: result.update(r=appliance.run()), daemon=True)
@@ -106,6 +109,8 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
                 with FrameSender("eth0", netns=cluster.nodes[r], slots=16) as tx:
                     tx.send(FrameBatch.from_frames([b"\xff" * 6 + bytes.fromhex(job.ring.ranks[r].mac.replace(":", ""))
                                                     + ETHERTYPE.to_bytes(2, "big") + bytes(60)]))
+            time.sleep(PAUSE_S)
+            appliance.offer({**start, "time_ns": time.time_ns()}, "the test's trainer")
             time.sleep(PAUSE_S)
             for k in range(rounds):
                 for r in MIRRORED:

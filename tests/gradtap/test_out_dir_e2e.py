@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from gradtap.control import ControlPlane
 from gradtap.core.errors import ConfigError
+from gradtap.job_file import open_job
 from gradtap.replay import run_replay
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params, job_plan
@@ -98,3 +101,16 @@ def test_model_kwargs_a_factory_refuses_are_a_config_error():
     with pytest.raises(ConfigError, match=r"^model\.kwargs: \{'sizes': 'abc'\} do not fit "
                                           r"gradtap\.workload\.models:mlp \(invalid literal .*\); give the keyword"):
         job_plan(parse_job(doc))
+
+
+def test_a_command_names_the_job_file_whose_model_kwargs_are_refused(tmp_path):
+    job = make_job(3, "Simple", 2, "fp32")
+    doc = json.loads(job.model_dump_json(exclude_none=True))
+    doc["model"]["kwargs"]["sizes"] = "abc"
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: model\.kwargs: \{{'sizes': 'abc'\}} do not fit"):
+        open_job(path)
+    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "simulate", str(path),
+                           "-o", str(tmp_path / "sim")], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and f"{path}: model.kwargs" in " ".join(done.stderr.split()), done.stderr

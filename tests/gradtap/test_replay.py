@@ -84,30 +84,38 @@ def test_a_trainer_resumed_from_a_snapshot_continues_bit_for_bit(tmp_path):
             assert resumed[key].tobytes() == truth[key].tobytes(), key
 
 
+def allgather_frames(path: Path, job, ordinal: int, bucket: int) -> list[int]:
+    """Indices, in the capture file ``path`` of a stream of ``job``, of the allgather frames of
+    one bucket of one iteration (ordinal since the capture began), found by the tests' own
+    decoder and the plan's PSN offsets."""
+    plan = job_plan(job)
+    ranks = {r.ip: i for i, r in enumerate(job.ring.ranks)}
+    first = naive_coverage.first_psns(path, job, plan)
+    batch = read_pcap(path)
+    out = []
+    for i, (o, c) in enumerate(zip(batch.offsets, batch.caplens)):
+        f, _ = naive.decode_frame(bytes(batch.data[o:o + c]))
+        if f is not None and 0x06 <= f["opcode"] <= 0x0B and f["ip_src"] in ranks and f["ip_dst"] in ranks:
+            flow = naive_coverage._flow(plan, ranks[f["ip_src"]], ranks[f["ip_dst"]], f["dest_qp"])
+            if flow is not None:
+                it, pos = divmod((f["psn"] - first[flow]) % PSN_MODULUS, int(plan.flows["npkts"][flow]))
+                msgs = plan.flow_messages(flow)
+                w = msgs[np.searchsorted(msgs["psn_offset"], pos, side="right") - 1]
+                if it == ordinal and w["phase"] == PHASE_AG and w["bucket"] == bucket:
+                    out.append(i)
+    return out
+
+
 def drop_allgather(out: Path, job, ordinal: int, bucket: int) -> int:
     """Rewrite every stream's capture without the allgather frames of one bucket of one
     iteration (ordinal since the capture began), so that no stream covers those blocks."""
-    plan = job_plan(job)
-    ranks = {r.ip: i for i, r in enumerate(job.ring.ranks)}
     dropped = 0
     for m in job.mirrors:
         path = out / "streams" / f"{m.name}.pcap"
-        first = naive_coverage.first_psns(path, job, plan)
+        doomed = set(allgather_frames(path, job, ordinal, bucket))
+        dropped += len(doomed)
         batch = read_pcap(path)
-        keep = []
-        for i, (o, c) in enumerate(zip(batch.offsets, batch.caplens)):
-            f, _ = naive.decode_frame(bytes(batch.data[o:o + c]))
-            if f is not None and 0x06 <= f["opcode"] <= 0x0B and f["ip_src"] in ranks and f["ip_dst"] in ranks:
-                flow = naive_coverage._flow(plan, ranks[f["ip_src"]], ranks[f["ip_dst"]], f["dest_qp"])
-                if flow is not None:
-                    it, pos = divmod((f["psn"] - first[flow]) % PSN_MODULUS, int(plan.flows["npkts"][flow]))
-                    msgs = plan.flow_messages(flow)
-                    w = msgs[np.searchsorted(msgs["psn_offset"], pos, side="right") - 1]
-                    if it == ordinal and w["phase"] == PHASE_AG and w["bucket"] == bucket:
-                        dropped += 1
-                        continue
-            keep.append(i)
-        keep = np.asarray(keep)
+        keep = np.asarray([i for i in range(len(batch.offsets)) if i not in doomed], np.int64)
         with PcapWriter(path) as w:
             w.write_batch(FrameBatch(batch.data, batch.offsets[keep], batch.caplens[keep], batch.wirelens[keep],
                                      batch.ts_ns[keep], batch.linktype))

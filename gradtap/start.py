@@ -1,0 +1,108 @@
+"""How a replica starts and learns which captured iteration is which (``merger/numbering.py``).
+
+* A start state with a ``time_ns`` is **anchored**: its iteration is the first captured
+  iteration that began after that time. Until the streams show one, nothing is applied;
+  if they cannot (the capture began too late), the replica is stale (a ``fallback``).
+* A start state without one is **declared**: it is the trainer's state when the capture
+  began (the simulator's ``truth/start.pt`` describes its streams so, and carries a time
+  too). Nothing can check this; the operator's word is taken.
+* No start state (``gradtap run`` without ``--start``): the replica **waits**, stale, for the
+  trainer to offer a checkpoint with a ``time_ns`` (``POST /resync``, ``gradtap resync``).
+
+Once iterations are numbered, an offered checkpoint's iteration says where it belongs; a
+``time_ns`` it carries is checked against the numbering. Each placement is an
+``anchor.placed`` event, each refusal an ``anchor.refused`` event (an offer refused so is
+dropped: the replica does not resync from it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from gradtap.control import ControlPlane
+from gradtap.core.errors import ConfigError
+from gradtap.merger.numbering import Anchor, anchor_of
+from gradtap.pipeline import Pipeline
+from gradtap.updater.replica import Replica, seed_checkpoint
+from gradtap.workload.spec import JobSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReplicaStart:
+    checkpoint: dict                 # what the replica is built from (waiting: the seed state, for its shapes)
+    first_iteration: int | None      # declared: the capture's first iteration; None: anchored or waiting
+    anchor: Anchor | None            # anchored: where the start state falls
+    source: str                      # where the start state came from, for messages
+
+    @property
+    def waiting(self) -> bool:
+        return self.first_iteration is None and self.anchor is None
+
+
+def replica_start(job: JobSpec, checkpoint: dict | None, source: str) -> ReplicaStart:
+    """How a replica of ``job`` starts from ``checkpoint`` (``None``: it waits for the trainer)."""
+    if checkpoint is None:
+        return ReplicaStart(seed_checkpoint(job, 0), None, None, "the trainer's first offer")
+    _check_time(checkpoint.get("time_ns"), source)
+    anchor = anchor_of(checkpoint, source)
+    return ReplicaStart(checkpoint, int(checkpoint["iteration"]) if anchor is None else None, anchor, source)
+
+
+def _check_time(time_ns, source: str) -> None:
+    if time_ns is not None and (isinstance(time_ns, bool) or not isinstance(time_ns, int) or time_ns < 0):
+        raise ConfigError(f"{source}: time_ns is {time_ns!r}; expected the CLOCK_REALTIME nanoseconds (an int >= 0) "
+                          "at which the trainer's state was this checkpoint, or no time_ns")
+
+
+class Numbering:
+    """Ties a replica to the captured iterations for the appliance and replay: builds the
+    pipeline's numbering from a :class:`ReplicaStart`, takes offers, and reports where each
+    anchor fell (``Pipeline(on_anchor=Numbering.placed)``)."""
+
+    def __init__(self, start: ReplicaStart, replica: Replica, control: ControlPlane):
+        self.start, self.replica, self.control = start, replica, control
+        self.pipeline: Pipeline | None = None
+        if start.waiting:
+            replica.stale = True
+            control.event("replica.waiting", reason="no start state: the replica waits for the trainer's checkpoint "
+                                                    "with time_ns (POST /resync, gradtap resync)")
+            log.warning("no start state: the replica is stale until the trainer offers a checkpoint with time_ns")
+
+    def attach(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        if self.start.anchor is not None:
+            pipeline.anchor(self.start.anchor, start=True)
+
+    def offer(self, checkpoint: dict, source: str) -> list[int]:
+        """A trainer checkpoint to resync from (``Replica.offer`` with ``only``); before the
+        iterations are numbered it must carry ``time_ns``, which then numbers them."""
+        _check_time(checkpoint.get("time_ns"), source)
+        anchor = anchor_of(checkpoint, source)
+        if anchor is None and not self.pipeline.numbered:
+            raise ConfigError(f"{source}: the appliance does not know yet which captured iteration is which (it "
+                              f"started without a start state); offer a checkpoint with time_ns, the CLOCK_REALTIME "
+                              f"nanoseconds at which the trainer's state was this checkpoint")
+        replaced = self.replica.offer(checkpoint, only=True)
+        if anchor is not None:
+            self.pipeline.anchor(anchor)
+        return replaced
+
+    def placed(self, anchor: Anchor, ordinal: int | None, refused: str | None) -> None:
+        if refused is None:
+            self.control.event("anchor.placed", iteration=anchor.iteration, time_ns=anchor.time_ns,
+                               captured_iteration=ordinal, source=anchor.source)
+            log.info("%s: iteration %d is the capture's iteration %d", anchor.source, anchor.iteration, ordinal)
+            return
+        self.control.event("anchor.refused", iteration=anchor.iteration, time_ns=anchor.time_ns,
+                           source=anchor.source, reason=refused)
+        log.error("%s", refused)
+        if anchor is self.start.anchor:
+            if self.replica.open_iteration is not None:
+                self.replica.abort()
+            self.replica.stale = True
+            self.control.fallback(anchor.iteration, f"the start state cannot be placed in the capture: {refused}")
+        elif self.replica.offers.get(anchor.iteration) is not None:
+            del self.replica.offers[anchor.iteration]

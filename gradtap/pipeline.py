@@ -90,14 +90,14 @@ class Pipeline:
         work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
         results = list(self._pool.map(lambda nb: self._parse(*nb), work))
         t = time.perf_counter()
-        frames_end = dict((n, int(b.ts_ns[-1])) for n, b in work)
         for name, retired in results:
             parser = self.parsers[name]
             placed = parser.placed()
             for i, n in placed.items():       # by the streams' ordinal, as the merger takes them
                 if n != self._placed[name].get(i):
                     self.last_fed[i] = started
-                    self.merger.heard(i, frames_end[name])
+            for i, ts in parser.ends().items():
+                self.merger.heard(i, ts)
             self._placed[name] = placed
         self._place_anchors()
         for name, retired in results:
@@ -105,7 +105,7 @@ class Pipeline:
             for a in retired:
                 self._retired.setdefault(a.index, []).append((name, a.grad))
             self.merger.update(name, retired, parser.in_progress())
-        self.merger.advance(max([now_ns, *frames_end.values()]))
+        self.merger.advance(max([now_ns, *(int(b.ts_ns[-1]) for _, b in work)]))
         self._recycle()
         self._tell_failures()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()

@@ -112,6 +112,7 @@ class Merger:
         retired, and its in-flight slots (``StreamParser.in_progress``, views that stay valid
         until the stream is fed again). Call :meth:`advance` once every stream is updated."""
         for a in retired:
+            self.heard(a.index, a.end_ns)
             g = self._global(a.stream, a.index, a.start_ns)
             if g in self.iterations:
                 self.iterations[g].retired[a.stream] = a

@@ -83,6 +83,7 @@ class Slots(NamedTuple):
     got: np.ndarray         # int32[W, blocks]: bitmask of the units of each coverage block received
     seen: np.ndarray        # uint8[W, seen_bits]: packets received, by PSN position
     start_ns: np.ndarray    # int64[W]: time of the earliest data frame (-1: none yet)
+    end_ns: np.ndarray      # int64[W]: time of the latest data frame (-1: none yet)
 
 
 @njit(**JIT)
@@ -220,6 +221,23 @@ def _mark(got, slot, block, k, wire_off, payload_len, protocol, received):
                 got[slot, b] = got[slot, b] | (1 << (line % LL128_SLICE_LINES)) if received else 0
     elif block + k < got.shape[1]:
         got[slot, block + k] = got[slot, block + k] | 1 if received else 0
+
+
+@njit(**JIT)
+def _carried(got, slot, block, k, wire_off, payload_len, protocol):
+    """Whether every unit of the coverage block(s) a packet carries is received already: in
+    this stream another flow carried the same data (the allgather forwards each chunk, hop
+    after hop, unchanged)."""
+    if block < 0:
+        return False
+    if protocol == Protocol.LL128:
+        lines = (wire_off + payload_len) // LL128_LINE_BYTES - wire_off // LL128_LINE_BYTES
+        for line in range(wire_off // LL128_LINE_BYTES, (wire_off + payload_len) // LL128_LINE_BYTES):
+            b = block + line // LL128_SLICE_LINES
+            if b >= got.shape[1] or not got[slot, b] & (1 << (line % LL128_SLICE_LINES)):
+                return False
+        return lines > 0
+    return block + k < got.shape[1] and got[slot, block + k] & 1 != 0
 
 
 @njit(**JIT)
@@ -396,8 +414,19 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
             state.last_psn[f] = psn
         if slots.start_ns[slot] < 0 or rec["ts_ns"] < slots.start_ns[slot]:
             slots.start_ns[slot] = rec["ts_ns"]
+        if rec["ts_ns"] > slots.end_ns[slot]:
+            slots.end_ns[slot] = rec["ts_ns"]
         if not ag:
             counters[ev.OTHER_REDUCE_SCATTER] += 1
+            continue
+        if _carried(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol):
+            # The same data from another hop: compared, not stored; copies that differ leave
+            # the block uncovered in this stream, as a conflicting duplicate does.
+            if _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes, True):
+                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol, False)
+                counters[ev.DATA_DUPLICATE_CONFLICT] += 1
+            else:
+                counters[ev.DATA_WRITTEN] += 1
             continue
         _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes, False)
         _mark(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol, True)

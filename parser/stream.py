@@ -48,6 +48,7 @@ class AssembledIteration:
     grad: np.ndarray           # uint8[grad_bytes]: the flat gradient in the wire dtype
     got: np.ndarray            # int32[blocks]: bitmask of the units received per coverage block
     need: np.ndarray           # int32[blocks]: bitmask of the units each block needs
+    end_ns: int = -1           # time of its latest job frame, as seen by this stream
 
     @property
     def covered(self) -> np.ndarray:
@@ -99,7 +100,7 @@ class StreamParser:
         self.slots = Slots(grads=tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots)),
                            got=np.zeros((slots, len(plan.blocks)), np.int32),
                            seen=np.zeros((slots, t.seen_bits), np.uint8),
-                           start_ns=np.full(slots, -1, np.int64))
+                           start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64))
         self._spare: list[np.ndarray] = []
         self.slot0 = 0
         self.iteration = 0            # iteration held by slot0
@@ -287,6 +288,12 @@ class StreamParser:
                 out[self.iteration + r] = int(slots.start_ns[s])
         return self.lockon.capture_ns, out
 
+    def ends(self) -> dict[int, int]:
+        """Time of the latest frame placed in every iteration held (iteration -> ns)."""
+        slots = self.slots
+        return {self.iteration + r: int(slots.end_ns[(self.slot0 + r) % len(slots.grads)])
+                for r in range(len(slots.grads)) if slots.end_ns[(self.slot0 + r) % len(slots.grads)] >= 0}
+
     def placed(self) -> dict[int, int]:
         """Packets placed so far in every iteration held: iteration -> distinct packets (PSN
         positions) seen. A count that grew between two calls means frames of that iteration
@@ -332,7 +339,7 @@ class StreamParser:
     def _retire(self) -> AssembledIteration:
         s, slots = self.slot0, self.slots
         out = AssembledIteration(self.mirror.name, self.iteration, int(slots.start_ns[s]),
-                                 slots.grads[s], slots.got[s].copy(), self.need)
+                                 slots.grads[s], slots.got[s].copy(), self.need, int(slots.end_ns[s]))
         if out.start_ns >= 0:
             self.lockon.began(out.index, out.start_ns)
         if self._spare:
@@ -352,6 +359,7 @@ class StreamParser:
         slots.got[s] = 0
         slots.seen[s] = 0
         slots.start_ns[s] = -1
+        slots.end_ns[s] = -1
         locked = state.base_psn >= 0
         state.base_psn[locked] = psn_add(state.base_psn[locked], t.period[locked])
         known = state.step_base >= 0

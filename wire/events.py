@@ -65,7 +65,8 @@ EVENTS: tuple[tuple[str, str], ...] = (
     # stage 2, implausible or conflicting data (appended)
     ("data.implausible_psn", "PSN far from its flow's recent ones and out of sequence, or of an iteration past "
                              "the window without the pause that starts one"),
-    ("data.duplicate_conflict", "PSN already seen, with other data: its blocks are not covered by this stream"),
+    ("data.duplicate_conflict", "allgather data already received (its PSN, or its block from another hop of this "
+                                "stream) with other bytes: its blocks are not covered by this stream"),
 )
 
 NAMES = tuple(name for name, _ in EVENTS)

@@ -25,6 +25,7 @@ from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader
 from gradtap.control import ControlPlane
 from gradtap.core.errors import ConfigError
+from gradtap.gradient_dump import GradientDump
 from gradtap.merger.merger import IterationReport, Sink
 from gradtap.parser.lockon import LockFailure
 from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
@@ -174,7 +175,8 @@ def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, digests: bool = True,
                batch_frames: int = 65536, progress: Progress = _no_progress,
                resync: list[dict] | None = None, force: bool = False,
-               start_source: str = "the start state") -> tuple[ReplayResult, ReplicaSink]:
+               start_source: str = "the start state",
+               gradients: Path | None = None) -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
     whose ``iteration`` is the capture's first iteration, or, when it has a ``time_ns``, the
     first that began after it: ``gradtap/start.py``), writing into ``out``:
@@ -182,7 +184,9 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     ``events.jsonl`` and ``replay.json``. ``resync``: trainer checkpoints a stale replica
     resynchronises from when the streams reach their iteration. An ``out`` that cannot be
     written, or holds the snapshots of another replica (another job or start state), is
-    refused before anything in it changes; ``force`` clears the other replica's snapshots."""
+    refused before anything in it changes; ``force`` clears the other replica's snapshots.
+    ``gradients``: a directory for each recovered iteration's reduced gradient
+    (``gradtap/gradient_dump.py``)."""
     begin = replica_start(job, start, start_source)
     replica = Replica(job, begin.checkpoint)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
@@ -194,9 +198,11 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     for checkpoint in resync or []:
         replica.offer(checkpoint)
     sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests)
+    plan = job_plan(job)
     finished = False
     try:
-        result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, progress=progress,
+        result = replay(job, plan, pcaps, sink if gradients is None else GradientDump(sink, gradients, job, plan),
+                        batch_frames=batch_frames, progress=progress,
                         numbering=numbering,
                         on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()))
         finished = replica.open_iteration is None and bool(sink.applied)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gradtap.workload.buckets import Bucket
+from gradtap.workload.layout import layout_document
 from gradtap.workload.spec import JobSpec, ParamSpec
 
 
@@ -73,15 +74,8 @@ class TruthWriter:
 
     def layout(self, params: tuple[ParamSpec, ...], buckets: tuple[Bucket, ...], wire_dtype: str,
                first_iteration: int) -> None:
-        offset, out = 0, []
-        for b in buckets:
-            out.append({"index": b.index, "numel": b.numel, "flat_offset": offset,
-                        "params": [{"name": params[i].name, "shape": list(params[i].shape), "offset": o}
-                                   for i, o in zip(b.params, b.offsets)]})
-            offset += b.numel
         path = self.root / "layout.json"
-        path.write_text(json.dumps({"wire_dtype": wire_dtype, "total_elems": offset,
-                                    "first_iteration": first_iteration, "buckets": out}, indent=1))
+        path.write_text(json.dumps(layout_document(params, buckets, wire_dtype, first_iteration), indent=1))
         self._record(path)
 
     def start(self, state: dict) -> None:

@@ -55,3 +55,17 @@ def job_plan(job: JobSpec, buckets: tuple[Bucket, ...] | None = None) -> WirePla
     """The wire plan of one iteration in the job's bucket layout."""
     buckets = job_buckets(job) if buckets is None else buckets
     return build_plan(job, [b.numel for b in buckets])
+
+
+def layout_document(params: tuple[ParamSpec, ...], buckets: tuple[Bucket, ...], wire_dtype: str,
+                    first_iteration: int) -> dict:
+    """The bucket layout on the wire, as ``layout.json`` beside a flat gradient holds it: per
+    bucket in launch order its parameters (name, shape, element offset in the bucket) and
+    its element offset in the flat gradient; the wire dtype; the first iteration."""
+    offset, out = 0, []
+    for b in buckets:
+        out.append({"index": b.index, "numel": b.numel, "flat_offset": offset,
+                    "params": [{"name": params[i].name, "shape": list(params[i].shape), "offset": o}
+                               for i, o in zip(b.params, b.offsets)]})
+        offset += b.numel
+    return {"wire_dtype": wire_dtype, "total_elems": offset, "first_iteration": first_iteration, "buckets": out}

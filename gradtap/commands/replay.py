@@ -26,8 +26,11 @@ from gradtap.core.errors import CaptureError
                    "iteration (repeatable)")
 @click.option("--force", is_flag=True,
               help="clear the snapshots in --out when they are another replica's (another job or start state)")
+@click.option("--gradients", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="write each recovered iteration's reduced gradient here: iter_NNNNNN.npy, flat in wire order "
+                   "and dtype (bf16/fp16 as uint16), with layout.json (the simulator's truth format)")
 def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Path | None, digests: bool,
-                   resync: tuple[Path, ...], force: bool) -> None:
+                   resync: tuple[Path, ...], force: bool, gradients: Path | None) -> None:
     """Capture → parse → merge → update over files: the appliance, offline."""
     from rich.console import Console
 
@@ -47,7 +50,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     checkpoints = [load_checkpoint(path) for path in resync]
     with replay_progress(console, streams) as progress:
         result, sink = run_replay(job, streams, out, start_checkpoint(job, start), digests=digests,
-                                  progress=progress, resync=checkpoints, force=force,
+                                  progress=progress, resync=checkpoints, force=force, gradients=gradients,
                                   start_source=f"--start {start}" if start else
                                   f"initial_state of {job_path}")
     console.print(iteration_table(result, sink))
@@ -56,6 +59,8 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
         "[yellow]unchanged[/] (nothing applied: still the start state)"
     console.print(f"replica {state} at iteration {sink.replica.iteration}; snapshots in {out / 'snapshots'}; "
                   f"events in {out / 'events.jsonl'}")
+    if gradients is not None:
+        console.print(f"reduced gradients of the recovered iterations in {gradients}")
     unlocked = [name for name, locked in result.locked.items() if not locked]
     for name in unlocked:
         console.print(f"[yellow]warning:[/] stream {name} never locked on to the job's traffic; why: "

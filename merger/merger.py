@@ -92,6 +92,10 @@ class Merger:
         self.buckets = [BucketBlocks.of(plan.blocks, b, plan.bucket_offsets[b], elem)
                         for b in range(len(plan.bucket_numels))]
         self.byte_range = [(o * elem, (o + n) * elem) for o, n in zip(plan.bucket_offsets, plan.bucket_numels)]
+        # Where merged buckets are assembled, one at a time (the sink takes each at once):
+        # mapped and faulted in here, once, not per bucket.
+        self._scratch = np.zeros(max((hi - lo for lo, hi in self.byte_range), default=0), np.uint8)
+        self._scratch.fill(1)
         self.iterations: dict[int, _Iteration] = {}
         self._views: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self.next = 0                               # oldest ordinal not finished
@@ -177,7 +181,7 @@ class Merger:
             it = self.iterations[g]
             for b in np.flatnonzero(~it.handed):
                 copies = self._copies(g, b)
-                u = union(self.buckets[b], copies, self.byte_range[b][1] - self.byte_range[b][0])
+                u = union(self.buckets[b], copies, self.byte_range[b][1] - self.byte_range[b][0], self._scratch)
                 if u.complete:
                     it.cover[int(b)] = [(s, covered.copy()) for s, _, covered in copies]
                     self._hand(g, b, u)
@@ -253,7 +257,8 @@ class Merger:
         report = self._report(g)
         self._last_ns.pop(g, None)
         report.contradicted_blocks.update(self._contradicted(g))
-        pending = {int(b): union(self.buckets[b], self._copies(g, b), self.byte_range[b][1] - self.byte_range[b][0])
+        pending = {int(b): union(self.buckets[b], self._copies(g, b), self.byte_range[b][1] - self.byte_range[b][0],
+                                 self._scratch)
                    for b in np.flatnonzero(~it.handed)}
         missing = {b: int((~u.covered).sum()) for b, u in pending.items() if not u.complete}
         if report.contradicted_blocks:

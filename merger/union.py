@@ -16,7 +16,11 @@ it out would, as long as the others outvote it somewhere in the bucket.
 The merger asks every round whether each pending bucket is complete, so a
 :class:`BucketUnion` is lazy: a bucket with a block that no stream covers answers
 :attr:`BucketUnion.complete` from the coverage bitmaps alone, and the bytes are compared
-and merged once, when ``data``, ``covered`` or ``mismatches`` is first read.
+once, when ``covered`` or ``mismatches`` is first read. The merged bytes are assembled when
+``data`` is read, without allocating: a bucket taken whole from one stream is that
+stream's copy itself, and any other is assembled in the caller's ``scratch`` buffer (reused
+for every bucket, so its pages are mapped once), which every byte is written to because the
+blocks tile the bucket.
 """
 
 from __future__ import annotations
@@ -71,11 +75,15 @@ class BucketUnion:
 
     ``data``: ``uint8[bucket bytes]``, meaningful where covered; ``covered``: ``bool[k]``;
     ``mismatches``: the disagreeing blocks. The copies it was built from must not change
-    before it is read (the merger reads it at once).
+    before it is read (the merger reads it at once). ``data`` may be a stream's copy or the
+    ``scratch`` buffer: use it before the copies change or another union sharing ``scratch``
+    reads its ``data``.
     """
 
-    def __init__(self, blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], nbytes: int):
+    def __init__(self, blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], nbytes: int,
+                 scratch: np.ndarray | None = None):
         self._blocks, self._copies, self._nbytes = blocks, copies, nbytes
+        self._scratch = scratch
 
     @property
     def complete(self) -> bool:
@@ -86,23 +94,43 @@ class BucketUnion:
 
     @property
     def data(self) -> np.ndarray:
-        return self._merged[0]
+        chosen, covered, _ = self._votes
+        blocks, copies = self._blocks, self._copies
+        if covered.all() and len(chosen) and (chosen == chosen[0]).all():
+            return copies[chosen[0]][1]            # whole from one stream: its copy as it is
+        if covered.all() and self._scratch is not None and self._tiles():
+            data = self._scratch[:self._nbytes]    # every byte is written below
+        else:
+            data = np.zeros(self._nbytes, np.uint8)
+        for s, (_, bucket, _) in enumerate(copies):
+            # Runs of consecutive blocks taken from one stream are contiguous bytes.
+            edges = np.flatnonzero(np.diff(np.r_[0, covered & (chosen == s), 0].astype(np.int8)))
+            for first, stop in zip(edges[::2], edges[1::2]):
+                lo, hi = blocks.start[first], blocks.start[stop - 1] + blocks.nbytes[stop - 1]
+                data[lo:hi] = bucket[lo:hi]
+        return data
 
     @property
     def covered(self) -> np.ndarray:
-        return self._merged[1]
+        return self._votes[1]
 
     @property
     def mismatches(self) -> tuple[BlockMismatch, ...]:
-        return self._merged[2]
+        return self._votes[2]
+
+    def _tiles(self) -> bool:
+        """The blocks cover the bucket's bytes end to end."""
+        start, nbytes = self._blocks.start, self._blocks.nbytes
+        return bool(len(start) and start[0] == 0 and (start[1:] == start[:-1] + nbytes[:-1]).all()
+                    and start[-1] + nbytes[-1] == self._nbytes)
 
     @cached_property
-    def _merged(self) -> tuple[np.ndarray, np.ndarray, tuple[BlockMismatch, ...]]:
+    def _votes(self) -> tuple[np.ndarray, np.ndarray, tuple[BlockMismatch, ...]]:
+        """Per block the stream whose copy is taken, whether it is covered, and the disagreements."""
         blocks, copies = self._blocks, self._copies
         k = len(blocks.index)
-        data = np.zeros(self._nbytes, np.uint8)
         if not copies:
-            return data, np.zeros(k, bool), ()
+            return np.zeros(k, np.int64), np.zeros(k, bool), ()
         cov = np.stack([c for _, _, c in copies])             # [streams, k]
         count = cov.sum(axis=0)
         chosen = np.argmax(cov, axis=0)                       # the first covering stream of each block
@@ -125,18 +153,13 @@ class BucketUnion:
                 count[j] = 0
             else:
                 chosen[j] = choice
-        covered = count > 0
-        for s, (_, bucket, _) in enumerate(copies):
-            # Runs of consecutive blocks taken from one stream are contiguous bytes.
-            edges = np.flatnonzero(np.diff(np.r_[0, covered & (chosen == s), 0].astype(np.int8)))
-            for first, stop in zip(edges[::2], edges[1::2]):
-                lo, hi = blocks.start[first], blocks.start[stop - 1] + blocks.nbytes[stop - 1]
-                data[lo:hi] = bucket[lo:hi]
-        return data, covered, tuple(mismatches)
+        return chosen, count > 0, tuple(mismatches)
 
 
-def union(blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], nbytes: int) -> BucketUnion:
-    """Merge ``copies``: ``(stream, bucket bytes uint8[nbytes], covered bool[k])`` per stream."""
+def union(blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], nbytes: int,
+          scratch: np.ndarray | None = None) -> BucketUnion:
+    """Merge ``copies``: ``(stream, bucket bytes uint8[nbytes], covered bool[k])`` per stream;
+    ``scratch``: a reusable ``uint8`` buffer of at least ``nbytes`` to assemble ``data`` in."""
     k = len(blocks.index)
     if k and (blocks.start.min() < 0 or (blocks.start + blocks.nbytes).max() > nbytes):
         raise ValueError(f"bucket blocks reach outside the bucket's {nbytes} bytes")
@@ -145,7 +168,9 @@ def union(blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]]
                 or covered.shape != (k,):
             raise ValueError(f"stream {name}: copy is {bucket.dtype}{bucket.shape} with coverage "
                              f"{covered.shape}; the bucket needs contiguous uint8 ({nbytes},) and ({k},)")
-    return BucketUnion(blocks, copies, nbytes)
+    if scratch is not None and (scratch.dtype != np.uint8 or scratch.ndim != 1 or scratch.size < nbytes):
+        raise ValueError(f"scratch is {scratch.dtype}{scratch.shape}; the bucket needs uint8 of at least {nbytes}")
+    return BucketUnion(blocks, copies, nbytes, scratch)
 
 
 def _vote(blocks, copies, covering, j, tie: BlockMismatch | None = None) -> tuple[int | None, BlockMismatch]:

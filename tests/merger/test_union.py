@@ -77,8 +77,9 @@ def test_a_tie_between_streams_both_outvoted_stays_uncovered():
     assert not u.mismatches[2].resolved
 
 
+@pytest.mark.parametrize("scratch", [False, True], ids=["fresh", "scratch"])
 @pytest.mark.parametrize("seed", range(30))
-def test_union_equals_its_plain_twin(seed):
+def test_union_equals_its_plain_twin(seed, scratch):
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1, 9, size=rng.integers(1, 12))
     blocks = blocks_of(sizes)
@@ -91,7 +92,12 @@ def test_union_equals_its_plain_twin(seed):
             for _ in range(rng.integers(1, 4)):
                 data[rng.integers(0, total)] ^= 1 << int(rng.integers(0, 8))
         copies.append((f"s{s}", data, rng.random(len(sizes)) < 0.7))
-    u = union(blocks, copies, total)
+    # A reused buffer holds the last bucket's bytes: garbage, wherever the union is not written.
+    spare = np.full(total + 5, 0xAB, np.uint8) if scratch else None
+    u = union(blocks, copies, total, spare)
+    if scratch and u.complete:
+        data = u.data
+        assert any(np.shares_memory(data, c) for _, c, _ in copies) or np.shares_memory(data, spare)
     ranges = list(zip(blocks.start.tolist(), blocks.nbytes.tolist()))
     merged, covered, mismatches = naive_union.union(ranges, [(n, d.tobytes(), list(c)) for n, d, c in copies])
     assert list(u.covered) == covered
@@ -101,3 +107,16 @@ def test_union_equals_its_plain_twin(seed):
             assert u.data[start:start + n].tobytes() == value
     assert [(int(m.block) - 100, [list(g) for g in m.groups]) for m in u.mismatches] == \
         [(j, [list(g) for g in groups]) for j, groups in mismatches]
+
+
+def test_a_bucket_whole_from_one_stream_is_that_streams_copy_and_others_use_the_scratch():
+    blocks = blocks_of([4, 4])
+    truth = np.arange(8, dtype=np.uint8)
+    a, b = ("a", truth.copy(), np.array([True, True])), ("b", truth.copy(), np.array([False, True]))
+    spare = np.zeros(16, np.uint8)
+    assert union(blocks, [a, b], 8, spare).data is a[1]
+    c = ("c", truth.copy(), np.array([False, True]))
+    d = union(blocks, [("a", truth.copy(), np.array([True, False])), c], 8, spare).data
+    assert np.shares_memory(d, spare) and d.tobytes() == truth.tobytes()
+    with pytest.raises(ValueError, match="scratch"):
+        union(blocks, [a], 8, np.zeros(4, np.uint8))

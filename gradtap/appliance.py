@@ -145,7 +145,8 @@ class Appliance:
                                    unrecoverable=len(lines) - recovered, replica_iteration=self.replica.iteration,
                                    stale=self.replica.stale, lag_s=timings[-1].lag_s if timings else 0.0,
                                    parse_s=parse_s, merge_s=merge_s, update_s=update_s,
-                                   locked=self.pipeline.locked())
+                                   locked=self.pipeline.locked(), numbered=self.pipeline.numbered,
+                                   skipped=self.pipeline.merger.skipped)
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

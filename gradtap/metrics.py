@@ -8,8 +8,10 @@ twice and nothing can drift:
 - ``gradtap_drops_total{stream,reason}``: ``kernel`` (the socket), ``ring`` (ring full),
   ``truncated`` (longer than a ring slot);
 - ``gradtap_decode_events_total{stream,event}``: the parser's events (``wire/events.py``);
-- ``gradtap_iterations_total{result}``: ``recovered`` / ``unrecoverable``;
-- ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``;
+- ``gradtap_iterations_total{result}``: ``recovered`` / ``unrecoverable`` / ``skipped`` (captured
+  before the replica's start: ``gradtap/start.py``);
+- ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``,
+  ``gradtap_replica_numbered`` (0 while waiting for the trainer's checkpoint with ``time_ns``);
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating.
 """
 
@@ -46,6 +48,7 @@ class ApplianceCollector:
         iterations = CounterMetricFamily("gradtap_iterations", "merged iterations", labels=["result"])
         iterations.add_metric(["recovered"], s.recovered)
         iterations.add_metric(["unrecoverable"], s.unrecoverable)
+        iterations.add_metric(["skipped"], s.skipped)
         stages = CounterMetricFamily("gradtap_stage_seconds", "time per pipeline stage", labels=["stage"])
         for stage, seconds in (("parse", s.parse_s), ("merge", s.merge_s), ("update", s.update_s)):
             stages.add_metric([stage], seconds)
@@ -61,6 +64,8 @@ class ApplianceCollector:
                                 value=int(s.stale))
         yield GaugeMetricFamily("gradtap_replica_lag_seconds", "last iteration: its last frame to the update",
                                 value=s.lag_s)
+        yield GaugeMetricFamily("gradtap_replica_numbered", "0 while it is not known which captured iteration is "
+                                "which (waiting for the trainer's checkpoint with time_ns)", value=int(s.numbered))
 
 
 def serve(status: Callable[[], ApplianceStatus], port: int, address: str = "127.0.0.1") -> CollectorRegistry:

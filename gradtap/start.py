@@ -77,11 +77,12 @@ class Numbering:
             pipeline.anchor(self.start.anchor, start=True)
 
     def offer(self, checkpoint: dict, source: str) -> list[int]:
-        """A trainer checkpoint to resync from (``Replica.offer`` with ``only``); before the
-        iterations are numbered it must carry ``time_ns``, which then numbers them."""
+        """A trainer checkpoint to resync from (``Replica.offer`` with ``only``). A replica that
+        began waiting takes, until its iterations are numbered, only one with ``time_ns``,
+        which then numbers them."""
         _check_time(checkpoint.get("time_ns"), source)
         anchor = anchor_of(checkpoint, source)
-        if anchor is None and not self.pipeline.numbered:
+        if anchor is None and self.start.waiting and not self.pipeline.numbered:
             raise ConfigError(f"{source}: the appliance does not know yet which captured iteration is which (it "
                               f"started without a start state); offer a checkpoint with time_ns, the CLOCK_REALTIME "
                               f"nanoseconds at which the trainer's state was this checkpoint")

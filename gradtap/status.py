@@ -22,3 +22,6 @@ class ApplianceStatus:
     merge_s: float
     update_s: float
     locked: dict[str, bool]              # stream -> locked on to the job's traffic
+    numbered: bool = True                # False while it is not known which captured iteration is which
+                                         # (waiting for the trainer's checkpoint with time_ns)
+    skipped: int = 0                     # captured iterations before the replica's start: not applied

@@ -94,8 +94,10 @@ def verification_lines(v: Verification) -> list[str]:
 
 def status_table(s: ApplianceStatus) -> Table:
     """The live view of ``gradtap run``: capture and decode counters per stream."""
-    t = table(f"gradtap: replica at iteration {s.replica_iteration}{' [red](stale)[/]' if s.stale else ''}; "
-              f"{s.recovered} merged, {s.unrecoverable} unrecoverable; lag {s.lag_s * 1e3:.1f} ms",
+    replica = f"replica at iteration {s.replica_iteration}{' [red](stale)[/]' if s.stale else ''}" if s.numbered \
+        else "[yellow]replica waiting for the trainer's checkpoint with time_ns[/]"
+    t = table(f"gradtap: {replica}; {s.recovered} merged, {s.unrecoverable} unrecoverable, {s.skipped} skipped; "
+              f"lag {s.lag_s * 1e3:.1f} ms",
               "stream", "frames", "MB", "kernel\ndrops", "ring\ndrops", "written", "duplicates",
               numeric=("frames", "MB", "kernel\ndrops", "ring\ndrops", "written", "duplicates"))
     for name, c in s.capture.items():

@@ -394,7 +394,7 @@ def test_one_checkpoint_is_read_at_a_time_and_requests_are_bounded(tmp_path, sta
     replica, reference = stale
     release, entered = threading.Event(), threading.Event()
 
-    def slow_offer(checkpoint):
+    def slow_offer(checkpoint, source):
         entered.set()
         assert release.wait(30)
         return replica.offer(checkpoint, only=True)

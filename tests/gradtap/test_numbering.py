@@ -19,11 +19,13 @@ from gradtap.appliance import Appliance, RunOptions
 from gradtap.capture.worker import SourceSpec
 from gradtap.control import ControlPlane
 from gradtap.core.errors import ConfigError
+from gradtap.metrics import ApplianceCollector
 from gradtap.merger.numbering import Anchor, AnchorRefused, StreamStarts, anchor_ordinal
 from gradtap.replay import replay
 from gradtap.replica_sink import ReplicaSink
 from gradtap.simulator.truth import iteration_dir
 from gradtap.start import Numbering, replica_start
+from gradtap.tables import status_table
 from gradtap.updater.replica import Replica
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params, job_plan
@@ -123,6 +125,13 @@ def test_a_waiting_appliance_that_gets_no_offer_applies_nothing(sim, tmp_path):
     assert app.pipeline.merger.skipped == 4 and app.sink.lines == []
     assert [e["event"] for e in events(tmp_path / "run")] == ["replica.waiting"]
     assert not any((tmp_path / "run" / "snapshots").glob("iter_*"))
+    status = app.status()
+    assert not status.numbered and status.skipped == 4
+    metrics = {(m.name, tuple(sorted(x.labels.items()))): x.value
+               for m in ApplianceCollector(app.status).collect() for x in m.samples}
+    assert metrics[("gradtap_replica_numbered", ())] == 0
+    assert metrics[("gradtap_iterations", (("result", "skipped"),))] == 4
+    assert "waiting for the trainer's checkpoint" in status_table(status).title
 
 
 def test_before_numbering_an_offer_without_a_time_is_refused(sim, tmp_path):

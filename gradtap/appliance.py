@@ -72,8 +72,8 @@ class Appliance:
         self.replica = Replica(job, start.checkpoint)
         # First: refuses an --out that cannot be written or holds another replica's snapshots.
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                                   keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(self.replica, start.waiting),
-                                   force=options.force)
+                                   keep=job.appliance.snapshot_keep,
+                                   origin=ReplicaOrigin.of(self.replica, start.waiting), force=options.force)
         self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
         self.numbering = Numbering(start, self.replica, self.control)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,

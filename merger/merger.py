@@ -93,9 +93,9 @@ class Merger:
                         for b in range(len(plan.bucket_numels))]
         self.byte_range = [(o * elem, (o + n) * elem) for o, n in zip(plan.bucket_offsets, plan.bucket_numels)]
         # Where merged buckets are assembled, one at a time (the sink takes each at once):
-        # mapped and faulted in here, once, not per bucket.
-        self._scratch = np.zeros(max((hi - lo for lo, hi in self.byte_range), default=0), np.uint8)
-        self._scratch.fill(1)
+        # mapped and faulted in here (written once), not per bucket.
+        self._scratch = np.empty(max((hi - lo for lo, hi in self.byte_range), default=0), np.uint8)
+        self._scratch.fill(0)
         self.iterations: dict[int, _Iteration] = {}
         self._views: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self.next = 0                               # oldest ordinal not finished

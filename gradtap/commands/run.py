@@ -89,8 +89,9 @@ def _cpus(text: str, what: str) -> list[int]:
               help="clear the snapshots in --out when they are another replica's (another job or start state)")
 def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
                 start: Path | None, metrics_port: int, metrics_address: str, control_port: int,
-                control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...], capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int,
-                hugepages: str, no_status: bool, force: bool) -> None:
+                control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...],
+                capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int, hugepages: str,
+                no_status: bool, force: bool) -> None:
     """Capture mirror ports and keep a replica current until SIGINT/SIGTERM."""
     from rich.console import Console
     from rich.live import Live
@@ -99,9 +100,9 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.appliance import Appliance, RunOptions, status_loop, wait_for_stop
     from gradtap.checkpoints import offer_size_limit, start_checkpoint
     from gradtap.control_server import ControlServer, ControlSettings
+    from gradtap.job_file import open_job
     from gradtap.start import replica_start
     from gradtap.tables import status_table
-    from gradtap.job_file import open_job
 
     console = Console(stderr=True)
     job = open_job(job_path)
@@ -111,9 +112,9 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
                          force=force)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
-    source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
+    start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
     checkpoint = start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
-    appliance = Appliance(job, specs, out, replica_start(job, checkpoint, source), options)
+    appliance = Appliance(job, specs, out, replica_start(job, checkpoint, start_source), options)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:
         metrics.serve(appliance.status, metrics_port, metrics_address)

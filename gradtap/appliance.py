@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from gradtap.attestation import Attestations
 from gradtap.capture.ring import FrameRing
 from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.control import ControlPlane
@@ -76,8 +77,10 @@ class Appliance:
                                    origin=ReplicaOrigin.of(self.replica, start.waiting), force=options.force)
         self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
         self.numbering = Numbering(start, self.replica, self.control)
+        self.attestations = Attestations(self.replica, self.control)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
-                                report_path=self.out / "iterations.jsonl", digests=options.digests)
+                                report_path=self.out / "iterations.jsonl", digests=options.digests,
+                                attestations=self.attestations)
         self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, start.first_iteration,
                                  on_lockon_failed=lambda failure: self.control.event("lockon.failed",
                                                                                      **failure.as_event()),
@@ -99,6 +102,12 @@ class Appliance:
         iterations are numbered, it must carry ``time_ns`` (``gradtap/start.py``)."""
         with self._lock:
             return self.numbering.offer(checkpoint, source)
+
+    def attest(self, fingerprint: object) -> dict:
+        """The trainer's fingerprint of its state (the control endpoint's POST /attest): held
+        until the replica reaches that state, then compared (``gradtap/attestation.py``)."""
+        with self._lock:
+            return self.attestations.offer(fingerprint)
 
     def run(self) -> RunResult:
         reason, code = "stopped", 0
@@ -146,7 +155,8 @@ class Appliance:
                                    stale=self.replica.stale, lag_s=timings[-1].lag_s if timings else 0.0,
                                    parse_s=parse_s, merge_s=merge_s, update_s=update_s,
                                    locked=self.pipeline.locked(), numbered=self.pipeline.numbered,
-                                   skipped=self.pipeline.merger.skipped)
+                                   skipped=self.pipeline.merger.skipped, attested=self.attestations.attested,
+                                   diverged=self.attestations.diverged)
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

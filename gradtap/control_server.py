@@ -6,7 +6,9 @@ gradtap snapshot directory) to ``offer``: a stale replica resynchronises from it
 streams reach its iteration. The answer is 202 ``{"accepted": true, "iteration": k,
 "replaced": [...]}`` (the one pending offer replaces any earlier one), or 400 ``{"error":
 reason}``. ``GET /status`` answers ``status()`` as JSON. ``gradtap.control.request_resync``
-(``gradtap resync``) is the client.
+(``gradtap resync``) is the client. ``POST /attest`` takes the trainer's fingerprint of its
+state (``gradtap.trainer.attest``; ``gradtap/attestation.py`` checks it): 202, or 400 with
+the reason it cannot be checked.
 
 What keeps the endpoint from being abused:
 
@@ -100,10 +102,10 @@ class ControlServer:
     """
 
     def __init__(self, offer: Callable[[dict, str], Sequence[int]], status: Callable[[], Any],
-                 settings: ControlSettings):
+                 settings: ControlSettings, attest: Callable[[object], dict] | None = None):
         self.settings = settings
         self._token = ensure_token(settings.token_file)
-        self._offer, self._status = offer, status
+        self._offer, self._status, self._attest = offer, status, attest
         self._checkpoints = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradtap-control-offer")
         self._statuses = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradtap-control-status")
         self._reading: asyncio.Future | None = None     # the last checkpoint read (still running after a timeout)
@@ -154,6 +156,8 @@ class ControlServer:
         app = web.Application(client_max_size=s.max_body_bytes, middlewares=[self._guard])
         app.router.add_get("/status", self._get_status)
         app.router.add_post("/resync", self._post_resync)
+        if self._attest is not None:
+            app.router.add_post("/attest", self._post_attest)
         # keepalive_timeout also closes a connection that has not sent a whole request in time
         # (aiohttp arms it when the connection opens); lingering_time drains a refused body so
         # that the client reads the answer.
@@ -209,6 +213,23 @@ class ControlServer:
         except TimeoutError:
             return _busy("the appliance did not report its status in time")
         return web.json_response(asdict(status), dumps=lambda x: json.dumps(x, default=str))
+
+    async def _post_attest(self, request: web.Request) -> web.Response:
+        """The trainer's fingerprint (``trainer/attest.py``): 202 when held or checked."""
+        try:
+            body = json.loads(await asyncio.wait_for(request.read(), self.settings.request_timeout_s))
+        except TimeoutError:
+            return web.json_response({"error": "the body did not arrive in time"}, status=408)
+        except (ValueError, RecursionError):
+            return _refused("expected a JSON fingerprint (gradtap.trainer.attest.fingerprint)")
+        call = self._loop.run_in_executor(self._statuses, self._attest, body)
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(call), self.settings.request_timeout_s)
+        except TimeoutError:
+            return _busy("the appliance did not take the fingerprint in time")
+        except GradtapError as exc:
+            return _refused(str(exc))
+        return web.json_response(answer, status=202)
 
     async def _post_resync(self, request: web.Request) -> web.Response:
         try:

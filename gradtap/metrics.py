@@ -12,7 +12,9 @@ twice and nothing can drift:
   before the replica's start: ``gradtap/start.py``);
 - ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``,
   ``gradtap_replica_numbered`` (0 while waiting for the trainer's checkpoint with ``time_ns``);
-- ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating.
+- ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating;
+- ``gradtap_attestations_total{result}``: the trainer's fingerprints the replica ``matched`` or
+  ``diverged`` from (``gradtap/attestation.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +54,11 @@ class ApplianceCollector:
         stages = CounterMetricFamily("gradtap_stage_seconds", "time per pipeline stage", labels=["stage"])
         for stage, seconds in (("parse", s.parse_s), ("merge", s.merge_s), ("update", s.update_s)):
             stages.add_metric([stage], seconds)
-        yield from (frames, nbytes, drops, events, iterations, stages)
+        attestations = CounterMetricFamily("gradtap_attestations", "the trainer's fingerprints checked",
+                                           labels=["result"])
+        attestations.add_metric(["matched"], s.attested)
+        attestations.add_metric(["diverged"], s.diverged)
+        yield from (frames, nbytes, drops, events, iterations, stages, attestations)
         locked = GaugeMetricFamily("gradtap_stream_locked", "1 once the stream has locked on to the job's "
                                    "traffic (0: see the lockon.failed event)", labels=["stream"])
         for stream, yes in s.locked.items():

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gradtap.attestation import Attestations
 from gradtap.control import ControlPlane
 from gradtap.digest import replica_digest
 from gradtap.merger.merger import IterationReport
@@ -40,8 +41,10 @@ class ReplicaSink:
     """Applies merged buckets to ``replica``; reports to ``control``; snapshots to ``snapshots``."""
 
     def __init__(self, replica: Replica, control: ControlPlane, *, snapshots: Snapshots | None = None,
-                 report_path: Path | None = None, digests: bool = False):
+                 report_path: Path | None = None, digests: bool = False,
+                 attestations: Attestations | None = None):
         self.replica, self.control = replica, control
+        self.attestations = attestations
         self.snapshots = snapshots
         self.report_path, self.digests = report_path, digests
         self.applied: list[int] = []
@@ -81,9 +84,11 @@ class ReplicaSink:
         elif not r.stale and r.open_iteration == iteration:
             r.end()
             self.applied.append(iteration)
+            if self.attestations is not None:
+                self.attestations.reached()       # before the snapshot: a diverged replica writes none
             if self.digests:
                 line["digest"] = replica_digest(r)
-            if self.snapshots is not None and self.snapshots.due(r.iteration):
+            if self.snapshots is not None and not r.stale and self.snapshots.due(r.iteration):
                 self._snapshot(line)
         line["stale"] = r.stale
         self.lines.append(line)

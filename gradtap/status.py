@@ -25,3 +25,5 @@ class ApplianceStatus:
     numbered: bool = True                # False while it is not known which captured iteration is which
                                          # (waiting for the trainer's checkpoint with time_ns)
     skipped: int = 0                     # captured iterations before the replica's start: not applied
+    attested: int = 0                    # the trainer's fingerprints the replica matched
+    diverged: int = 0                    # ... and those it did not (each a fallback)

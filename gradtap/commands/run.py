@@ -124,7 +124,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                                    out / "control.token", max_checkpoint_bytes=offer_size_limit(job),
                                    resync_dirs=tuple(resync_dirs) or job.appliance.resync_dirs,
                                    address=control_address, port=control_port)
-        control = ControlServer(appliance.offer, appliance.status, settings)
+        control = ControlServer(appliance.offer, appliance.status, settings, attest=appliance.attest)
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not no_status else None
     if live is not None:
         live.start()

@@ -67,7 +67,7 @@ class ControlSettings:
     resync_dirs: tuple[Path, ...] = ()
     address: str = "127.0.0.1"
     port: int = 9465                      # 0: any free port (``ControlServer.port`` says which)
-    max_body_bytes: int = 64 << 10
+    max_body_bytes: int = 1 << 20       # a fingerprint (POST /attest) of a model of thousands of parameters
     request_timeout_s: float = 10.0       # headers and body of one request
     checkpoint_timeout_s: float = 300.0   # reading and parsing one offered checkpoint
     max_requests: int = 8                 # handled at once

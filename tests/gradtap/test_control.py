@@ -350,8 +350,8 @@ server.close()
 
 def test_an_oversized_body_is_refused_with_413(endpoint, stale):
     replica, _ = stale
-    code, answer = endpoint.call("POST", "/resync", {"checkpoint": "/" + "a" * (1 << 20)})
-    assert code == 413 and "larger than 65536 bytes" in answer["error"]
+    code, answer = endpoint.call("POST", "/resync", {"checkpoint": "/" + "a" * (2 << 20)})
+    assert code == 413 and "larger than 1048576 bytes" in answer["error"]
     code, _ = endpoint.call("POST", "/resync", {"checkpoint": "/" + "a" * 60000})        # under the limit
     assert code == 400
     assert not replica.offers

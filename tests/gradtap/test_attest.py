@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.appliance import Appliance, RunOptions
-from gradtap.capture.worker import SourceSpec
 from gradtap.control_server import ControlServer, ControlSettings
 from gradtap.control_token import read_token
 from gradtap.core.errors import ConfigError
@@ -23,6 +21,7 @@ from gradtap.simulator.run import resume
 from gradtap.trainer.attest import Attestor, fingerprint, fingerprint_of, positions
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
+from tests.gradtap.test_numbering import appliance, events
 from tests.simulator.test_simulate import make_job, simulate
 
 
@@ -56,16 +55,6 @@ def sim(tmp_path_factory):
     start = torch.load(root / "truth" / "start.pt", weights_only=True)
     trainer = resume(job, {k: v for k, v in start.items() if k != "time_ns"}, seed=7, until=3)
     return job, root, start, fingerprint(3, trainer.model, trainer.optimizer)
-
-
-def appliance(job, root, out, start):
-    streams = {m.name: SourceSpec("pcap", (str(root / "streams" / f"{m.name}.pcap"),), {}) for m in job.mirrors}
-    return Appliance(job, streams, out, start, RunOptions(ring_slots=4096, slot_size=4352, hugepages="off",
-                                                          digests=True))
-
-
-def events(out):
-    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
 
 
 def test_the_replica_matches_the_trainers_fingerprint(sim, tmp_path):

@@ -55,30 +55,35 @@ def anchor_of(checkpoint: Mapping, source: str) -> Anchor | None:
 def anchor_ordinal(anchor: Anchor, streams: Mapping[str, StreamStarts], pause_ns: int) -> int | None:
     """The ordinal of the captured iteration that is ``anchor.iteration``: the first that
     began after ``anchor.time_ns``. ``None`` while no stream has seen one begin after it
-    (the trainer has not sent it yet); :class:`AnchorRefused` when no stream can tell (each
-    began listening more than ``pause_ns`` after it) or the streams disagree."""
+    (the trainer has not sent it yet); :class:`AnchorRefused` when no stream can tell or the
+    streams disagree. A stream can tell when it was listening by then (less than
+    ``pause_ns`` after it) and knows the start of the iteration before the first that began
+    after it (or that one is the capture's first): a stream keeps only its recent starts, and
+    an iteration it kept no start of may have begun after ``time_ns`` too."""
     found: dict[int, list[str]] = {}
-    waiting, late = [], []
+    waiting, unknown = [], []
     for name, s in streams.items():
         if s.capture_ns is None:
             waiting.append(name)
         elif anchor.time_ns < s.capture_ns - pause_ns:
-            late.append(f"{name} from {s.capture_ns}")
+            unknown.append(f"{name} listens since {s.capture_ns} ns, more than the {pause_ns / 1e6:g} ms pause later")
         else:
             after = [o for o, t in s.starts.items() if t > anchor.time_ns]
-            if after:
+            if not after:
+                waiting.append(name)
+            elif min(after) == 0 or min(after) - 1 in s.starts:
                 found.setdefault(min(after), []).append(name)
             else:
-                waiting.append(name)
+                unknown.append(f"{name} keeps no start of its iteration {min(after) - 1}")
     if len(found) > 1:
         votes = "; ".join(f"{o} by {', '.join(names)}" for o, names in sorted(found.items()))
         raise AnchorRefused(f"{anchor.source}: the streams disagree on which captured iteration began first after "
                             f"time_ns {anchor.time_ns} ({votes})")
     if found:
         return next(iter(found))
-    if late and not waiting:
-        raise AnchorRefused(f"{anchor.source}: time_ns {anchor.time_ns} of iteration {anchor.iteration} is before the "
-                            f"capture began (streams listening since {', '.join(late)} ns, more than the "
-                            f"{pause_ns / 1e6:g} ms pause earlier), so iterations may have begun unseen; offer a "
-                            f"checkpoint the trainer takes after the appliance started")
+    if unknown and not waiting:
+        raise AnchorRefused(f"{anchor.source}: no stream can tell which captured iteration began first after time_ns "
+                            f"{anchor.time_ns} of iteration {anchor.iteration} ({'; '.join(unknown)}): iterations may "
+                            f"have begun unseen; offer a checkpoint the trainer takes after the appliance started, "
+                            f"and ahead of its iteration")
     return None

@@ -51,15 +51,25 @@ def test_an_anchor_is_the_first_iteration_to_begin_after_its_time():
 
 def test_an_anchor_before_the_capture_began_is_refused_unless_within_the_pause():
     late = {"s": starts(10 * PAUSE, o0=10 * PAUSE + 5, o1=20 * PAUSE)}
-    with pytest.raises(AnchorRefused, match="before the capture began"):
+    with pytest.raises(AnchorRefused, match="listens since .* more than the 1 ms pause later"):
         anchor_ordinal(Anchor(3, 5 * PAUSE, "POST /resync x"), late, PAUSE)
     # Less than the trainer's pause before the capture: no iteration can have begun unseen.
     assert anchor_ordinal(Anchor(3, 10 * PAUSE - PAUSE // 2, "x"), late, PAUSE) == 0
 
 
+def test_an_anchor_older_than_the_starts_a_stream_keeps_is_refused():
+    """Iterations 0..99 were counted but their starts are no longer kept: the first kept one
+    that began after the time need not be the first that did."""
+    kept = {"s": starts(0, o100=1000, o101=2000)}
+    with pytest.raises(AnchorRefused, match="keeps no start of its iteration 99"):
+        anchor_ordinal(Anchor(3, 500, "x"), kept, PAUSE)
+    assert anchor_ordinal(Anchor(3, 1500, "x"), kept, PAUSE) == 101
+    assert anchor_ordinal(Anchor(3, 500, "x"), {"s": starts(0, o0=600, o1=900)}, PAUSE) == 0
+
+
 def test_streams_that_disagree_refuse_the_anchor():
     with pytest.raises(AnchorRefused, match="disagree"):
-        anchor_ordinal(Anchor(3, 150, "x"), {"s": starts(0, o1=200), "t": starts(0, o2=200)}, PAUSE)
+        anchor_ordinal(Anchor(3, 150, "x"), {"s": starts(0, o0=100, o1=200), "t": starts(0, o1=100, o2=200)}, PAUSE)
 
 
 # -- the appliance --------------------------------------------------------------------------
@@ -152,7 +162,7 @@ def test_a_start_state_timed_before_the_capture_leaves_the_replica_stale(sim, tm
     app.run()
     assert app.sink.applied == [] and app.replica.stale
     got = events(tmp_path / "run")
-    assert got[0]["event"] == "anchor.refused" and "before the capture began" in got[0]["reason"]
+    assert got[0]["event"] == "anchor.refused" and "more than the 1 ms pause later" in got[0]["reason"]
     assert got[1]["event"] == "fallback" and "cannot be placed" in got[1]["reason"]
 
 

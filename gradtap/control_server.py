@@ -214,13 +214,20 @@ class ControlServer:
             return _busy("the appliance did not report its status in time")
         return web.json_response(asdict(status), dumps=lambda x: json.dumps(x, default=str))
 
+    async def _json_body(self, request: web.Request) -> object:
+        """The request's body as JSON (None when it is not JSON, or nested too deeply to parse);
+        408 when it does not arrive in time."""
+        try:
+            return json.loads(await asyncio.wait_for(request.read(), self.settings.request_timeout_s))
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(text="the body did not arrive in time") from None
+        except (ValueError, RecursionError):
+            return None
+
     async def _post_attest(self, request: web.Request) -> web.Response:
         """The trainer's fingerprint (``trainer/attest.py``): 202 when held or checked."""
-        try:
-            body = json.loads(await asyncio.wait_for(request.read(), self.settings.request_timeout_s))
-        except TimeoutError:
-            return web.json_response({"error": "the body did not arrive in time"}, status=408)
-        except (ValueError, RecursionError):
+        body = await self._json_body(request)
+        if body is None:
             return _refused("expected a JSON fingerprint (gradtap.trainer.attest.fingerprint)")
         call = self._loop.run_in_executor(self._statuses, self._attest, body)
         try:
@@ -232,12 +239,7 @@ class ControlServer:
         return web.json_response(answer, status=202)
 
     async def _post_resync(self, request: web.Request) -> web.Response:
-        try:
-            body = json.loads(await asyncio.wait_for(request.read(), self.settings.request_timeout_s))
-        except TimeoutError:
-            return web.json_response({"error": "the body did not arrive in time"}, status=408)
-        except (ValueError, RecursionError):     # not JSON, or nested too deeply to parse
-            body = None
+        body = await self._json_body(request)
         if not isinstance(body, dict) or set(body) != {"checkpoint"} or not isinstance(body["checkpoint"], str):
             return _refused('expected the JSON object {"checkpoint": "/absolute/path"}')
         if self._offering or (self._reading is not None and not self._reading.done()):

@@ -32,27 +32,27 @@ class GradientDump:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = WIRE_NUMPY[job.ddp.grad_dtype]
         self.offsets = [o * plan.elem_size for o in plan.bucket_offsets]
-        self.total = plan.total_elems * plan.elem_size
-        self._open: tuple[int, np.ndarray] | None = None     # iteration, its gradient's bytes so far
+        # One buffer for every iteration: a recovered one had every bucket handed, so every
+        # byte written is its own.
+        self._grad = np.zeros(plan.total_elems * plan.elem_size, np.uint8)
+        self._open: int | None = None         # the iteration whose buckets the buffer holds
         self.written: list[int] = []
         self._layout = (job_params(job), job_buckets(job), job.ddp.grad_dtype)
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None:
-        if self._open is None or self._open[0] != iteration:
-            self._open = (iteration, np.zeros(self.total, np.uint8))
+        self._open = iteration
         raw = data.view(np.uint8).reshape(-1)
-        self._open[1][self.offsets[bucket]:self.offsets[bucket] + raw.size] = raw
+        self._grad[self.offsets[bucket]:self.offsets[bucket] + raw.size] = raw
         self.sink.bucket(iteration, bucket, data)
 
     def iteration_done(self, iteration: int, report: IterationReport) -> None:
-        grad = self._open[1] if self._open is not None and self._open[0] == iteration else None
-        self._open = None
-        if report.recovered and grad is not None:
+        held, self._open = self._open == iteration, None
+        if report.recovered and held:
             if not self.written:
                 params, buckets, dtype = self._layout
                 self._write_text("layout.json", json.dumps(layout_document(params, buckets, dtype, iteration),
                                                            indent=1))
-            self._write_array(f"iter_{iteration:06d}.npy", grad.view(self.dtype))
+            self._write_array(f"iter_{iteration:06d}.npy", self._grad.view(self.dtype))
             self.written.append(iteration)
         self.sink.iteration_done(iteration, report)
 

@@ -167,10 +167,12 @@ class Pipeline:
         """Number the merger by ``a``, at ``ordinal``, or check that its numbering agrees."""
         m = self.merger
         if m.first is None:
-            if ordinal < m.next:
+            try:
+                m.number(ordinal, a.iteration)
+            except ValueError:        # the merger is past that ordinal
                 raise AnchorRefused(f"{a.source}: iteration {a.iteration} is captured iteration {ordinal}, which the "
-                                    f"streams have passed; offer the trainer's checkpoint ahead of its iteration")
-            m.number(ordinal, a.iteration)
+                                    f"streams have passed; offer the trainer's checkpoint ahead of its iteration") \
+                    from None
         elif m.first + ordinal != a.iteration:
             raise AnchorRefused(f"{a.source}: its time_ns places iteration {a.iteration} at captured iteration "
                                 f"{ordinal}, which the replica numbers {m.first + ordinal}: the checkpoint's "

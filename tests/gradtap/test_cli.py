@@ -118,7 +118,7 @@ def helps(columns: int = 80) -> dict[str, str]:
 
 def test_help_lists_the_commands_in_the_order_of_the_data_flow():
     text = helps()[""]
-    order = ("demo", "simulate", "inspect", "replay", "verify", "run", "resync", "netconfig")
+    order = ("demo", "simulate", "inspect", "discover", "replay", "verify", "run", "resync", "netconfig")
     assert COMMAND_MODULES == order
     listed = re.findall(r"^\W+(\w+)\s{2,}\w", text[text.index("Commands"):], re.M)
     assert tuple(listed) == order, text

@@ -53,6 +53,7 @@ WRITES = (WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRI
 ENDS_WITH_IMM = {str(WRITE_LAST_IMM), str(WRITE_ONLY_IMM)}
 PLAIN_ENDS = {str(WRITE_LAST), str(WRITE_ONLY)}
 IMM_SAMPLES = 256        # decisive ImmDt comparisons kept per capture set
+TRIAL_FRAMES = 2_000_000  # frames of a capture one candidate is given to lock on and recover an iteration
 
 
 @dataclass
@@ -66,7 +67,7 @@ class Survey:
     mtu: int | None                       # None: no multi-packet write
     imm_order: Counter                    # "little"/"big": ImmDt equal to the write's RETH length
     cts_sizes: Counter                    # payload bytes of the CTS writes
-    hosts: list[Counter]                  # per file: address -> (sent, received) write frames
+    hosts: list[dict[str, tuple[int, int]]]   # per file: address -> (sent, received) write frames
 
 
 @dataclass
@@ -80,7 +81,8 @@ class Ring:
     macs: dict[str, str]
     eras: list[str]                       # eras the CTS size and ImmDt order allow
     adaptive_routing: bool                # data messages end in a zero-length WRITE with immediate
-    undecided: list[str] = field(default_factory=list)
+    undecided: list[str] = field(default_factory=list)   # what the wire does not show
+    to_fit: list[str] = field(default_factory=list)      # what :func:`fit` decides, given the model
 
     @staticmethod
     def order_of(doc: dict) -> list[str]:
@@ -233,12 +235,11 @@ def ring_of(s: Survey) -> Ring:
     if len(counts) != 1:
         undecided.append(f"the ring's edges carry different numbers of data flows ({sorted(counts)}): some flows "
                          "were not captured, or other traffic shares the ring's protocol")
-    ranks = len(order)
-    undecided.append(f"which rank is ring position 0: any rotation of the {ranks} ranks fits the wire modulo an "
-                     "iteration; give --job with the model to decide it")
+    to_fit = [f"which rank is ring position 0: any rotation of the {len(order)} ranks fits the wire modulo an "
+              "iteration; give --job with the model to decide it"]
     per_edge = max(counts)
     if per_edge > 1:
-        undecided.append(f"channels x QPs per connection = {per_edge}: written as {per_edge} channels of 1 QP; "
+        to_fit.append(f"channels x QPs per connection = {per_edge}: written as {per_edge} channels of 1 QP; "
                          "give --job to try the other splits")
     missing = [a for a in order if a not in s.macs]
     if missing:
@@ -246,14 +247,18 @@ def ring_of(s: Survey) -> Ring:
     if s.mtu is None:
         undecided.append("the MTU: no multi-packet write was captured")
     eras = eras_of(s)
+    if not eras:
+        raise GradtapError(f"the CTS writes ({dict(s.cts_sizes)} bytes) and ImmDt byte order ({dict(s.imm_order)}) "
+                           f"fit no NCCL era from {SUPPORTED_ERAS[0]} to {SUPPORTED_ERAS[-1]} (CTS of 32 bytes up "
+                           "to 2.19 and 64 from 2.20; ImmDt big-endian from 2.29)")
     if len(eras) > 1:
-        undecided.append(f"the NCCL era: the wire fits {eras[0]} to {eras[-1]}; give the trainer's NCCL "
+        to_fit.append(f"the NCCL era: the wire fits {eras[0]} to {eras[-1]}; give the trainer's NCCL "
                          "(major.minor), or --job to try each")
     # NCCL_IB_ADAPTIVE_ROUTING: the bulk of a message goes as a plain WRITE, then a zero-length
     # WRITE with immediate (ncclIbMultiSend); without it every data write carries the immediate.
     adaptive = any(set(f["opcodes"]) & PLAIN_ENDS for f in data if f["nccl_protocol"] == proto)
     return Ring(order=order, protocol=proto, flows_per_edge=per_edge, mtu=s.mtu, macs=s.macs, eras=eras,
-                adaptive_routing=adaptive, undecided=undecided)
+                adaptive_routing=adaptive, undecided=undecided, to_fit=to_fit)
 
 
 def _cycle(edges: Counter) -> list[str] | None:
@@ -342,7 +347,7 @@ def fit(partial: dict, s: Survey, ring: Ring, progress: Callable[[int, int], Non
 
 def _try(doc: dict, partial: dict, s: Survey, ring: Ring) -> Fit:
     """One candidate through the stream parser, capture by capture, until each has locked on
-    and recovered an iteration (or ended)."""
+    and recovered an iteration, or ended, or given :data:`TRIAL_FRAMES` frames."""
     from gradtap.parser.stream import StreamParser
     from gradtap.workload.layout import job_plan
     from gradtap.workload.spec import parse_job
@@ -354,10 +359,12 @@ def _try(doc: dict, partial: dict, s: Survey, ring: Ring) -> Fit:
     for i, path in enumerate(s.files):
         parser = StreamParser(spec, plan, f"capture{i}")
         got: list = []
+        frames = 0
         with PcapReader(path) as reader:
             for batch in reader:
                 got += parser.feed(batch)
-                if parser.locked and any(a.covered.any() for a in got):
+                frames += len(batch.offsets)
+                if (parser.locked and any(a.covered.any() for a in got)) or frames >= TRIAL_FRAMES:
                     break
         got += parser.flush()
         if parser.locked and any(a.covered.any() for a in got):
@@ -408,7 +415,7 @@ def discover(paths: Iterable, partial: dict | None = None,
                 "adaptive_routing": ring.adaptive_routing, "mtu": ring.mtu}
         return Discovery(doc={"nccl": {k: v for k, v in nccl.items() if v is not None},
                               "ring": {"ranks": [{k: v for k, v in r.items() if v is not None} for r in ranks]}},
-                         learnt=[], undecided=ring.undecided)
+                         learnt=[], undecided=ring.to_fit + ring.undecided)
     for key in ("name", "model"):
         if key not in partial:
             raise ConfigError(f"--job: the partial job has no '{key}'; discover needs the job's name and its model "
@@ -420,7 +427,7 @@ def discover(paths: Iterable, partial: dict | None = None,
                            "one's reasons:\n  " + "\n  ".join(best.reasons) +
                            "\ncheck the model (its bucket sizes) and the ddp section of the partial job")
     ties = [f for f in fits if f.locked == best.locked]
-    undecided = [u for u in ring.undecided if not u.startswith(("which rank", "channels x QPs", "the NCCL era"))]
+    undecided = list(ring.undecided)
     if len(ties) > 1:
         undecided.append(f"{len(ties)} jobs fit equally ({best.locked} of {len(s.files)} captures): "
                          + "; ".join(_differs(best.spec, f.spec) for f in ties[1:]) + "; the first is written")

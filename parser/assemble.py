@@ -49,7 +49,7 @@ from gradtap.wire.ll import LL_DATA1_OFF, LL_DATA2_OFF, LL_FLAG1_OFF, LL_FLAG2_O
     LL_LINE_BYTES, LL_LINE_DATA_BYTES
 from gradtap.wire.ll128 import LL128_FLAG_WORD, LL128_LINE_BYTES, LL128_LINE_WORDS, LL128_SLICE_DATA_WORDS, \
     LL128_SLICE_LINES, LL128_SLICE_WIRE_WORDS, LL128_WIRE_TO_DATA, LL128_WORD_BYTES
-from gradtap.wire.protocol import Protocol
+from gradtap.wire.protocol import N_PROTOCOLS, Protocol
 from gradtap.wire.psn import psn_add, psn_ahead, psn_delta
 from gradtap.workload.nccl import NCCL_STEPS
 from gradtap.workload.wire_plan import NO_VA, PHASE_AG
@@ -68,8 +68,12 @@ class StreamState(NamedTuple):
 
     base_psn: np.ndarray    # int64[F]: PSN of flow f's first packet in the oldest slot's iteration
     step_base: np.ndarray   # int64[C]: absolute FIFO step of connection c at that iteration's start
-    va_ref: np.ndarray      # int64[C]: a RETH address of c minus its offset in the FIFO slot
-    va_step: np.ndarray     # int64[C]: the step (relative to the oldest slot) va_ref was seen at
+    va_ref: np.ndarray      # int64[C * N_PROTOCOLS]: per connection c and protocol p: a RETH address
+                            # minus its offset in the FIFO slot (each protocol has its own buffer)
+    va_step: np.ndarray     # int64[C * N_PROTOCOLS]: the step (relative to the oldest slot) va_ref was seen at
+    origin: np.ndarray      # int64[C, W]: step of connection c where the iteration of window slot r
+                            # starts, relative to the oldest slot's (see origins())
+    origin_phase: np.ndarray  # int64[C, W]: the phase (row of t.phase_steps) of that iteration
     last_ns: np.ndarray     # int64[1]: time of the last data frame placed (-1: none yet)
     last_psn: np.ndarray    # int64[F]: the newest PSN placed on flow f (-1: none yet)
     prev_psn: np.ndarray    # int64[F]: the PSN of flow f's previous data frame, placed or not
@@ -84,6 +88,34 @@ class Slots(NamedTuple):
     seen: np.ndarray        # uint8[W, seen_bits]: packets received, by PSN position
     start_ns: np.ndarray    # int64[W]: time of the earliest data frame (-1: none yet)
     end_ns: np.ndarray      # int64[W]: time of the latest data frame (-1: none yet)
+
+
+@njit(**JIT)
+def origins(state, t, c):
+    """Connection ``c``'s iteration starts and phases across the window, from its counter at
+    the oldest slot's start (``step_base``; phase 0 while it is not known)."""
+    q = t.phase_steps.shape[0]
+    at = 0
+    for r in range(state.origin.shape[1]):
+        phi = (state.step_base[c] + at) % q if state.step_base[c] >= 0 else 0
+        state.origin[c, r] = at
+        state.origin_phase[c, r] = phi
+        at += t.phase_period[phi, c]
+
+
+@njit(**JIT)
+def _learn_phased(state, t, c, step, w):
+    """The counter of connection ``c`` at the oldest slot's start, from message ``w`` of that
+    iteration seen at absolute ``step``: the phase whose plan puts ``w`` there. Where several
+    phases do (``w`` follows a call that rounded the counter up), each gives the same steps
+    from ``w`` on, which is what is still to come; the first is taken."""
+    q = t.phase_steps.shape[0]
+    for phi in range(q):
+        base = step - t.phase_steps[phi, w]
+        if base >= 0 and base % q == phi:
+            state.step_base[c] = base
+            origins(state, t, c)
+            return
 
 
 @njit(**JIT)
@@ -357,7 +389,11 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
             counters[ev.DATA_LENGTH_MISMATCH] += 1
             continue
         c = t.conn[f]
-        rel_step = it * t.conn_steps[c] + m["step"]
+        proto = m["protocol"]
+        rel_step = state.origin[c, it] + t.phase_steps[state.origin_phase[c, it], w]
+        # Where a connection's steps depend on its counter's phase, they are only known once
+        # a flag gave the counter: until then neither its addresses nor its flags are checked.
+        unknown = t.phased[c] and state.step_base[c] < 0
         if has_reth:
             reth_len = payload_len if split_only else m["wire_bytes"]
             if rec["reth_len"] != reth_len:
@@ -367,14 +403,16 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
                 if rec["reth_va"] != 0:
                     counters[ev.DATA_VA_MISMATCH] += 1
                     continue
-            else:
+            elif not unknown:
                 va = np.int64(rec["reth_va"]) - m["part_offset"] - (k * t.mtu if split_only else 0)
-                if state.va_ref[c] < 0:
-                    state.va_ref[c] = va
-                    state.va_step[c] = rel_step
-                d = va - state.va_ref[c]
+                cp = c * N_PROTOCOLS + proto
+                if state.va_ref[cp] < 0:
+                    state.va_ref[cp] = va
+                    state.va_step[cp] = rel_step
+                d = va - state.va_ref[cp]
+                step_bytes = t.step_bytes[proto]
                 # The address is the slot of the step: the slots cycle every NCCL_STEPS steps.
-                if d % t.step_bytes != 0 or ((d // t.step_bytes) - (rel_step - state.va_step[c])) % NCCL_STEPS != 0:
+                if d % step_bytes != 0 or ((d // step_bytes) - (rel_step - state.va_step[cp])) % NCCL_STEPS != 0:
                     counters[ev.DATA_VA_MISMATCH] += 1
                     continue
         if has_imm:
@@ -383,14 +421,20 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
                 counters[ev.DATA_IMM_MISMATCH] += 1
                 continue
         wire_off = m["part_offset"] + k * t.mtu
-        if t.protocol != Protocol.SIMPLE and payload_len > 0:
+        if proto != Protocol.SIMPLE and payload_len > 0:
+            skip = False
             if state.step_base[c] < 0:
-                # The connection's step counter is learnt from its first flag.
-                first = _first_flag(data, payload_off, payload_len, t.protocol, wire_off)
-                if first >= 0:
+                # The connection's step counter (one for all protocols) is learnt from its first
+                # flag; a phased one from a flag of the oldest slot's iteration, whose start it is.
+                first = _first_flag(data, payload_off, payload_len, proto, wire_off)
+                if first >= 0 and not t.phased[c]:
                     state.step_base[c] = first - 1 - rel_step
-            if not _check_flags(data, payload_off, payload_len, t.protocol, wire_off,
-                                state.step_base[c] + rel_step + 1):
+                elif first >= 0 and it == 0:
+                    _learn_phased(state, t, c, first - 1, w)
+                    rel_step = state.origin[c, it] + t.phase_steps[state.origin_phase[c, it], w]
+                skip = first >= 0 and state.step_base[c] < 0
+            if not skip and not _check_flags(data, payload_off, payload_len, proto, wire_off,
+                                             state.step_base[c] + rel_step + 1):
                 counters[ev.DATA_FLAG_MISMATCH] += 1
                 continue
         ag = m["phase"] == PHASE_AG
@@ -401,9 +445,9 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
             counters[ev.DATA_OUT_OF_WINDOW] += 1
             continue
         if slots.seen[slot, bit]:
-            if ag and _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes,
+            if ag and _store(data, payload_off, payload_len, proto, wire_off, slots.grads[slot], dest, nbytes,
                              True):
-                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol, False)
+                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, proto, False)
                 counters[ev.DATA_DUPLICATE_CONFLICT] += 1
             else:
                 counters[ev.DATA_DUPLICATE] += 1
@@ -419,16 +463,16 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
         if not ag:
             counters[ev.OTHER_REDUCE_SCATTER] += 1
             continue
-        if _carried(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol):
+        if _carried(slots.got, slot, m["block"], k, wire_off, payload_len, proto):
             # The same data from another hop: compared, not stored; copies that differ leave
             # the block uncovered in this stream, as a conflicting duplicate does.
-            if _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes, True):
-                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol, False)
+            if _store(data, payload_off, payload_len, proto, wire_off, slots.grads[slot], dest, nbytes, True):
+                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, proto, False)
                 counters[ev.DATA_DUPLICATE_CONFLICT] += 1
             else:
                 counters[ev.DATA_WRITTEN] += 1
             continue
-        _store(data, payload_off, payload_len, t.protocol, wire_off, slots.grads[slot], dest, nbytes, False)
-        _mark(slots.got, slot, m["block"], k, wire_off, payload_len, t.protocol, True)
+        _store(data, payload_off, payload_len, proto, wire_off, slots.grads[slot], dest, nbytes, False)
+        _mark(slots.got, slot, m["block"], k, wire_off, payload_len, proto, True)
         counters[ev.DATA_WRITTEN] += 1
     return DONE, recs.shape[0]

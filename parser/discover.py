@@ -229,7 +229,8 @@ def ring_of(s: Survey) -> Ring:
     undecided = []
     if len(rings) > 1:
         undecided.append("several protocols go around the ring (" + ", ".join(rings) + "): NCCL's tuner picked a "
-                         "protocol per call; gradtap reads one protocol per job, and this one is the ring's busiest")
+                         "protocol per call; the busiest is written as nccl.protocol; give nccl.protocols, one per "
+                         "bucket in launch order")
     proto = max(rings, key=lambda p: sum(f["frames"] for f in data if f["nccl_protocol"] == p))
     order, counts = rings[proto]
     if len(counts) != 1:

@@ -23,13 +23,14 @@ from numba import njit
 from gradtap.capture.frames import FrameBatch
 from gradtap.core.jit import JIT
 from gradtap.core.memory import copy_bytes
-from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble
+from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.flow_learning import FlowLearner
 from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
 from gradtap.parser.mismatch import what_differs
 from gradtap.parser.stream_tables import stream_tables
 from gradtap.wire import events as ev
+from gradtap.wire.protocol import N_PROTOCOLS
 from gradtap.wire.psn import psn_add
 from gradtap.workload.spec import JobSpec
 from gradtap.workload.wire_plan import WirePlan
@@ -90,9 +91,12 @@ class StreamParser:
         self.tables = t = stream_tables(job, plan, self.mirror)
         self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
         self.need = plan.blocks["need"].astype(np.int32)
-        nconn = len(t.conn_steps)
+        nconn = t.phase_period.shape[1]
         self.state = StreamState(base_psn=np.full(len(t.qpn), -1, np.int64), step_base=np.full(nconn, -1, np.int64),
-                                 va_ref=np.full(nconn, -1, np.int64), va_step=np.zeros(nconn, np.int64),
+                                 va_ref=np.full(nconn * N_PROTOCOLS, -1, np.int64),
+                                 va_step=np.zeros(nconn * N_PROTOCOLS, np.int64),
+                                 origin=np.zeros((nconn, slots), np.int64),
+                                 origin_phase=np.zeros((nconn, slots), np.int64),
                                  last_ns=np.full(1, -1, np.int64), last_psn=np.full(len(t.qpn), -1, np.int64),
                                  prev_psn=np.full(len(t.qpn), -1, np.int64), gap_ns=gap_ns)
         # One gradient array per slot: a retired slot's array is handed out as it is and the
@@ -102,6 +106,7 @@ class StreamParser:
                            seen=np.zeros((slots, t.seen_bits), np.uint8),
                            start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64))
         self._spare: list[np.ndarray] = []
+        self._origins()
         self.slot0 = 0
         self.iteration = 0            # iteration held by slot0
         self.counters = ev.new_counters()
@@ -351,6 +356,11 @@ class StreamParser:
         self._advance()
         return out
 
+    def _origins(self) -> None:
+        """Every connection's iteration starts across the window (``assemble.origins``)."""
+        for c in range(self.tables.phase_period.shape[1]):
+            origins(self.state, self.tables, c)
+
     def _advance(self) -> None:
         """Drop the oldest slot: every flow's base moves one period, connections' steps too.
         Its gradient array is zero: a retired slot got a fresh one, and nothing is written
@@ -362,9 +372,12 @@ class StreamParser:
         slots.end_ns[s] = -1
         locked = state.base_psn >= 0
         state.base_psn[locked] = psn_add(state.base_psn[locked], t.period[locked])
+        # Each connection's steps in the retired iteration, by the phase it had.
+        retired = t.phase_period[state.origin_phase[:, 0], np.arange(t.phase_period.shape[1])]
         known = state.step_base >= 0
-        state.step_base[known] += t.conn_steps[known]
-        state.va_step[:] -= t.conn_steps
+        state.step_base[known] += retired[known]
+        state.va_step[:] -= np.repeat(retired, N_PROTOCOLS)     # indexed c * N_PROTOCOLS + protocol
+        self._origins()
         self.slot0 = (s + 1) % len(slots.grads)
         self.iteration += 1
 

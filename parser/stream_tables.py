@@ -19,7 +19,7 @@ import numpy as np
 from gradtap.wire.protocol import Protocol
 from gradtap.workload import nccl
 from gradtap.workload.spec import JobSpec, MirrorSpec
-from gradtap.workload.wire_plan import DATA, WirePlan
+from gradtap.workload.wire_plan import DATA, WirePlan, senders
 
 
 UNKNOWN_QPN = 1 << 24       # equals no 24-bit destination QPN: a flow not learnt yet
@@ -51,13 +51,14 @@ class StreamTables(NamedTuple):
     msg_count: np.ndarray      # int64[F]
     seen_base: np.ndarray      # int64[F]: first bit of the flow in the seen bitmap (data flows)
     conn: np.ndarray           # int64[F]: connection index channel * n + sender position
-    conn_steps: np.ndarray     # int64[C]: FIFO steps per iteration per connection
+    phase_steps: np.ndarray    # int64[Q, M]: plan.phase_steps (a message's step, by the counter's phase)
+    phase_period: np.ndarray   # int64[Q, C]: FIFO steps of each connection's iteration, by phase (C connections)
+    phased: np.ndarray         # bool[C]: the connection's steps depend on the phase
     messages: np.ndarray       # MESSAGE_DTYPE[M]: plan.messages
     bucket_offsets: np.ndarray  # int64[buckets]: first element of each bucket in the flat gradient
-    protocol: Protocol
     elem: int                  # bytes per element on the wire
     mtu: int                   # payload bytes per full packet
-    step_bytes: int            # bytes of one FIFO slot
+    step_bytes: np.ndarray     # int64[3]: bytes of one FIFO slot, by Protocol (0: a protocol the job does not use)
     imm_big_endian: bool       # ImmDt carries the message size big-endian (else NCCL's little-endian)
     seen_bits: int             # packets of all data flows per iteration
     grad_bytes: int            # bytes of the whole flat gradient in the wire dtype
@@ -70,6 +71,23 @@ class StreamTables(NamedTuple):
         """A planned flow as an operator names it, e.g. ``rank 0->1 channel 1 QP 0 data``."""
         what = f"QP {int(self.qp_index[f])} data" if self.is_data[f] else "CTS"
         return f"rank {int(self.src[f])}->{int(self.dst[f])} channel {int(self.channel[f])} {what}"
+
+
+def _phased(plan: WirePlan) -> np.ndarray:
+    """Per connection (channel * n + sender): whether its steps differ between phases."""
+    m = plan.messages
+    conn = m["channel"].astype(np.int64) * plan.world_size + senders(m, plan.flows)
+    differs = (plan.phase_steps != plan.phase_steps[0]).any(axis=0)
+    out = (plan.phase_period != plan.phase_period[0]).any(axis=0).reshape(-1)
+    out[np.unique(conn[differs])] = True
+    return out
+
+
+def _step_bytes(plan: WirePlan) -> np.ndarray:
+    out = np.zeros(len(Protocol), np.int64)
+    for g in plan.geometries:
+        out[g.protocol] = g.step_bytes
+    return out
 
 
 def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTables:
@@ -96,13 +114,14 @@ def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTab
         msg_count=f["msg_count"].astype(np.int64),
         seen_base=seen_base,
         conn=(f["channel"].astype(np.int64) * n + f["src"]),
-        conn_steps=plan.steps_per_iteration.reshape(-1).astype(np.int64),
+        phase_steps=plan.phase_steps.astype(np.int64),
+        phase_period=plan.phase_period.reshape(plan.step_phases, -1).astype(np.int64),
+        phased=_phased(plan),
         messages=plan.messages,
         bucket_offsets=np.asarray(plan.bucket_offsets, np.int64),
-        protocol=plan.protocol,
         elem=plan.elem_size,
         mtu=plan.mtu,
-        step_bytes=plan.geometry.step_bytes,
+        step_bytes=_step_bytes(plan),
         imm_big_endian=nccl.era_facts(job.nccl).imm_big_endian,
         seen_bits=int(f["npkts"][is_data].sum()),
         grad_bytes=plan.total_elems * plan.elem_size,

@@ -116,6 +116,7 @@ class Simulation:
         first = 1 if job.ddp.layout == "rebuilt" else 0
         plan = build_plan(job, [b.numel for b in buckets])
         chunk_of = [chunk_index(plan, b) for b in range(len(buckets))]
+        one_call = job.model_copy(update={"nccl": job.nccl.model_copy(update={"protocols": None})})
         n = job.world_size
 
         routes = Routes(job.ipv6)
@@ -133,8 +134,8 @@ class Simulation:
             """Reduce one bucket in ring order and, while capturing, put it on the wire."""
             i = captured_buckets.get(bucket)
             # A bucket of the initial layout (iteration 0 of a rebuilt job, before capture
-            # begins) is its own NCCL call with its own chunking.
-            chunks = chunk_of[i] if i is not None else chunk_index(build_plan(job, [bucket.numel]), 0)
+            # begins) is its own NCCL call with its own chunking, in the job's protocol.
+            chunks = chunk_of[i] if i is not None else chunk_index(build_plan(one_call, [bucket.numel]), 0)
             rows = ring_partials(np.stack(per_rank), chunks)
             if clock["capturing"]:
                 started = time.perf_counter()

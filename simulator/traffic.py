@@ -22,10 +22,11 @@ from gradtap.wire.headers.bth import BTH_LEN
 from gradtap.wire.headers.immdt import IMMDT_LEN
 from gradtap.wire.headers.reth import RETH_LEN
 from gradtap.wire.icrc import ICRC_LEN
+from gradtap.wire.protocol import N_PROTOCOLS, Protocol
 from gradtap.wire.psn import PSN_MODULUS, psn_add
 from gradtap.workload import nccl as N
 from gradtap.workload.spec import JobSpec
-from gradtap.workload.wire_plan import CTS, DATA, NO_VA, WirePlan
+from gradtap.workload.wire_plan import CTS, DATA, NO_VA, WirePlan, senders
 
 # ACK with the credit field "invalid" (end-to-end credits unused by RoCE NICs); NAK for a
 # PSN sequence error (IBTA §9.3.5.1).
@@ -74,8 +75,11 @@ class ConnectionState:
     def initial(cls, plan: WirePlan, rng: np.random.Generator) -> "ConnectionState":
         nch, n = plan.steps_per_iteration.shape
         page = rng.integers(0x7F0000000, 0x7FF000000, size=(nch, n), dtype=np.int64) << 12
+        # A connection's counter counts from its setup. Where the steps depend on its phase
+        # (Simple calls after LL/LL128 ones), start it anywhere, as earlier calls leave it.
+        start = rng.integers(0, 64, size=(nch, n)) if plan.step_phases > 1 else np.zeros((nch, n), np.int64)
         return cls(
-            step_base=np.zeros((nch, n), np.int64),
+            step_base=start.astype(np.int64),
             fifo_base=np.zeros((nch, n), np.int64),
             # Some flows start close to 2^24 so PSN wrap-around occurs in short runs.
             psn_base=rng.integers(PSN_MODULUS - 4096, PSN_MODULUS + 4096, size=len(plan.flows)) % PSN_MODULUS,
@@ -85,8 +89,16 @@ class ConnectionState:
             rkeys=rng.integers(1, 1 << 32, size=(nch, n, 2), dtype=np.int64),
         )
 
+    def steps(self, plan: WirePlan, index: np.ndarray) -> np.ndarray:
+        """The absolute FIFO step of plan messages ``index`` in this iteration."""
+        m = plan.messages[index]
+        base = self.step_base[m["channel"], senders(m, plan.flows)]
+        return base + plan.phase_steps[base % plan.step_phases, index]
+
     def advance(self, plan: WirePlan) -> None:
-        self.step_base += plan.steps_per_iteration
+        nch, n = self.step_base.shape
+        phase = self.step_base % plan.step_phases
+        self.step_base += plan.phase_period[phase, np.arange(nch)[:, None], np.arange(n)[None, :]]
         self.fifo_base += plan.fifo_per_iteration
         self.psn_base = psn_add(self.psn_base, plan.flows["npkts"])
         self.msn = (self.msn + plan.flows["msg_count"]) % aeth.MSN_MODULUS
@@ -110,6 +122,13 @@ class TrafficBuilder:
     def __init__(self, job: JobSpec, plan: WirePlan, routes: Routes, timing: Timing, faults: LinkFaults,
                  rng: np.random.Generator, egress: set[int], ingress: set[int]):
         self.job, self.plan, self.routes, self.timing, self.faults, self.rng = job, plan, routes, timing, faults, rng
+        # Per protocol (indexed by Protocol): a FIFO slot, the receive size a CTS announces, and
+        # where its buffer lies in a connection's receive memory.
+        self.step_bytes = np.zeros(N_PROTOCOLS, np.int64)
+        self.slot_bytes = np.zeros(N_PROTOCOLS, np.int64)
+        for g in plan.geometries:
+            self.step_bytes[g.protocol], self.slot_bytes[g.protocol] = g.step_bytes, g.slot_bytes
+        self.buffer_offset = np.array([N.recv_buffer_offset(job.nccl, p) for p in Protocol], np.int64)
         ranks = job.ring.ranks
         f = plan.flows
         self.flow_route = np.array([routes.add(ranks[s].mac, ranks[d].mac, ranks[s].ip, ranks[d].ip, int(sp))
@@ -124,7 +143,7 @@ class TrafficBuilder:
         self.ack_flows = np.isin(f["dst"], list(egress)) | np.isin(f["src"], list(ingress))
 
     # -- payloads ---------------------------------------------------------------------
-    def _payloads(self, msgs: np.ndarray, partials: np.ndarray, state: ConnectionState,
+    def _payloads(self, msgs: np.ndarray, steps: np.ndarray, partials: np.ndarray,
                   arena: list[np.ndarray], sizes: list[int]) -> np.ndarray:
         """Encode every send once; returns each write's arena offset of its send's bytes."""
         n = self.plan.world_size
@@ -142,23 +161,25 @@ class TrafficBuilder:
                 continue
             row = partials[min(int(m["ring_step"]), n - 1)]
             data = row[m["elem_offset"]:m["elem_offset"] + m["nelem"]].view(np.uint8)
-            flag = int(state.step_base[m["channel"], src] + m["step"] + 1)
-            wire = encode(self.plan.protocol, data, flag)
+            flag = int(steps[i] + 1)
+            wire = encode(Protocol(int(m["protocol"])), data, flag)
             arena.append(wire)
             cache[key] = start[i] = total
             total += len(wire)
             sizes.append(len(wire))
         return start
 
-    def _cts_payloads(self, msgs: np.ndarray, state: ConnectionState, arena: list, sizes: list) -> np.ndarray:
+    def _cts_payloads(self, msgs: np.ndarray, steps: np.ndarray, state: ConnectionState, arena: list,
+                      sizes: list) -> np.ndarray:
         """The era's ncclIbSendFifo of each CTS write (docs/wire-format.md, "NCCL eras")."""
         era = N.era_facts(self.job.nccl)
         cts = np.zeros(len(msgs), dtype=era.cts_dtype)
         sender = self.plan.flows["dst"][msgs["flow"]]
         c = msgs["channel"]
-        slot = (state.step_base[c, sender] + msgs["step"]) % N.NCCL_STEPS
-        cts["addr"] = state.buffer_va[c, sender] + slot * self.plan.geometry.step_bytes
-        cts["size"] = self.plan.geometry.slot_bytes
+        slot = steps % N.NCCL_STEPS
+        proto = msgs["protocol"]
+        cts["addr"] = state.buffer_va[c, sender] + self.buffer_offset[proto] + slot * self.step_bytes[proto]
+        cts["size"] = self.slot_bytes[proto]
         rkey = "rkey" if "rkey" in cts.dtype.names else "rkeys"
         if cts.dtype[rkey].shape:
             cts[rkey][:, 0] = state.rkeys[c, sender, 0]     # one device: the first of the per-device rkeys
@@ -213,9 +234,10 @@ class TrafficBuilder:
         msgs = pm[index]
         arena: list[np.ndarray] = []
         sizes: list[int] = []
-        payload = self._payloads(msgs, partials, state, arena, sizes)
+        steps = state.steps(plan, index)
+        payload = self._payloads(msgs, steps, partials, arena, sizes)
         is_cts = msgs["kind"] == CTS
-        payload[is_cts] = self._cts_payloads(msgs[is_cts], state, arena, sizes)
+        payload[is_cts] = self._cts_payloads(msgs[is_cts], steps[is_cts], state, arena, sizes)
         ts, end = self._write_times(msgs, t0)
 
         # Writes -> packets.
@@ -233,8 +255,9 @@ class TrafficBuilder:
         src = plan.flows["src"][m["flow"]]
         dst = plan.flows["dst"][m["flow"]]
         c = m["channel"]
-        data_va = state.buffer_va[c, src] + ((state.step_base[c, src] + m["step"]) % N.NCCL_STEPS) \
-            * plan.geometry.step_bytes + m["part_offset"]
+        proto = m["protocol"]
+        data_va = state.buffer_va[c, src] + self.buffer_offset[proto] \
+            + (steps[w] % N.NCCL_STEPS) * self.step_bytes[proto] + m["part_offset"]
         stride = N.era_facts(self.job.nccl).cts_slot_stride
         cts_va = state.fifo_va[c, dst] + ((state.fifo_base[c, dst] + m["fifo_seq"]) % N.CTS_SLOTS) * stride
         pk["reth_va"] = np.where(m["kind"] == CTS, cts_va, np.where(m["remote_offset"] == NO_VA, 0, data_va))

@@ -45,6 +45,8 @@ class Protocol(IntEnum):
         raise ValueError(f"protocol {name!r} is not one of {', '.join(_NCCL_NAMES.values())}")
 
 
+N_PROTOCOLS = len(Protocol)
+
 _NCCL_NAMES = {Protocol.SIMPLE: "Simple", Protocol.LL: "LL", Protocol.LL128: "LL128"}
 _UNITS = {Protocol.SIMPLE: (1, 1), Protocol.LL: (LL_LINE_DATA_BYTES, LL_LINE_BYTES),
           Protocol.LL128: (LL128_SLICE_DATA_BYTES, LL128_SLICE_WIRE_BYTES)}

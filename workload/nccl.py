@@ -162,17 +162,52 @@ class ProtocolGeometry:
         return self.protocol.wire_bytes(max(nelem, 0) * elem_size)
 
 
-def geometry(nccl: NcclSpec, world_size: int) -> ProtocolGeometry:
-    proto = Protocol.of(nccl.protocol)
-    buffsize = nccl.buffsize.get(nccl.protocol, DEFAULT_BUFFSIZE[proto])
+def geometry(nccl: NcclSpec, world_size: int, protocol: Protocol | None = None) -> ProtocolGeometry:
+    """The constants of ``protocol`` (default: the job's ``nccl.protocol``) in this job."""
+    proto = Protocol.of(nccl.protocol) if protocol is None else protocol
+    buffsize = _buffsize(nccl, proto)
     if buffsize % NCCL_STEPS:
-        raise PlanError(f"nccl.buffsize.{nccl.protocol} = {buffsize} is not a multiple of NCCL_STEPS ({NCCL_STEPS})")
+        raise PlanError(f"nccl.buffsize.{proto.nccl_name} = {buffsize} is not a multiple of NCCL_STEPS ({NCCL_STEPS})")
     threshold = THREAD_THRESHOLD[proto] * (world_size if proto == Protocol.LL else 1)
     return ProtocolGeometry(
         protocol=proto, buffsize=buffsize, step_bytes=buffsize // NCCL_STEPS,
         slice_steps=SLICE_STEPS[proto], chunk_steps=CHUNK_STEPS[proto],
         max_threads=nccl.nthreads or MAX_THREADS[proto], thread_threshold=threshold,
     )
+
+
+def _buffsize(nccl: NcclSpec, proto: Protocol) -> int:
+    return nccl.buffsize.get(proto.nccl_name, DEFAULT_BUFFSIZE[proto])
+
+
+def bucket_protocols(nccl: NcclSpec, buckets: int) -> tuple[Protocol, ...]:
+    """The protocol of each bucket's allreduce: ``nccl.protocols`` when given (one per bucket),
+    else ``nccl.protocol`` for all."""
+    if nccl.protocols is None:
+        return (Protocol.of(nccl.protocol),) * buckets
+    if len(nccl.protocols) != buckets:
+        raise PlanError(f"nccl.protocols names {len(nccl.protocols)} protocols, but the job has {buckets} DDP "
+                        "buckets; give one per bucket, in launch order (gradtap inspect --job lists the buckets)")
+    return tuple(Protocol.of(p) for p in nccl.protocols)
+
+
+# NCCL's protocol numbering (NCCL_PROTO_LL 0, NCCL_PROTO_LL128 1,
+# NCCL_PROTO_SIMPLE 2 in src/include/nccl_common.h, v2.19.3-1), the order its receive buffers are laid out in.
+NCCL_PROTOCOL_ORDER = (Protocol.LL, Protocol.LL128, Protocol.SIMPLE)
+
+
+def recv_buffer_offset(nccl: NcclSpec, proto: Protocol) -> int:
+    """Where protocol ``proto``'s receive buffer starts in a connection's receive memory. The
+    receiver's proxy maps the buffers of all protocols one after another in NCCL's protocol
+    order, in one bank (``recvProxyConnect``: ``NCCL_NET_MAP_ADD_POINTER(map, 0, useGdr,
+    buffSizes[p], buffs[p])`` for p = 0, 1, 2; src/transport/net.cc, v2.19.3-1). The parser
+    does not rely on it: it learns each protocol's base from the wire."""
+    offset = 0
+    for p in NCCL_PROTOCOL_ORDER:
+        if p == proto:
+            return offset
+        offset += _buffsize(nccl, p)
+    raise AssertionError(proto)
 
 
 def call_channels_threads(nbytes: int, nchannels: int, geo: ProtocolGeometry) -> tuple[int, int]:

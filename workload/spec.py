@@ -144,6 +144,10 @@ class NcclSpec(_Strict):
 
     era: str = Field("2.19", description="NCCL minor release, '2.19' (2.18.x-2.19.x) to '2.30'")
     protocol: Literal["Simple", "LL", "LL128"] = "Simple"
+    protocols: tuple[Literal["Simple", "LL", "LL128"], ...] | None = Field(
+        None, min_length=1, description="per DDP bucket in launch order: the protocol NCCL's tuner chose for that "
+                                        "bucket's allreduce (it picks per call, by size); unset: every bucket uses "
+                                        "'protocol'")
     channels: int = Field(2, ge=1, le=32)
     qps_per_connection: int = Field(1, ge=1, le=128)
     split_data_on_qps: bool | None = Field(None, description="NCCL_IB_SPLIT_DATA_ON_QPS; default from the era")

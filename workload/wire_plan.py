@@ -36,6 +36,7 @@ LL128_SLICE_LINES_MASK = (1 << LL128_SLICE_LINES) - 1   # the 16 lines of a warp
 MESSAGE_DTYPE = np.dtype([
     ("flow", "i4"),          # index into the flow table
     ("kind", "i1"),          # DATA or CTS
+    ("protocol", "i1"),      # wire.protocol.Protocol of the bucket's allreduce (DATA); its own for a CTS
     ("imm", "i1"),           # 1: RDMA WRITE with immediate (ImmDt = msg_bytes); 0: plain WRITE
     ("phase", "i1"),         # PHASE_RS, PHASE_AG, PHASE_OTHER (CTS)
     ("slice", "i1"),         # Simple: slice of the chunk (0/1)
@@ -53,7 +54,7 @@ MESSAGE_DTYPE = np.dtype([
     ("msg_bytes", "i8"),     # bytes of the whole send on the wire (the ImmDt value)
     ("part_offset", "i8"),   # first byte of this write within the send's wire bytes
     ("wire_bytes", "i8"),    # payload bytes of this write (RETH DMA length)
-    ("remote_offset", "i8"), # RETH VA minus the receive buffer base (or fifo base for CTS)
+    ("remote_offset", "i8"), # RETH VA minus the base of the protocol's receive buffer (or fifo base for CTS)
     ("npkts", "i4"),
     ("psn_offset", "i8"),    # first PSN of this write, relative to the flow's iteration base
     ("block", "i8"),         # allgather data: first coverage block of this write (see BLOCK_DTYPE), else -1
@@ -114,11 +115,10 @@ class WirePlan:
     """The plan of one iteration. ``messages`` is sorted by flow, then posting order."""
 
     job_name: str
-    protocol: Protocol
     world_size: int
     elem_size: int
     mtu: int
-    geometry: N.ProtocolGeometry
+    geometries: tuple[N.ProtocolGeometry, ...]   # per bucket: its protocol's constants
     bucket_numels: tuple[int, ...]
     bucket_offsets: tuple[int, ...]        # element offset of each bucket in the flat gradient
     flows: np.ndarray                      # FLOW_DTYPE
@@ -126,10 +126,23 @@ class WirePlan:
     steps_per_iteration: np.ndarray        # [channel, position] FIFO steps per iteration
     fifo_per_iteration: np.ndarray         # [channel, position] receives (CTS) per iteration
     blocks: np.ndarray                     # BLOCK_DTYPE: the coverage blocks of the allgather
+    # Steps by the phase of the connection's counter at the iteration's start (see _phases):
+    phase_steps: np.ndarray                # int64[phases, messages]; row 0 is messages["step"]
+    phase_period: np.ndarray               # int64[phases, channel, position]; row 0 is steps_per_iteration
+
+    @property
+    def step_phases(self) -> int:
+        """Phases of a connection's step counter the steps depend on (1: they do not)."""
+        return int(self.phase_steps.shape[0])
 
     @property
     def total_elems(self) -> int:
         return sum(self.bucket_numels)
+
+    @property
+    def protocols(self) -> tuple[Protocol, ...]:
+        """The protocol of each bucket's allreduce."""
+        return tuple(g.protocol for g in self.geometries)
 
     def flow_messages(self, flow: int) -> np.ndarray:
         f = self.flows[flow]
@@ -158,7 +171,9 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
     """Derive the wire plan of one iteration from the job and its DDP bucket sizes (elements)."""
     n, nq, mtu = job.world_size, job.nccl.qps_per_connection, job.nccl.mtu
     elem = WIRE_DTYPE_BYTES[job.ddp.grad_dtype]
-    geo = N.geometry(job.nccl, n)
+    protocols = N.bucket_protocols(job.nccl, len(bucket_numels))
+    by_protocol = {p: N.geometry(job.nccl, n, p) for p in set(protocols)}
+    geometries = tuple(by_protocol[p] for p in protocols)
     era = N.era_supported(job.nccl, n)
     split = N.split_data_on_qps(job.nccl)
     nch = job.nccl.channels
@@ -167,19 +182,28 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
     data = {(c, p, q): _FlowBuilder() for c in range(nch) for p in range(n) for q in range(nq)}
     cts = {(c, p): _FlowBuilder() for c in range(nch) for p in range(n)}
     steps = np.zeros((nch, n), dtype=np.int64)     # per connection (channel, sender position)
+    calls: dict[tuple[int, int], list[tuple]] = {}  # per connection: (bucket, chunk steps, first step, end)
     fifo = np.zeros((nch, n), dtype=np.int64)
     qp_index = np.zeros((nch, n), dtype=np.int64)  # round robin of unsplit messages
 
     for bucket, count in enumerate(bucket_numels):
+        # Each call runs in its bucket's protocol. A connection has one step counter for all
+        # protocols (ncclConnInfo.step; the proxy's resources->step) and one buffer per
+        # protocol (buffs[p]), so slots and LL flags continue across calls of different
+        # protocols (docs/wire-format.md, "Protocols per call").
+        geo = geometries[bucket]
         sched = CallSchedule(count, elem, n, nch, geo, era)
         for c in sched.channels:
             for p in range(n):
-                # Simple rounds the step counter up to a whole chunk at the start of a call.
+                # A call rounds the step counter up to a whole chunk of its protocol (net.cc:
+                # sub->base = ROUNDUP(resources->step, args->chunkSteps)): Simple's 4 steps.
                 steps[c, p] = -(-steps[c, p] // geo.chunk_steps) * geo.chunk_steps
+                first = int(steps[c, p])
                 for send in sched.sends(p, c):
                     msg_bytes = geo.wire_bytes(send.nelem, elem)
                     slot = int(steps[c, p]) % N.NCCL_STEPS
-                    common = dict(kind=DATA, phase=step_phase(send.ring_step, n), slice=send.slice,
+                    common = dict(kind=DATA, protocol=int(geo.protocol), phase=step_phase(send.ring_step, n),
+                                  slice=send.slice,
                                   bucket=bucket, channel=c, ring_step=send.ring_step, loop=send.loop,
                                   chunk=send.chunk, step=steps[c, p], fifo_seq=fifo[c, p],
                                   elem_offset=send.elem_offset, nelem=send.nelem, msg_bytes=msg_bytes)
@@ -192,6 +216,7 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
                                 slot * geo.step_bytes, job, common, first_qp)
                     steps[c, p] += send.steps
                     fifo[c, p] += 1
+                calls.setdefault((c, p), []).append((bucket, geo.chunk_steps, first, int(steps[c, p])))
 
     rotating = not split or era.split_qp_rotates
     if rotating and nq > 1 and (fifo % nq).any():
@@ -204,7 +229,49 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
         raise PlanError(f"with {what}, each connection must post a multiple of qps_per_connection ({nq}) "
                         f"messages per iteration; this job posts {sorted(set(int(x) for x in fifo.ravel()))}. "
                         f"{fix}.")
-    return _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo)
+    return _assemble(job, geometries, elem, bucket_numels, data, cts, steps, fifo, calls)
+
+
+def senders(messages: np.ndarray, flows: np.ndarray) -> np.ndarray:
+    """The sender's ring position of each message's connection: a data write's own sender, and
+    for a CTS the sender of the data it clears (the CTS flows the other way)."""
+    return np.where(messages["kind"] == DATA, flows["src"][messages["flow"]], flows["dst"][messages["flow"]])
+
+
+def _phases(messages: np.ndarray, flows: np.ndarray, steps_per_iteration: np.ndarray, chunk_steps: set[int],
+            calls: dict[tuple[int, int], list[tuple]]) -> tuple[np.ndarray, np.ndarray]:
+    """The steps of every message, and the FIFO steps of every connection's iteration, for each
+    phase of the connection's step counter at the iteration's start.
+
+    A connection's step counter is absolute (it counts from the connection's setup), and each
+    call starts it at the next multiple of its protocol's chunk steps (net.cc ``sub->base =
+    ROUNDUP(resources->step, args->chunkSteps)``; prims_simple.h ``roundUp(step,
+    SlicePerChunk*StepPerSlice)``). When Simple calls (4 steps per chunk) follow LL or LL128
+    calls (1 step) on a connection, where the iteration's steps fall depends on the counter
+    modulo 4 when it starts, and that changes from one iteration to the next. Row ``phi`` is
+    the plan for a counter of ``phi`` modulo :attr:`WirePlan.step_phases` at the iteration's
+    start, relative to that start; row 0 is ``messages["step"]``.
+
+    With one chunk size for every call (one protocol, or LL with LL128) every call leaves the
+    counter at a whole chunk, and there is one phase.
+    """
+    q = int(np.lcm.reduce(sorted(chunk_steps))) if len(chunk_steps) > 1 else 1
+    m = messages
+    sender = senders(m, flows)
+    steps = np.repeat(m["step"][None, :], q, axis=0)
+    period = np.repeat(steps_per_iteration[None], q, axis=0)
+    for (c, p), mine in calls.items():
+        rows = np.flatnonzero((m["channel"] == c) & (sender == p))
+        for phi in range(1, q):
+            at = phi
+            for bucket, chunk_steps, first, end in mine:
+                start = -(-at // chunk_steps) * chunk_steps
+                call = rows[m["bucket"][rows] == bucket]
+                steps[phi, call] = m["step"][call] - first + start - phi
+                at = start + end - first
+            period[phi, c, p] = at - phi
+    return steps, period
+
 
 
 def send_parts(msg_bytes: int, nparts: int) -> list[tuple[int, int]]:
@@ -230,7 +297,7 @@ def _add_writes(data, c, p, parts, qp_index, split, nq, slot_va, job, common, fi
         qp_index[c, p] += 1
 
 
-def _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo) -> WirePlan:
+def _assemble(job, geometries, elem, bucket_numels, data, cts, steps, fifo, calls) -> WirePlan:
     n = job.world_size
     flows, chunks = [], []
     start = 0
@@ -255,16 +322,18 @@ def _assemble(job, geo, elem, bucket_numels, data, cts, steps, fifo) -> WirePlan
     for i in range(len(flow_arr)):
         messages["flow"][flow_arr["msg_start"][i]:flow_arr["msg_start"][i] + flow_arr["msg_count"][i]] = i
     offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(bucket_numels)[:-1]]))
-    blocks = _coverage_blocks(messages, offsets, geo, elem, job.nccl.mtu,
+    blocks = _coverage_blocks(messages, offsets, geometries, elem, job.nccl.mtu,
                               job.nccl.qps_per_connection if N.split_data_on_qps(job.nccl) else 1)
-    return WirePlan(job_name=job.name, protocol=geo.protocol, world_size=n, elem_size=elem,
-                    mtu=job.nccl.mtu, geometry=geo, bucket_numels=tuple(int(x) for x in bucket_numels),
+    phase_steps, phase_period = _phases(messages, flow_arr, steps, {g.chunk_steps for g in geometries}, calls)
+    return WirePlan(job_name=job.name, world_size=n, elem_size=elem,
+                    mtu=job.nccl.mtu, geometries=geometries, bucket_numels=tuple(int(x) for x in bucket_numels),
                     bucket_offsets=offsets, flows=flow_arr, messages=messages,
-                    steps_per_iteration=steps, fifo_per_iteration=fifo, blocks=blocks)
+                    steps_per_iteration=steps, fifo_per_iteration=fifo, blocks=blocks,
+                    phase_steps=phase_steps, phase_period=phase_period)
 
 
-def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeometry, elem: int, mtu: int,
-                     nparts: int) -> np.ndarray:
+def _coverage_blocks(messages: np.ndarray, bucket_offsets, geometries: tuple[N.ProtocolGeometry, ...], elem: int,
+                     mtu: int, nparts: int) -> np.ndarray:
     """Cut the allgather into coverage blocks and point every allgather write at its first.
 
     Every rank that forwards chunk c in the allgather sends it with the same size, parts and
@@ -290,13 +359,14 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geo: N.ProtocolGeomet
             flat = bucket_offsets[key[0]] + int(m["elem_offset"])
             nbytes, total = int(m["nelem"]) * elem, int(m["msg_bytes"])
             parts = send_parts(total, nparts)
-            if geo.protocol == Protocol.LL128:
+            protocol = geometries[key[0]].protocol
+            if protocol == Protocol.LL128:
                 for s in range(-(-total // slice_wire)):
                     rows.append(_block(key[0], flat, s * slice_data, (s + 1) * slice_data, nbytes, elem,
                                        LL128_SLICE_LINES_MASK))
             else:
                 # LL: 16 wire bytes carry 8 data bytes
-                per_wire = LL_LINE_BYTES // LL_LINE_DATA_BYTES if geo.protocol == Protocol.LL else 1
+                per_wire = LL_LINE_BYTES // LL_LINE_DATA_BYTES if protocol == Protocol.LL else 1
                 for q, (off, length) in enumerate(parts):
                     part_base[key + (q,)] = len(rows) - groups[key]
                     for k in range(-(-length // mtu)):

@@ -59,7 +59,7 @@ def coverage(path, job, plan, first: dict[int, int], iterations: int) -> list[np
         wire = int(w["part_offset"]) + k * plan.mtu
         if len(f["payload"]) != min(plan.mtu, int(w["wire_bytes"]) - k * plan.mtu):
             continue
-        if plan.protocol == Protocol.LL128:
+        if plan.protocols[int(w["bucket"])] == Protocol.LL128:
             for line in range(wire // 128, (wire + len(f["payload"])) // 128):
                 got[it][int(w["block"]) + line // 16] |= 1 << (line % 16)
         else:

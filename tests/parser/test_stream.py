@@ -53,9 +53,10 @@ def block_chunks(plan):
     ag = m[(m["kind"] == DATA) & (m["phase"] == PHASE_AG) & (m["block"] >= 0)]
     chunk = np.full(len(plan.blocks), -1)
     for w in ag:
-        n = 1 if plan.protocol == Protocol.LL128 else max(1, -(-int(w["wire_bytes"]) // plan.mtu))
-        if plan.protocol == Protocol.LL128:
+        if plan.protocols[int(w["bucket"])] == Protocol.LL128:
             n = -(-int(w["msg_bytes"]) // 2048)
+        else:
+            n = max(1, -(-int(w["wire_bytes"]) // plan.mtu))
         chunk[w["block"]:w["block"] + n] = w["chunk"]
     assert (chunk >= 0).all()
     return chunk

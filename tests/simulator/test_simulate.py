@@ -69,6 +69,7 @@ def check_allgather_matches_truth(out, job, iterations):
     dtype = WIRE_NP[job.ddp.grad_dtype]
     its = layout_iterations(out, iterations)
     truths = [np.load(out / "truth" / f"iter_{it:06d}" / "grad.npy") for it in its]
+    big_endian = version(job.nccl.era) >= (2, 29)     # ImmDt = htobe32(size) from NCCL 2.29
     for mirror in job.mirrors:
         flows = decoded_flows(out / "streams" / f"{mirror.name}.pcap")
         wanted = [f for f in plan.flows_of(mirror.rank, mirror.direction) if plan.flows["kind"][f] == DATA]
@@ -87,20 +88,19 @@ def check_allgather_matches_truth(out, job, iterations):
                     payload = b"".join(p["payload"] for p in frames)
                     assert len(payload) == m["wire_bytes"]
                     if m["imm"]:
-                        assert frames[-1]["immdt_le"] == m["msg_bytes"]
+                        assert frames[-1]["immdt_be" if big_endian else "immdt_le"] == m["msg_bytes"]
                     key = (k, int(m["bucket"]), int(m["channel"]), int(fl["src"]), int(m["step"]))
                     buf = sends.setdefault(key, [bytearray(int(m["msg_bytes"])), m])[0]
                     buf[m["part_offset"]:m["part_offset"] + len(payload)] = payload
-        flag_base = {}
+        observed = defaultdict(list)   # (channel, src) -> [(iteration, bucket, step, flag)]
         checked = 0
         for (k, bucket, channel, src, step), (message, m) in sorted(sends.items(), key=lambda kv: kv[0]):
             if not message:
                 continue
-            data, flags = PAYLOAD_DECODERS[job.nccl.protocol](bytes(message))
+            data, flags = PAYLOAD_DECODERS[protocol_of(job, bucket)](bytes(message))
             if flags:
                 assert len(set(flags)) == 1
-                base = flags[0] - step - 1 - k * int(plan.steps_per_iteration[channel, src])
-                assert flag_base.setdefault((channel, src), base) == base, "flags do not follow the step counter"
+                observed[channel, src].append((k, bucket, step, flags[0]))
             if m["phase"] != PHASE_AG:
                 continue
             start = layout["buckets"][bucket]["flat_offset"] + int(m["elem_offset"])
@@ -108,6 +108,46 @@ def check_allgather_matches_truth(out, job, iterations):
             assert data[:len(expect)] == expect, (mirror.name, k, bucket, channel, src, step)
             checked += 1
         assert checked > 0
+        for (channel, src), flagged in observed.items():
+            check_step_counter(job, plan, channel, src, iterations, flagged)
+
+
+def version(era):
+    return tuple(int(x) for x in era.split("."))
+
+
+def protocol_of(job, bucket):
+    return job.nccl.protocols[bucket] if job.nccl.protocols else job.nccl.protocol
+
+
+def check_step_counter(job, plan, channel, src, iterations, flagged):
+    """The LL/LL128 flags of one connection (flag = step + 1) against NCCL's counter, walked
+    call by call: one counter per connection whatever the protocol; each call starts it at the
+    next multiple of its chunk steps (4 for Simple, 1 for LL and LL128: net.cc sendProxyProgress
+    ``sub->base = ROUNDUP(resources->step, args->chunkSteps)``, v2.19.3-1) and advances it by
+    its steps (2 per Simple slice, 1 per LL/LL128 send). The counter is seeded by the first flag."""
+    m = plan.messages
+    mine = m[(m["kind"] == DATA) & (m["channel"] == channel) & (plan.flows["src"][m["flow"]] == src)]
+    calls = []
+    for bucket in sorted(set(mine["bucket"].tolist())):
+        steps = mine["step"][mine["bucket"] == bucket]
+        simple = protocol_of(job, bucket) == "Simple"
+        calls.append((bucket, int(steps.min()), int(steps.max()) + (2 if simple else 1) - int(steps.min()),
+                      4 if simple else 1))
+    flags = {(k, bucket, step): flag for k, bucket, step, flag in flagged}
+    counter = None
+    for k in range(iterations):
+        for bucket, first, nsteps, chunk in calls:
+            seen = {step - first: flag for (kk, b, step), flag in flags.items() if (kk, b) == (k, bucket)}
+            if counter is None and seen:
+                offset, flag = min(seen.items())
+                counter = flag - 1 - offset
+            if counter is None:
+                continue
+            base = -(-counter // chunk) * chunk
+            assert all(flag == base + offset + 1 for offset, flag in seen.items()), \
+                ("flags do not follow the step counter", channel, src, k, bucket)
+            counter = base + nsteps
 
 
 def layout_iterations(out, iterations):

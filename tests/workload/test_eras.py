@@ -327,10 +327,15 @@ def job(era, n=4, protocol="Simple", channels=2, nqps=1, dtype="fp32", **nccl):
     })
 
 
-def plan_sends(plan, bucket):
+def plan_sends(plan, bucket, channel=None, sender=None):
+    """{(channel, position): [(loop, ring_step, chunk, slice, elem_offset, nelem), ...]} of one
+    bucket; with ``bucket`` None, one connection's [(bucket, ...), ...] over all buckets."""
     m = plan.messages
-    m = m[(m["kind"] == DATA) & (m["bucket"] == bucket) & (m["part"] == 0)
-          & ((m["imm"] == 1) | (m["remote_offset"] != NO_VA))]
+    m = m[(m["kind"] == DATA) & (m["part"] == 0) & ((m["imm"] == 1) | (m["remote_offset"] != NO_VA))]
+    if bucket is None:
+        m = m[(m["channel"] == channel) & (plan.flows["src"][m["flow"]] == sender)]
+        return [(int(b),) for b in m["bucket"]]
+    m = m[m["bucket"] == bucket]
     src = plan.flows["src"][m["flow"]]
     out = {}
     for c, p in sorted({(int(a), int(b)) for a, b in zip(m["channel"], src)}):
@@ -451,3 +456,53 @@ def test_cts_dtype_matches_struct_offsets():
     d = N.ERAS["2.30"].cts_dtype
     assert (d.fields["nreqs"][1], d.fields["tag"][1], d.fields["idx"][1]) == (48, 52, 56)
     assert np.dtype(N.ERAS["2.19"].cts_dtype).itemsize == N.CTS_BYTES
+
+
+# -- calls of different protocols on one connection ---------------------------------------------
+
+MIXES = [[LL, SIMPLE, LL128, LL, SIMPLE], [SIMPLE, LL], [LL128, LL, LL128], [SIMPLE, SIMPLE, LL]]
+MIX_SIZES = [1000, 300_001, 40_001, 7, 5003]
+
+
+def counter_walk(plan, protocols, channel, sender, start):
+    """NCCL's step counter of one connection over one iteration from ``start``: each call
+    begins at ROUNDUP(counter, chunkSteps) (net.cc sendProxyProgress, v2.19.3-1; 4 for Simple,
+    1 for LL and LL128) and posts 2 steps per Simple slice, 1 per LL/LL128 send. Returns the
+    absolute step of each of the connection's sends, in plan order, and the counter after."""
+    sends = plan_sends(plan, None, channel, sender)
+    counter, out = start, []
+    for bucket, proto in enumerate(protocols):
+        mine = [s for s in sends if s[0] == bucket]
+        if not mine:
+            continue
+        counter = alignUp(counter, ALLREDUCE_CHUNKSTEPS if proto == SIMPLE else 1)
+        for _ in mine:
+            out.append(counter)
+            counter += ALLREDUCE_SLICESTEPS if proto == SIMPLE else 1
+    return out, counter
+
+
+@pytest.mark.parametrize("era", ["2.19", "2.22", "2.29"])
+@pytest.mark.parametrize("protocols", MIXES)
+def test_calls_of_several_protocols_share_each_connections_counter(era, protocols):
+    sizes = MIX_SIZES[:len(protocols)]
+    plan = build_plan(job(era, 3, LL, 2, protocols=protocols), sizes)
+    for b, (proto, count) in enumerate(zip(protocols, sizes)):
+        assert plan_sends(plan, b) == nccl_walk(era, count, 4, 3, 2, proto)       # each call as its protocol walks
+    m = plan.messages
+    sends = (m["kind"] == DATA) & (m["part"] == 0) & ((m["imm"] == 1) | (m["remote_offset"] != NO_VA))
+    mixed = len({ALLREDUCE_CHUNKSTEPS if p == SIMPLE else 1 for p in protocols}) > 1
+    assert plan.step_phases == (ALLREDUCE_CHUNKSTEPS if mixed else 1)
+    for c in range(2):
+        for p in range(3):
+            rows = np.flatnonzero(sends & (m["channel"] == c) & (plan.flows["src"][m["flow"]] == p))
+            if not len(rows):
+                continue
+            # Any counter at the iteration's start: the plan's row for its phase, from that start.
+            for start in (0, 1, 2, 3, 5, 10, 63):
+                phase = start % plan.step_phases
+                want, end = counter_walk(plan, protocols, c, p, start)
+                assert (start + plan.phase_steps[phase, rows]).tolist() == want, (c, p, start)
+                assert start + int(plan.phase_period[phase, c, p]) == end
+    with pytest.raises(PlanError, match=r"nccl.protocols names 2 protocols, but the job has 5 DDP buckets"):
+        build_plan(job(era, 3, LL, 2, protocols=[LL, SIMPLE]), MIX_SIZES)

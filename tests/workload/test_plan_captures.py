@@ -242,7 +242,7 @@ def test_position_0_sends_the_short_chunk_first_on_channel_0(golden):
 
 
 def test_data_writes_follow_the_plan(golden):
-    plan, cap, geo = golden["plan"], golden["cap"], golden["plan"].geometry
+    plan, cap, geo = golden["plan"], golden["cap"], golden["plan"].geometries[0]
     for (p, c), key in golden["flows"].items():
         writes, rows = cap.flows[key], plan_flow(plan, DATA, p, c)
         where = f"{golden['name']} position {p} channel {c} ({key[0]} -> {key[1]} QP {key[2]:#x})"
@@ -282,7 +282,7 @@ def test_ll_flags_are_the_plan_step_plus_one_base(golden):
 
 
 def test_cts_writes_follow_the_plan(golden):
-    plan, cap, geo = golden["plan"], golden["cap"], golden["plan"].geometry
+    plan, cap, geo = golden["plan"], golden["cap"], golden["plan"].geometries[0]
     for (p, c), key in golden["flows"].items():
         data_writes, data_rows = cap.flows[key], plan_flow(plan, DATA, p, c)
         cts_key = cts_flow(cap, key, data_writes)

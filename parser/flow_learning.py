@@ -108,6 +108,10 @@ class FlowLearner:
         ends = np.concatenate([t.src_ip, t.dst_ip], axis=1)
         self.pairs, self.pair_of = np.unique(ends, axis=0, return_inverse=True)
         self.pair_of = self.pair_of.reshape(-1)
+        index = {row.tobytes(): i for i, row in enumerate(self.pairs)}
+        # The pair the other way (-1: not the job's).
+        self.reverse = [index.get(row[16:].tobytes() + row[:16].tobytes(), -1) for row in self.pairs]
+        self.conflict: str | None = None    # why ties between identical flows cannot be broken
         self.wire: dict[tuple[int, int], WireFlow] = {}
         msgs = [t.messages[t.msg_start[f]:t.msg_start[f] + t.msg_count[f]] for f in range(len(t.qpn))]
         cts_sizes = {int(m["wire_bytes"][0]) for f, m in enumerate(msgs) if not t.is_data[f] and len(m)}
@@ -243,6 +247,7 @@ class FlowLearner:
         t = self.tables
         qpn = np.full(len(t.qpn), UNKNOWN_QPN, np.int64)
         by_order: list[str] = []
+        self.conflict = None
         for p in range(len(self.pairs)):
             planned = [f for f in np.flatnonzero((self.pair_of == p) & t.is_data).tolist()]
             if planned and not self._assign_pair(p, planned, qpn, by_order):
@@ -290,9 +295,33 @@ class FlowLearner:
                         qpn[f] = self.hint[f]
                     continue
                 by_order.append(", ".join(self.labels[f] for f in order))
+                self.conflict = self._orders_disagree(sorted(chosen, key=lambda w: w.qpn), order)
+                if self.conflict is not None:
+                    return False
             for f, w in zip(order, sorted(chosen, key=lambda w: w.qpn)):
                 qpn[f] = w.qpn
         return True
+
+    def _orders_disagree(self, by_qpn: list[WireFlow], order: list[int]) -> str | None:
+        """Planned flows with identical writes are told apart by QPN order: a NIC numbers QPs
+        as they are created, and NCCL connects channels in order. The receiver's QPNs (the
+        data flows' destinations) give one order; the sender's NIC gives another, seen as the
+        destinations of the CTS writes that come back on each connection (same UDP source
+        port). Where both are seen and they disagree, which flow is which channel cannot be
+        told, and nothing is assigned (a silently wrong channel would misplace the data)."""
+        senders = []
+        for w in by_qpn:
+            back = [c for c in self.wire.values() if c.pair == self.reverse[w.pair] and not c.data and c.writes
+                    and c.sport == w.sport]
+            if len(back) != 1:
+                return None                      # not seen (a mirror of one direction), nothing to check
+            senders.append(back[0].qpn)
+        if senders == sorted(senders):
+            return None
+        pairs = ", ".join(f"{w.qpn:#x}/{s:#x}" for w, s in zip(by_qpn, senders))
+        return (f"{', '.join(self.labels[f] for f in order)} write the same sizes, and the two NICs number their "
+                f"connections in different orders (receiver/sender QPNs {pairs}), so which flow is which channel "
+                "cannot be told; give ring.ranks[].qpn_base hints")
 
     def _assign_cts(self, qpn: np.ndarray) -> None:
         """Each CTS flow: the CTS-shaped wire flow on the reverse pair of its connection's
@@ -318,7 +347,7 @@ class FlowLearner:
         """Why no assignment yet: per planned data flow, the write sizes it expects, and the
         wire flows between the same ranks with what they showed."""
         t = self.tables
-        lines = []
+        lines = [self.conflict] if self.conflict else []
         for p in range(len(self.pairs)):
             planned = np.flatnonzero((self.pair_of == p) & t.is_data).tolist()
             if not planned:

@@ -251,6 +251,8 @@ class StreamParser:
         if not learner.wire:
             return "no RDMA WRITE between the job's ranks (no flow matched): " + \
                 (what_differs(self.job, self.mirror, learner) or "check the ring's addresses")
+        if self.lockon.learnt is None and learner.conflict:
+            return learner.conflict
         if self.lockon.learnt is None:
             differs = what_differs(self.job, self.mirror, learner)
             return "the job's flows could not be told from the traffic" + (f": {differs}" if differs else "")

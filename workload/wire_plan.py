@@ -36,7 +36,7 @@ LL128_SLICE_LINES_MASK = (1 << LL128_SLICE_LINES) - 1   # the 16 lines of a warp
 MESSAGE_DTYPE = np.dtype([
     ("flow", "i4"),          # index into the flow table
     ("kind", "i1"),          # DATA or CTS
-    ("protocol", "i1"),      # wire.protocol.Protocol of the bucket's allreduce (DATA); its own for a CTS
+    ("protocol", "i1"),      # wire.protocol.Protocol of the bucket's allreduce (a CTS: of the data it clears)
     ("imm", "i1"),           # 1: RDMA WRITE with immediate (ImmDt = msg_bytes); 0: plain WRITE
     ("phase", "i1"),         # PHASE_RS, PHASE_AG, PHASE_OTHER (CTS)
     ("slice", "i1"),         # Simple: slice of the chunk (0/1)
@@ -257,9 +257,11 @@ def _phases(messages: np.ndarray, flows: np.ndarray, steps_per_iteration: np.nda
     """
     q = int(np.lcm.reduce(sorted(chunk_steps))) if len(chunk_steps) > 1 else 1
     m = messages
-    sender = senders(m, flows)
     steps = np.repeat(m["step"][None, :], q, axis=0)
     period = np.repeat(steps_per_iteration[None], q, axis=0)
+    if q == 1:
+        return steps, period
+    sender = senders(m, flows)
     for (c, p), mine in calls.items():
         rows = np.flatnonzero((m["channel"] == c) & (sender == p))
         for phi in range(1, q):

@@ -74,7 +74,9 @@ def _mtu(job: JobSpec, learner: FlowLearner) -> str | None:
 def _variants(job: JobSpec) -> Iterator[tuple[str, JobSpec]]:
     """The job with one field changed, named as the operator would set it."""
     nccl, ddp = job.nccl, job.ddp
-    changes = [("nccl", "protocol", v) for v in ("Simple", "LL", "LL128") if v != nccl.protocol]
+    # With one protocol per bucket given, nccl.protocol is not what the buckets travel in.
+    changes = [("nccl", "protocol", v) for v in ("Simple", "LL", "LL128")
+               if v != nccl.protocol and nccl.protocols is None]
     changes += [("nccl", "channels", v) for v in (1, 2, 4, 8, 16, 32) if v != nccl.channels]
     changes += [("nccl", "qps_per_connection", v) for v in (1, 2, 4) if v != nccl.qps_per_connection]
     changes += [("ddp", "grad_dtype", v) for v in ("fp32", "bf16", "fp16") if v != ddp.grad_dtype]

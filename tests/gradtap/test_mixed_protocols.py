@@ -89,3 +89,14 @@ def test_a_misplaced_simple_write_is_caught_once_the_counter_is_known(tmp_path):
     _, events = replay(tmp_path, job, dict(streams, **{"m-egress": tmp_path / "edited.pcap"}))
     assert events["m-egress"].get("data.va_mismatch", 0) == 1
     assert all(events[s].get("data.va_mismatch", 0) == 0 for s in ("m-ingress", "m-both"))
+
+
+def test_a_wrong_job_is_not_told_to_change_the_protocol_the_buckets_do_not_use():
+    """With nccl.protocols given, nccl.protocol is not what the buckets travel in, so the
+    one-field diagnosis (parser/mismatch.py) does not offer it as the fix."""
+    from gradtap.parser.mismatch import _variants
+
+    offered = [what for what, _ in _variants(mixed_job("2.19"))]
+    assert offered and not any(what.startswith("nccl.protocol ") for what in offered)
+    single = mixed_job("2.19").model_copy(update={"nccl": mixed_job("2.19").nccl.model_copy(update={"protocols": None})})
+    assert any(what.startswith("nccl.protocol ") for what, _ in _variants(single))

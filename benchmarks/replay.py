@@ -29,6 +29,13 @@ Figures:
   the measurements before and after the replays;
 - **sustained Gbps of mirrored traffic per core**: captured frame bits over the replay's wall
   time, per CPU this process may run on;
+- **peak memory per parameter** (issue 12): the process's anonymous resident memory
+  (``RssAnon`` of ``/proc/self/status``: heap and NumPy/PyTorch arrays; the captures' mmapped
+  pages are the page cache's, not the appliance's), sampled every 10 ms during the first
+  replay (the start state loaded, not the check after it), its peak over the model's
+  parameters, with and without what the process held before the replay began (the
+  interpreter, PyTorch, the compiled kernels, the start state); and the model a
+  256 GB node then holds (FlowCheck asks for at least 300 GB per checkpoint node);
 - **replica lag**: per iteration, from the start of the last pipeline round that carried a
   frame of it to the replica having applied it (``ReplayResult.timings``, ``lag_s``). With
   clipping the whole Adam step waits for the last bucket, so the lag holds a full step:
@@ -48,10 +55,12 @@ Run: ``python -m benchmarks.replay [--iterations N] [--batch-frames N] [--cache 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -99,12 +108,47 @@ def warm(paths: list[Path]) -> tuple[int, int]:
     return sum(p.stat().st_size for p in paths), int(info["MemAvailable"].split()[0]) * 1024
 
 
-def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None) -> ReplayResult:
-    """One replay; with ``params`` (the job's) its final snapshot is checked against the truth."""
+class AnonPeak:
+    """The peak of this process's anonymous resident memory while the ``with`` block runs,
+    sampled every ``period_s``."""
+
+    def __init__(self, period_s: float = 0.01):
+        self.period_s, self.peak, self.before = period_s, 0, 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self) -> "AnonPeak":
+        self.before = self.peak = self.now()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None,
+                memory: AnonPeak | None = None) -> ReplayResult:
+    """One replay; with ``params`` (the job's) its final snapshot is checked against the truth;
+    with ``memory``, the replay alone (not the check) is watched."""
     pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-") as tmp:
-        result, sink = run_replay(job, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames)
+        with memory or contextlib.nullcontext():
+            result, sink = run_replay(job, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames)
         if sink.replica.stale or not all(r.recovered for r in result.reports):
             raise SystemExit(f"the replay did not apply every iteration: {sink.lines}")
         if params is not None:
@@ -115,7 +159,7 @@ def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None)
     return result
 
 
-def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float) -> None:
+def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: AnonPeak) -> None:
     plan = job_plan(job)
     grad_bytes = plan.total_elems * plan.elem_size
     nparams = sum(p.numel for p in params)
@@ -144,6 +188,11 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
     print(f"memory-bound minimum per iteration {minimum:8.3f} s   -> processing / minimum = {per_iteration / minimum:.1f} x")
     print(f"mirrored traffic                   {frame_bytes * 8 / result.wall_s / 1e9:8.2f} Gbps = "
           f"{frame_bytes * 8 / result.wall_s / 1e9 / cores:.2f} Gbps per core ({cores} cores)")
+    per_param, grown = memory.peak / nparams, (memory.peak - memory.before) / nparams
+    print(f"peak anonymous memory (1st replay) {memory.peak / 1e9:8.2f} GB = {per_param:.1f} B per parameter; "
+          f"{grown:.1f} B per parameter above the {memory.before / 1e9:.2f} GB held before it "
+          f"(target <= 24 B: {'met' if per_param <= 24 else 'NOT met'}); a 256 GB node then holds "
+          f"{256e9 / per_param / 1e9:.1f} B parameters")
     lag = max(t.lag_s for t in result.timings)
     if job.optimizer.clip_grad_norm:
         floor = ADAM_BYTES_PER_PARAM * nparams / traffic
@@ -177,15 +226,16 @@ def main() -> None:
     params = job_params(job)
     memcpy = memcpy_bandwidth(2)
     best = None
+    memory = AnonPeak()
     for k in range(args.repeats):
         started = time.perf_counter()
-        result = replay_once(sim, job, args.batch_frames, params if k == 0 else None)
+        result = replay_once(sim, job, args.batch_frames, params if k == 0 else None, memory if k == 0 else None)
         print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot "
               f"{time.perf_counter() - started:.1f} s)")
         if best is None or result.wall_s < best.wall_s:
             best = result
     memcpy = max(memcpy, memcpy_bandwidth(2))
-    report(best, job, params, sim, memcpy)
+    report(best, job, params, sim, memcpy, memory)
 
 
 if __name__ == "__main__":

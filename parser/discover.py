@@ -53,6 +53,8 @@ WRITES = (WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST, WRITE_LAST_IMM, WRITE_ONLY, WRI
 ENDS_WITH_IMM = {str(WRITE_LAST_IMM), str(WRITE_ONLY_IMM)}
 PLAIN_ENDS = {str(WRITE_LAST), str(WRITE_ONLY)}
 IMM_SAMPLES = 256        # decisive ImmDt comparisons kept per capture set
+MAX_ADDRESSES = 4096     # addresses whose MAC and write counts are kept (a ring has at most 64 ranks)
+SIZES_PER_FLOW = 8       # distinct plain-write sizes kept per flow (a CTS flow shows one)
 TRIAL_FRAMES = 2_000_000  # frames of a capture one candidate is given to lock on and recover an iteration
 
 
@@ -127,11 +129,14 @@ def survey(paths: Iterable, progress: Callable[[int, int], None] | None = None,
                 for side, column in enumerate(("src_ip", "dst_ip")):
                     keys, counts = np.unique(_address_keys(recs[writes], column), return_counts=True)
                     for k, n in zip(keys.tolist(), counts.tolist()):
-                        hosts[-1].setdefault(k, [0, 0])[side] += n
+                        if k in hosts[-1] or len(hosts[-1]) < MAX_ADDRESSES:
+                            hosts[-1].setdefault(k, [0, 0])[side] += n
                 for j in np.flatnonzero(ok & np.isin(op, (WRITE_FIRST, WRITE_ONLY, WRITE_ONLY_IMM, WRITE_LAST_IMM))):
                     f, code, r = int(ids[j]), int(op[j]), recs[j]
                     if code == WRITE_ONLY:
-                        sizes.setdefault(f, Counter())[int(r["payload_len"])] += 1
+                        seen = sizes.setdefault(f, Counter())
+                        if int(r["payload_len"]) in seen or len(seen) < SIZES_PER_FLOW:
+                            seen[int(r["payload_len"])] += 1
                     elif code == WRITE_FIRST:
                         reth[f] = int(r["reth_len"])
                     else:
@@ -169,7 +174,7 @@ def _learn_macs(recs: np.ndarray, ok: np.ndarray, batch, macs: dict[bytes, bytes
     keys = _address_keys(recs[plain], "src_ip")
     _, first = np.unique(keys, return_index=True)
     for i in first:
-        if keys[i] not in macs:
+        if keys[i] not in macs and len(macs) < MAX_ADDRESSES:
             off = int(batch.offsets[plain[i]])
             macs[keys[i]] = bytes(batch.data[off + 6:off + 12])
 

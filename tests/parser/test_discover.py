@@ -126,3 +126,30 @@ def test_the_command_writes_yaml_and_says_what_it_did_not_decide(tmp_path):
     run = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "discover", str(CAPTURES / "allreduce+p2p.pcapng")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "ring position 0" in run.stderr and "protocol: LL" in run.stdout
+
+
+def test_hostile_frames_give_an_answer_or_a_named_refusal(tmp_path):
+    """Random bytes, and a real capture with bits flipped and frames cut short: discover
+    answers or refuses with a GradtapError, and never fails otherwise."""
+    from gradtap.capture.pcap import PcapWriter
+    from tests.frame_edits import read_frames
+
+    rng = np.random.default_rng(5)
+    frames = read_frames(CAPTURES / "allreduce+p2p.pcapng")
+    for trial in range(6):
+        path = tmp_path / f"hostile-{trial}.pcap"
+        with PcapWriter(path) as w:
+            for frame, ts in frames:
+                b = bytearray(frame)
+                for _ in range(int(rng.integers(0, 4))):
+                    b[int(rng.integers(0, len(b)))] ^= 1 << int(rng.integers(0, 8))
+                if rng.random() < 0.1:
+                    b = b[:int(rng.integers(1, len(b)))]
+                w.write(np.frombuffer(bytes(b), np.uint8), ts)
+            for _ in range(50):
+                w.write(rng.integers(0, 256, int(rng.integers(1, 200)), dtype=np.uint8), 0)
+        try:
+            found = discover([path])
+        except GradtapError:
+            continue
+        assert found.doc["ring"]["ranks"]

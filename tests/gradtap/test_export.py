@@ -9,9 +9,7 @@ it must stay bit-identical to the same FSDP2 job started from the trainer's own 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -76,6 +74,7 @@ def test_safetensors_export_reads_back_with_safetensors(replica, tmp_path):
     assert groups[0]["params"] == names and groups[0]["lr"] == state["optimizer"]["param_groups"][0]["lr"]
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")    # one process, as meant
 def test_dcp_export_loads_into_a_plain_model_and_optimizer(replica, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

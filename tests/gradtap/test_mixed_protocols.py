@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import struct
 
-import numpy as np
 import pytest
 
 from gradtap.replay import run_replay

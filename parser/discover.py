@@ -310,24 +310,29 @@ class Fit:
 
 def candidates(partial: dict, ring: Ring) -> list[dict]:
     """The job documents that the wire leaves open: every rotation of the ring, every era
-    family the CTS and ImmDt allow, every split of an edge's data flows into channels x QPs."""
-    out = []
+    family the CTS and ImmDt allow, every split of an edge's data flows into channels x QPs.
+    What the partial job already says (its ``ring``, ``nccl.era``, ``nccl.channels``,
+    ``nccl.qps_per_connection``, or any other ``nccl`` field) is kept, not tried."""
+    given = dict(partial.get("nccl") or {})
+    wire = {"protocol": ring.protocol, "adaptive_routing": ring.adaptive_routing}
+    if ring.mtu is not None:
+        wire["mtu"] = ring.mtu
     families: dict[int, str] = {}
-    for e in ring.eras:
-        families.setdefault(id(ERAS[e]), e)
-    n, per_edge = len(ring.order), ring.flows_per_edge
-    splits = [(per_edge // q, q) for q in range(1, per_edge + 1) if per_edge % q == 0]
-    for shift in range(n):
-        order = ring.order[shift:] + ring.order[:shift]
-        ranks = [{"ip": ip, "mac": ring.macs.get(ip, "02:00:00:00:00:00")} for ip in order]
-        for era in families.values():
-            for channels, qps in splits:
-                nccl = dict(partial.get("nccl") or {}, era=era, protocol=ring.protocol, channels=channels,
-                            qps_per_connection=qps, adaptive_routing=ring.adaptive_routing)
-                if ring.mtu is not None:
-                    nccl["mtu"] = ring.mtu
-                out.append(dict(partial, nccl=nccl, ring={"ranks": ranks}))
-    return out
+    for e in [given["era"]] if "era" in given else ring.eras:
+        families.setdefault(id(ERAS.get(e)), e)
+    per_edge = ring.flows_per_edge
+    splits = [(per_edge // q, q) for q in range(1, per_edge + 1) if per_edge % q == 0
+              and given.get("channels", per_edge // q) == per_edge // q and given.get("qps_per_connection", q) == q]
+    if "ring" in partial:
+        rings = [partial["ring"]]
+    else:
+        # An address seen only inside ERSPAN has no MAC from the wire: a placeholder, said in undecided.
+        macs = {ip: ring.macs.get(ip, f"02:00:00:00:ff:{i:02x}") for i, ip in enumerate(ring.order)}
+        rings = [{"ranks": [{"ip": ip, "mac": macs[ip]} for ip in ring.order[k:] + ring.order[:k]]}
+                 for k in range(len(ring.order))]
+    return [dict(partial, nccl={**wire, **given, "era": era, "channels": channels, "qps_per_connection": qps},
+                 ring=r)
+            for r in rings for era in families.values() for channels, qps in splits]
 
 
 def fit(partial: dict, s: Survey, ring: Ring, progress: Callable[[int, int], None] | None = None) -> list[Fit]:

@@ -153,3 +153,18 @@ def test_hostile_frames_give_an_answer_or_a_named_refusal(tmp_path):
         except GradtapError:
             continue
         assert found.doc["ring"]["ranks"]
+
+
+def test_what_the_partial_job_says_is_kept_not_tried():
+    from gradtap.parser.discover import candidates, ring_of, survey
+
+    ring = ring_of(survey([CAPTURES / "allreduce+p2p.pcapng"]))
+    assert len(candidates(PARTIAL, ring)) == 2 * 2           # 2 rotations x (2 channels of 1 QP, 1 of 2)
+    said = dict(PARTIAL, nccl={"channels": 2, "era": "2.19", "ar_threshold": 4096})
+    docs = candidates(said, ring)
+    assert len(docs) == 2 and all(d["nccl"]["channels"] == 2 and d["nccl"]["qps_per_connection"] == 1 and
+                                  d["nccl"]["ar_threshold"] == 4096 for d in docs)
+    ordered = dict(PARTIAL, ring={"ranks": [{"ip": RANK0, "mac": MACS[RANK0]}, {"ip": RANK1, "mac": MACS[RANK1]}]})
+    assert [d["ring"] for d in candidates(ordered, ring)] == [ordered["ring"]] * 2
+    found = discover([CAPTURES / "allreduce+p2p.pcapng"], said)
+    assert [r["ip"] for r in found.doc["ring"]["ranks"]] == [RANK0, RANK1] and found.doc["nccl"]["ar_threshold"] == 4096

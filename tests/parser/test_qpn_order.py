@@ -89,9 +89,9 @@ def test_nics_that_number_the_channels_in_different_orders_are_refused(capture):
     assert "qpn_base" in parser.failure.reason
 
 
-def test_hints_decide_where_the_nics_disagree(capture):
+def test_hints_leave_no_tie_to_break(capture):
     """With every rank's qpn_base hint the simulator numbers QPs by the hint rule, and the
-    learner takes the hints: no order is relied on, so no cross-check can refuse."""
+    learner takes the hints: no order is relied on, so there is nothing to cross-check."""
     job, path, tmp = capture
     hinted = job.model_copy(update={"ring": job.ring.model_copy(update={"ranks": tuple(
         r.model_copy(update={"qpn_base": 0x100 * (i + 1)}) for i, r in enumerate(job.ring.ranks))})})

@@ -37,18 +37,18 @@ import torch
 
 from gradtap.checkpoints import load_checkpoint
 from gradtap.core.errors import ConfigError
+from gradtap.trainer.restore import EXPORT_INFO
 from gradtap.updater.snapshot import latest
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec
 
 FORMATS = ("dcp", "state-dict", "safetensors")
-INFO = "gradtap-export.json"
 
 
 def export_checkpoint(source: Path, job: JobSpec, fmt: str, out: Path, *, force: bool = False) -> dict:
     """Write the checkpoint at ``source`` (a snapshot, a snapshot directory's newest through
     its ``LATEST``, or a trainer checkpoint file) to ``out`` in ``fmt``; returns what
-    ``gradtap-export.json`` says."""
+    ``gradtap-export.json`` (:data:`~gradtap.trainer.restore.EXPORT_INFO`) says."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     source = Path(source)
@@ -65,7 +65,7 @@ def export_checkpoint(source: Path, job: JobSpec, fmt: str, out: Path, *, force:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         WRITERS[fmt](checkpoint, names, tmp)
-        (tmp / INFO).write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

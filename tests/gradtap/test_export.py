@@ -9,6 +9,7 @@ it must stay bit-identical to the same FSDP2 job started from the trainer's own 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ import torch.multiprocessing as mp
 
 from gradtap.commands.export import FORMATS as CLI_FORMATS
 from gradtap.core.errors import ConfigError
-from gradtap.export import FORMATS, INFO, by_name, export_checkpoint
+from gradtap.export import FORMATS, by_name, export_checkpoint
+from gradtap.trainer.restore import EXPORT_INFO, restore
 from gradtap.replay import run_replay
 from gradtap.updater import snapshot
 from gradtap.verify import verify
@@ -49,7 +51,7 @@ def test_the_command_offers_the_formats_the_exporter_writes():
 def test_state_dict_export_is_the_snapshot(replica, tmp_path):
     job, snaps, state, _ = replica
     info = export_checkpoint(snaps, job, "state-dict", tmp_path / "sd")
-    assert info["iteration"] == state["iteration"] and json.loads((tmp_path / "sd" / INFO).read_text()) == info
+    assert info["iteration"] == state["iteration"] and json.loads((tmp_path / "sd" / EXPORT_INFO).read_text()) == info
     got = torch.load(tmp_path / "sd" / "checkpoint.pt", weights_only=True)
     assert got["iteration"] == state["iteration"]
     assert all(torch.equal(got["model"][k], v) for k, v in state["model"].items())
@@ -148,7 +150,6 @@ def _fsdp_worker(rank, world, job_doc, source, tmp, out):
     (from the DCP export, resharded by DCP; or the trainer's full state), train STEPS_AFTER
     steps on rank-seeded batches, and write the full state from rank 0."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
@@ -166,10 +167,7 @@ def _fsdp_worker(rank, world, job_doc, source, tmp, out):
         fully_shard(model)
         optimizer = type(optimizer)(model.parameters(), **optimizer.defaults)
         if source == "dcp":
-            msd, osd = get_state_dict(model, optimizer)
-            state = {"model": msd, "optim": osd}
-            dcp.load(state, checkpoint_id=f"{tmp}/dcp")
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            restore(model, optimizer, f"{tmp}/dcp")      # every rank; DCP reshards
         else:
             full = torch.load(f"{tmp}/trainer-state.pt", weights_only=True)
             names = [n for n, _ in model.named_parameters()]
@@ -212,3 +210,35 @@ def test_the_command_exports_and_says_what(replica, tmp_path):
                           "--job", str(tmp_path / "job.yaml"), "--out", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "exists; give a new directory, or --force" in run.stderr
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_restore_reads_every_source_the_appliance_writes(replica, tmp_path):
+    job, snaps, state, _ = replica
+    export_checkpoint(snaps, job, "dcp", tmp_path / "dcp")
+    export_checkpoint(snaps, job, "state-dict", tmp_path / "sd")
+    sources = [snaps, snapshot.latest(snaps), tmp_path / "dcp", tmp_path / "sd", tmp_path / "sd" / "checkpoint.pt"]
+    for source in sources:
+        model, optimizer = _fresh(job)
+        assert restore(model, optimizer, source) == state["iteration"], source
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in state["model"].items()), source
+        assert _same_optimizer(optimizer.state_dict(), state["optimizer"]), source
+
+
+def test_restore_refuses_what_it_cannot_trust_or_read(replica, tmp_path):
+    from gradtap.core.errors import GradtapError
+
+    job, snaps, _, _ = replica
+    export_checkpoint(snaps, job, "safetensors", tmp_path / "st")
+    model, optimizer = _fresh(job)
+    with pytest.raises(ConfigError, match="'safetensors' export, which restore does not read"):
+        restore(model, optimizer, tmp_path / "st")
+    with pytest.raises(ConfigError, match="neither a snapshots directory"):
+        restore(model, optimizer, tmp_path)
+    bad = tmp_path / "bad"
+    shutil.copytree(snapshot.latest(snaps), bad)
+    data = bytearray((bad / "model.pt").read_bytes())
+    data[-100] ^= 1
+    (bad / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(GradtapError, match="sha256|does not match"):
+        restore(model, optimizer, bad)

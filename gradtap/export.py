@@ -38,7 +38,7 @@ import torch
 from gradtap.checkpoints import load_checkpoint
 from gradtap.core.errors import ConfigError
 from gradtap.trainer.restore import EXPORT_INFO
-from gradtap.updater.snapshot import latest
+from gradtap.updater.snapshot import named_latest
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec
 
@@ -53,7 +53,7 @@ def export_checkpoint(source: Path, job: JobSpec, fmt: str, out: Path, *, force:
         raise ConfigError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     source = Path(source)
     if (source / "LATEST").is_file():
-        source = latest(source)
+        source = named_latest(source)          # load_checkpoint checks its sha256s as it reads
     checkpoint = load_checkpoint(source, what="snapshot")
     names = [p.name for p in job_params(job)]
     _check_names(checkpoint, names, source, job)

@@ -45,7 +45,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: st
         raise ConfigError(f"{source}: a {export.get('format')!r} export, which restore does not read; export the "
                           "snapshot as dcp or state-dict (gradtap export --format)")
     if (source / "LATEST").is_file():
-        return _load(model, optimizer, snapshot.load(snapshot.latest(source)), source)
+        return _load(model, optimizer, snapshot.load(snapshot.named_latest(source)), source)
     if (source / "manifest.json").is_file():
         return _load(model, optimizer, snapshot.load(source), source)
     if source.is_file():

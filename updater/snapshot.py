@@ -208,7 +208,10 @@ def verify(path: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _latest_path(directory: Path) -> Path:
+def named_latest(directory: str | Path) -> Path:
+    """The snapshot ``LATEST`` names in ``directory``, not yet verified: for a reader that
+    verifies it anyway as it loads (``load``), so that its files are hashed once."""
+    directory = Path(directory)
     try:
         name = (directory / LATEST).read_text().strip()
     except OSError:
@@ -220,7 +223,7 @@ def _latest_path(directory: Path) -> Path:
 
 def latest(directory: str | Path) -> Path:
     """The snapshot ``LATEST`` names in ``directory``, verified (``GradtapError`` if none)."""
-    path = _latest_path(Path(directory))
+    path = named_latest(directory)
     verify(path)
     return path
 
@@ -298,7 +301,7 @@ class Snapshots:
             if origin is not None:
                 self._claim(origin, force)
             if (self.directory / LATEST).exists():
-                other = verify(_latest_path(self.directory)).get("job")
+                other = verify(named_latest(self.directory)).get("job")
                 if other != job:
                     raise ConfigError(f"{self.directory}: holds snapshots of job {other!r}, not {job!r}; "
                                       "give each job its own snapshot directory")

@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gradtap.wire.protocol import Protocol
 from gradtap.workload import nccl
 from gradtap.workload.spec import JobSpec, MirrorSpec
 from gradtap.workload.wire_plan import DATA, WirePlan, senders
@@ -83,13 +82,6 @@ def _phased(plan: WirePlan) -> np.ndarray:
     return out
 
 
-def _step_bytes(plan: WirePlan) -> np.ndarray:
-    out = np.zeros(len(Protocol), np.int64)
-    for g in plan.geometries:
-        out[g.protocol] = g.step_bytes
-    return out
-
-
 def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTables:
     flows = plan.flows_of(mirror.rank, mirror.direction)
     f = plan.flows[flows]
@@ -121,7 +113,7 @@ def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTab
         bucket_offsets=np.asarray(plan.bucket_offsets, np.int64),
         elem=plan.elem_size,
         mtu=plan.mtu,
-        step_bytes=_step_bytes(plan),
+        step_bytes=plan.by_protocol("step_bytes"),
         imm_big_endian=nccl.era_facts(job.nccl).imm_big_endian,
         seen_bits=int(f["npkts"][is_data].sum()),
         grad_bytes=plan.total_elems * plan.elem_size,

@@ -22,7 +22,7 @@ from gradtap.wire.headers.bth import BTH_LEN
 from gradtap.wire.headers.immdt import IMMDT_LEN
 from gradtap.wire.headers.reth import RETH_LEN
 from gradtap.wire.icrc import ICRC_LEN
-from gradtap.wire.protocol import N_PROTOCOLS, Protocol
+from gradtap.wire.protocol import Protocol
 from gradtap.wire.psn import PSN_MODULUS, psn_add
 from gradtap.workload import nccl as N
 from gradtap.workload.spec import JobSpec
@@ -124,10 +124,7 @@ class TrafficBuilder:
         self.job, self.plan, self.routes, self.timing, self.faults, self.rng = job, plan, routes, timing, faults, rng
         # Per protocol (indexed by Protocol): a FIFO slot, the receive size a CTS announces, and
         # where its buffer lies in a connection's receive memory.
-        self.step_bytes = np.zeros(N_PROTOCOLS, np.int64)
-        self.slot_bytes = np.zeros(N_PROTOCOLS, np.int64)
-        for g in plan.geometries:
-            self.step_bytes[g.protocol], self.slot_bytes[g.protocol] = g.step_bytes, g.slot_bytes
+        self.step_bytes, self.slot_bytes = plan.by_protocol("step_bytes"), plan.by_protocol("slot_bytes")
         self.buffer_offset = np.array([N.recv_buffer_offset(job.nccl, p) for p in Protocol], np.int64)
         ranks = job.ring.ranks
         f = plan.flows

@@ -144,6 +144,14 @@ class WirePlan:
         """The protocol of each bucket's allreduce."""
         return tuple(g.protocol for g in self.geometries)
 
+    def by_protocol(self, field: str) -> np.ndarray:
+        """``int64[len(Protocol)]``: a geometry field (``"step_bytes"``, ``"slot_bytes"``) of
+        each protocol the job uses, indexed by :class:`Protocol`; 0 for a protocol it does not."""
+        out = np.zeros(len(Protocol), np.int64)
+        for g in self.geometries:
+            out[g.protocol] = getattr(g, field)
+        return out
+
     def flow_messages(self, flow: int) -> np.ndarray:
         f = self.flows[flow]
         return self.messages[f["msg_start"]:f["msg_start"] + f["msg_count"]]

@@ -337,6 +337,13 @@ def parse_job(data: Any, source: str = "<job>") -> JobSpec:
 def load_job(path: str | Path) -> JobSpec:
     """Read and validate a job spec YAML file."""
     path = Path(path)
+    return _beside(parse_job(read_job_document(path), str(path)), path.parent)
+
+
+def read_job_document(path: str | Path) -> Any:
+    """A job spec file's YAML document, not yet validated (``gradtap discover`` completes a
+    partial one); every error names the file."""
+    path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -353,7 +360,7 @@ def load_job(path: str | Path) -> JobSpec:
     except RecursionError:
         raise ConfigError(f"{path}: (top level): nested too deeply for a job spec; a job spec is a YAML file "
                           "such as configs/small.yaml") from None
-    return _beside(parse_job(data, str(path)), path.parent)
+    return data
 
 
 def _beside(job: JobSpec, directory: Path) -> JobSpec:

@@ -13,16 +13,10 @@ from gradtap.cli import app
 
 
 def _partial(path: Path) -> dict:
-    import yaml
-
     from gradtap.core.errors import ConfigError
+    from gradtap.workload.spec import read_job_document
 
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the partial job ({exc.strerror})") from None
-    except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: not a YAML file: {exc}") from None
+    doc = read_job_document(path)
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: a job spec is a YAML mapping, got {type(doc).__name__}")
     return doc

@@ -126,6 +126,11 @@ def test_the_command_writes_yaml_and_says_what_it_did_not_decide(tmp_path):
     run = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "discover", str(CAPTURES / "allreduce+p2p.pcapng")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "ring position 0" in run.stderr and "protocol: LL" in run.stdout
+    partial.write_text("[" * 100_000)          # a partial job is read as carefully as a job spec
+    run = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "discover",
+                          str(CAPTURES / "allreduce+p2p.pcapng"), "--job", str(partial)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "nested too deeply" in run.stderr and str(partial) in run.stderr
 
 
 def test_hostile_frames_give_an_answer_or_a_named_refusal(tmp_path):

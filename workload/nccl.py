@@ -184,6 +184,10 @@ def bucket_protocols(nccl: NcclSpec, buckets: int) -> tuple[Protocol, ...]:
     """The protocol of each bucket's allreduce: ``nccl.protocols`` when given (one per bucket),
     else ``nccl.protocol`` for all."""
     if nccl.protocols is None:
+        if nccl.protocol == "auto":
+            raise PlanError("nccl.protocol is 'auto': each bucket's protocol is read from the wire at lock-on "
+                            "(gradtap.parser.resolve) or modelled by the tuner (gradtap.workload.tuner) before a "
+                            "wire plan is built; give nccl.protocols to fix them")
         return (Protocol.of(nccl.protocol),) * buckets
     if len(nccl.protocols) != buckets:
         raise PlanError(f"nccl.protocols names {len(nccl.protocols)} protocols, but the job has {buckets} DDP "
@@ -230,6 +234,9 @@ def call_channels_threads(nbytes: int, nchannels: int, geo: ProtocolGeometry) ->
 
 
 def era_facts(nccl: NcclSpec) -> EraFacts:
+    if nccl.era == "auto":
+        raise PlanError("nccl.era is 'auto': the era is read from the wire at lock-on (gradtap.parser.resolve) "
+                        "before a wire plan is built; give the trainer's NCCL major.minor to fix it")
     return ERAS[nccl.era]
 
 

@@ -139,15 +139,24 @@ class OptimizerSpec(_Strict):
     clip_grad_norm: float | None = Field(None, gt=0)
 
 
+class TunerSpec(_Strict):
+    """What NCCL's tuner sees of the cluster (``workload/tuner.py``)."""
+
+
 class NcclSpec(_Strict):
     """The NCCL settings that shape the wire. Defaults are NCCL 2.19's (see docs/wire-format.md)."""
 
-    era: str = Field("2.19", description="NCCL minor release, '2.19' (2.18.x-2.19.x) to '2.30'")
-    protocol: Literal["Simple", "LL", "LL128"] = "Simple"
+    era: str = Field("2.19", description="NCCL minor release, '2.19' (2.18.x-2.19.x) to '2.30', or 'auto': "
+                                        "the appliance reads it from the wire at lock-on")
+    protocol: Literal["Simple", "LL", "LL128", "auto"] = Field(
+        "Simple", description="every bucket's protocol, or 'auto': per bucket as NCCL's tuner picks it by size "
+                              "(the appliance reads it from the wire at lock-on; the simulator models the tuner)")
     protocols: tuple[Literal["Simple", "LL", "LL128"], ...] | None = Field(
         None, min_length=1, description="per DDP bucket in launch order: the protocol NCCL's tuner chose for that "
                                         "bucket's allreduce (it picks per call, by size); unset: every bucket uses "
                                         "'protocol'")
+    tuner: TunerSpec = Field(default_factory=lambda: TunerSpec(),
+                             description="the topology NCCL's tuner sees, for protocol 'auto' in the simulator")
     channels: int = Field(2, ge=1, le=32)
     qps_per_connection: int = Field(1, ge=1, le=128)
     split_data_on_qps: bool | None = Field(None, description="NCCL_IB_SPLIT_DATA_ON_QPS; default from the era")
@@ -158,13 +167,18 @@ class NcclSpec(_Strict):
     mtu: Literal[1024, 2048, 4096] = 1024
     ib_ooo_rq: bool = Field(False, description="NCCL_IB_OOO_RQ (2.30+): refused, ImmDt then carries a request ID")
 
+    @property
+    def resolved(self) -> bool:
+        """Whether the wire is fixed by the spec alone (no ``auto`` left to read from the wire)."""
+        return self.era != "auto" and (self.protocol != "auto" or self.protocols is not None)
+
     @field_validator("era")
     @classmethod
     def _known_era(cls, v: str) -> str:
-        if v not in SUPPORTED_ERAS:
+        if v != "auto" and v not in SUPPORTED_ERAS:
             raise ValueError(f"NCCL era {v!r} is not supported; supported eras: {', '.join(SUPPORTED_ERAS)} "
                              "(one per NCCL minor release; 2.19 also covers NCCL 2.18.x). Give the "
-                             "major.minor of the trainer's NCCL, e.g. '2.21' for NCCL 2.21.5")
+                             "major.minor of the trainer's NCCL, e.g. '2.21' for NCCL 2.21.5, or 'auto'")
         return v
 
     @field_validator("ib_ooo_rq")
@@ -175,7 +189,7 @@ class NcclSpec(_Strict):
         # then carries the ID, not the size, and the wire plan does not model that.
         if v:
             era = info.data.get("era", "2.30")
-            where = ("NCCL_IB_OOO_RQ does not exist before NCCL 2.30" if era < "2.30" else
+            where = ("NCCL_IB_OOO_RQ does not exist before NCCL 2.30" if era not in ("2.30", "auto") else
                      "with NCCL_IB_OOO_RQ=1, NCCL 2.30 writes a request ID into ImmDt instead of the message "
                      "size (ID-based receive matching), which gradtap does not decode")
             raise ValueError(f"{where}; run the trainer without NCCL_IB_OOO_RQ, "

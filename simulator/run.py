@@ -39,6 +39,7 @@ from gradtap.simulator.training import Trainer
 from gradtap.simulator.truth import TruthWriter
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.spec import JobSpec, dump_job
+from gradtap.workload.tuner import tuned
 from gradtap.workload.wire_plan import build_plan
 
 EPOCH_NS = 1_767_225_600 * 10**9   # 2026-01-01T00:00:00Z: where simulated time starts
@@ -105,6 +106,7 @@ class Simulation:
         if job.model.factory is None:
             raise ConfigError("model.factory: the simulator trains a real model, so the job must name a "
                               "torch.nn.Module factory rather than a parameter list")
+        _require_era(job)
         streams_dir = self.out / "streams"
         if streams_dir.exists():
             shutil.rmtree(streams_dir)
@@ -114,7 +116,9 @@ class Simulation:
         params = job_params(job)
         buckets = job_buckets(job)
         first = 1 if job.ddp.layout == "rebuilt" else 0
-        plan = build_plan(job, [b.numel for b in buckets])
+        # nccl.protocol 'auto': each bucket's protocol as NCCL's tuner picks it (workload/tuner.py)
+        wire_job = tuned(job, [b.numel for b in buckets])
+        plan = build_plan(wire_job, [b.numel for b in buckets])
         chunk_of = [chunk_index(plan, b) for b in range(len(buckets))]
         one_call = job.model_copy(update={"nccl": job.nccl.model_copy(update={"protocols": None})})
         n = job.world_size
@@ -123,7 +127,7 @@ class Simulation:
         streams = [_Stream(job, i, self.out, self.fmt, self.seed) for i in range(len(job.mirrors))]
         egress = {s.mirror.rank for s in streams if s.mirror.direction != "ingress"}
         ingress = {s.mirror.rank for s in streams if s.mirror.direction != "egress"}
-        builder = TrafficBuilder(job, plan, routes, self.timing, self.faults.link(), rng, egress, ingress)
+        builder = TrafficBuilder(wire_job, plan, routes, self.timing, self.faults.link(), rng, egress, ingress)
         background = Background(job, routes, {s.mirror.rank for s in streams}, rng)
         state = ConnectionState.initial(plan, rng)
         link_faults: dict[str, int] = {}
@@ -134,8 +138,10 @@ class Simulation:
             """Reduce one bucket in ring order and, while capturing, put it on the wire."""
             i = captured_buckets.get(bucket)
             # A bucket of the initial layout (iteration 0 of a rebuilt job, before capture
-            # begins) is its own NCCL call with its own chunking, in the job's protocol.
-            chunks = chunk_of[i] if i is not None else chunk_index(build_plan(one_call, [bucket.numel]), 0)
+            # begins) is its own NCCL call with its own chunking, in the job's protocol (with
+            # 'auto', the tuner's for its size).
+            chunks = (chunk_of[i] if i is not None else
+                      chunk_index(build_plan(tuned(one_call, [bucket.numel]), [bucket.numel]), 0))
             rows = ring_partials(np.stack(per_rank), chunks)
             if clock["capturing"]:
                 started = time.perf_counter()
@@ -246,9 +252,19 @@ def resume(job: JobSpec, checkpoint: dict, seed: int, until: int) -> Trainer:
     """A trainer resumed from ``checkpoint`` and trained to iteration ``until`` (exclusive)
     on the same data shards, with NCCL's ring arithmetic: what a real job does after
     loading a gradtap snapshot."""
+    _require_era(job)
     buckets = job_buckets(job)
-    trainer = build_trainer(job, buckets, plan_allreduce(build_plan(job, [b.numel for b in buckets])), seed,
+    numels = [b.numel for b in buckets]
+    trainer = build_trainer(job, buckets, plan_allreduce(build_plan(tuned(job, numels), numels)), seed,
                             checkpoint)
     while trainer.iteration < until:
         trainer.step()
     return trainer
+
+
+def _require_era(job: JobSpec) -> None:
+    """The simulator writes one NCCL release's wire: it cannot simulate ``nccl.era: auto``."""
+    if job.nccl.era == "auto":
+        raise ConfigError("nccl.era is 'auto': the simulator writes the wire of one NCCL release and cannot "
+                          "learn it from a wire it has not written yet; give nccl.era, the major.minor of the "
+                          "NCCL to simulate (e.g. '2.21')")

@@ -140,7 +140,41 @@ class OptimizerSpec(_Strict):
 
 
 class TunerSpec(_Strict):
-    """What NCCL's tuner sees of the cluster (``workload/tuner.py``)."""
+    """What NCCL's tuner sees of the cluster, for ``nccl.protocol: auto`` in the simulator
+    (``workload/tuner.py``; docs/wire-format.md, "The tuner's protocol choice").
+
+    gradtap reads ring allreduce, so the model is NCCL's Ring algorithm only: the trainer runs
+    with ``NCCL_ALGO=Ring`` (without it NCCL may pick Tree, NVLS or CollNet, which gradtap does
+    not decode)."""
+
+    algorithm: Literal["Ring"] = Field("Ring", description="NCCL_ALGO; only Ring, the algorithm gradtap reads")
+    compute_capability: int = Field(90, ge=60, le=130, description="the GPUs' compute capability x10 (70 Volta, 80 "
+                                                                   "Ampere, 90 Hopper, 100 Blackwell), all alike")
+    ppn: int = Field(1, ge=1, le=64, description="ranks of the ring (communicator) per node")
+    nodes: int | None = Field(None, ge=2, le=64, description="nodes of the ring; unset: ring size / ppn")
+    nic_gbps: float = Field(200.0, gt=0, le=3200, description="line rate of a rank's NIC, Gb/s (ibstat 'Rate'); "
+                                                              "NCCL's graph search gets its ring bandwidth from it")
+    graph_channels: int | None = Field(None, ge=1, le=64, description="the ring graph's nChannels as NCCL logs it "
+                                       "(NCCL_DEBUG_SUBSYS=GRAPH: 'Pattern 4, crossNic 0, nChannels N, bw X/Y'); "
+                                       "with graph_bw, overrides the graph derived from nic_gbps")
+    graph_bw: float | None = Field(None, gt=0, le=1000, description="the ring graph's per-channel bw (GB/s, the Y "
+                                   "of that line); with graph_channels")
+    nvlink: bool = Field(True, description="the node's GPUs talk over NVLink (ppn > 1 only: intra-node latency, "
+                                           "and LL128 needs it)")
+    gpu_nic_path: Literal["PIX", "PXB", "PXN", "PHB", "SYS"] = Field(
+        "PIX", description="PCIe path from a GPU to its NIC as nvidia-smi topo -m shows it (NODE is PHB): "
+                           "LL128 is on by default only up to PXB (PXN on Hopper and later)")
+    cpu_vendor: Literal["intel", "amd", "other"] = Field("intel", description="the hosts' CPU vendor (x86 Intel, "
+                                                        "x86 AMD, or other): the LL bandwidth cap and net overhead")
+    ll128: bool | None = Field(None, description="LL128 enabled (NCCL_PROTO includes it) or disabled; unset: "
+                                                 "NCCL's default rule for the era and GPUs")
+
+    @model_validator(mode="after")
+    def _graph_pair(self) -> "TunerSpec":
+        if (self.graph_channels is None) != (self.graph_bw is None):
+            raise ValueError("give graph_channels and graph_bw together (both from NCCL's 'Pattern 4, ..., "
+                             "nChannels N, bw X/Y' line), or neither to derive the graph from nic_gbps")
+        return self
 
 
 class NcclSpec(_Strict):

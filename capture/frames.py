@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
+
+from gradtap.core.jit import JIT
+from gradtap.core.memory import copy_bytes
 
 LINKTYPE_ETHERNET = 1  # pcap/pcapng LINKTYPE_ETHERNET (tcpdump.org link-layer header types)
 
@@ -76,6 +80,17 @@ class FrameBatch:
         return FrameBatch(data=self.data, offsets=self.offsets[start:], caplens=self.caplens[start:],
                           wirelens=self.wirelens[start:], ts_ns=self.ts_ns[start:], linktype=self.linktype)
 
+    def owned(self, start: int = 0) -> FrameBatch:
+        """A copy of frames ``start:`` that owns its bytes, packed (a ring's batch is a view)."""
+        offsets, caplens = self.offsets[start:], self.caplens[start:]
+        new_offsets = np.zeros(len(offsets), np.int64)
+        if len(offsets):
+            np.cumsum(caplens[:-1], out=new_offsets[1:])
+        data = np.empty(int(caplens.sum(dtype=np.int64)), np.uint8)
+        _gather(data, new_offsets, self.data, offsets, caplens)
+        return FrameBatch(data, new_offsets, caplens.copy(), self.wirelens[start:].copy(),
+                          self.ts_ns[start:].copy(), self.linktype)
+
     @property
     def nbytes(self) -> int:
         """Captured bytes in the batch (sum of caplens)."""
@@ -112,6 +127,13 @@ class FrameBatch:
                    _join((b.caplens for b in batches), np.int32),
                    _join((b.wirelens for b in batches), np.int32),
                    _join((b.ts_ns for b in batches), np.int64), linktype)
+
+
+@njit(**JIT)
+def _gather(out, out_offsets, data, offsets, caplens):
+    """Frame i of ``data`` to ``out[out_offsets[i]:]`` (bounds checked by FrameBatch)."""
+    for i in range(len(offsets)):
+        copy_bytes(out, out_offsets[i], data, offsets[i], caplens[i])
 
 
 def _join(arrays, dtype) -> np.ndarray:

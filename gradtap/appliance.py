@@ -81,10 +81,12 @@ class Appliance:
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests,
                                 attestations=self.attestations)
-        self.pipeline = Pipeline(job, job_plan(job), list(streams), self.sink, start.first_iteration,
+        self.pipeline = Pipeline(job, job_plan(job) if job.nccl.resolved else None, list(streams), self.sink,
+                                 start.first_iteration,
                                  on_lockon_failed=lambda failure: self.control.event("lockon.failed",
                                                                                      **failure.as_event()),
-                                 on_anchor=self.numbering.placed)
+                                 on_anchor=self.numbering.placed,
+                                 on_resolved=lambda r: self.control.event("job.resolved", **r.as_event()))
         self.numbering.attach(self.pipeline)
         self.rings: dict[str, FrameRing] = {}
         self.workers: dict[str, CaptureWorker] = {}
@@ -155,7 +157,7 @@ class Appliance:
                                    stale=self.replica.stale, lag_s=timings[-1].lag_s if timings else 0.0,
                                    parse_s=parse_s, merge_s=merge_s, update_s=update_s,
                                    locked=self.pipeline.locked(), numbered=self.pipeline.numbered,
-                                   skipped=self.pipeline.merger.skipped, attested=self.attestations.attested,
+                                   skipped=self.pipeline.skipped, attested=self.attestations.attested,
                                    diverged=self.attestations.diverged)
 
     def _capture_stats(self) -> dict[str, dict]:

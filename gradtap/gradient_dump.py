@@ -21,23 +21,24 @@ from gradtap.merger.merger import IterationReport, Sink
 from gradtap.updater.replica import WIRE_NUMPY
 from gradtap.workload.layout import job_buckets, job_params, layout_document
 from gradtap.workload.spec import JobSpec
-from gradtap.workload.wire_plan import WirePlan
 
 
 class GradientDump:
     """Passes everything on to ``sink`` and writes each recovered iteration's gradient to ``directory``."""
 
-    def __init__(self, sink: Sink, directory: Path, job: JobSpec, plan: WirePlan):
+    def __init__(self, sink: Sink, directory: Path, job: JobSpec):
         self.sink, self.directory = sink, Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = WIRE_NUMPY[job.ddp.grad_dtype]
-        self.offsets = [o * plan.elem_size for o in plan.bucket_offsets]
+        buckets = job_buckets(job)
+        elem = self.dtype.itemsize
+        self.offsets = np.concatenate([[0], np.cumsum([b.numel * elem for b in buckets])]).tolist()
         # One buffer for every iteration: a recovered one had every bucket handed, so every
         # byte written is its own.
-        self._grad = np.zeros(plan.total_elems * plan.elem_size, np.uint8)
+        self._grad = np.zeros(self.offsets[-1], np.uint8)
         self._open: int | None = None         # the iteration whose buckets the buffer holds
         self.written: list[int] = []
-        self._layout = (job_params(job), job_buckets(job), job.ddp.grad_dtype)
+        self._layout = (job_params(job), buckets, job.ddp.grad_dtype)
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None:
         self._open = iteration

@@ -3,7 +3,12 @@ the sink (the updater), advanced one round of frames at a time, with the time ea
 
 A round parses each stream's new frames in parallel threads (the Numba kernels release the
 GIL); the merger and the sink then run on the caller's thread while the parsers wait, so
-nothing reads a slot a parser is writing. ``gradtap.replay`` feeds rounds from capture files,
+nothing reads a slot a parser is writing.
+
+A job that leaves ``nccl.era`` or ``nccl.protocol`` to the wire (``auto``) has no plan yet:
+until the streams decide it (``parser/resolve.py``), each round's frames are watched and held
+(up to ``hold_bytes`` per stream; older frames past that are counted as ``other.unresolved``),
+then the parsers and the merger are built for the resolved job and take the held frames first. ``gradtap.replay`` feeds rounds from capture files,
 ``gradtap.appliance`` from the capture workers' shared-memory rings.
 """
 
@@ -19,7 +24,9 @@ import numpy as np
 from gradtap.capture.frames import FrameBatch
 from gradtap.merger.merger import IterationReport, Merger, Sink
 from gradtap.merger.numbering import Anchor, AnchorRefused, StreamStarts, anchor_ordinal
+from gradtap.parser.decode import decode_batch
 from gradtap.parser.lockon import LockFailure
+from gradtap.parser.resolve import Resolution, Resolver
 from gradtap.parser.stream import StreamParser
 from gradtap.wire import events as ev
 from gradtap.workload.spec import JobSpec
@@ -53,6 +60,7 @@ class IterationTiming:
 
 
 AnchorOutcome = Callable[[Anchor, "int | None", "str | None"], None]   # anchor, ordinal placed at, or why refused
+HOLD_BYTES = 1 << 30      # frames held per stream while the job's era and protocols are read from the wire
 
 
 class Pipeline:
@@ -63,29 +71,52 @@ class Pipeline:
     is None, from where an :meth:`anchor` falls (``merger/numbering.py``); ``on_anchor`` hears
     where each anchor fell, or why it could not be placed."""
 
-    def __init__(self, job: JobSpec, plan: WirePlan, streams: list[str], sink: Sink,
+    def __init__(self, job: JobSpec, plan: WirePlan | None, streams: list[str], sink: Sink,
                  first_iteration: int | None = 0, on_lockon_failed: Callable[[LockFailure], None] | None = None,
-                 on_anchor: AnchorOutcome | None = None):
+                 on_anchor: AnchorOutcome | None = None, on_resolved: Callable[[Resolution], None] | None = None,
+                 hold_bytes: int = HOLD_BYTES):
         gap = job.appliance.iteration_gap_ns
-        self.gap_ns = gap
+        self.job, self.streams, self.gap_ns = job, list(streams), gap
         self._on_lockon_failed = on_lockon_failed
         self._on_anchor = on_anchor
+        self._on_resolved = on_resolved
         self._anchors: dict[str, Anchor] = {}       # "start", "offer" -> not yet placed
         self.listening_ns: int | None = None     # when a live capture began listening (before its first frame)
         self._failures_told: set[str] = set()
-        self.parsers = {name: StreamParser(job, plan, name, gap_ns=gap) for name in streams}
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
         self._sink = _TimedSink(sink, self.times)
-        self.merger = Merger(plan, list(streams), self._sink, first_iteration, settle_ns=gap)
+        self._first_iteration = first_iteration
+        self.parsers: dict[str, StreamParser] = {}
+        self.merger: Merger | None = None
         self.last_fed: dict[int, float] = {}        # ordinal -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._retired: dict[int, list[tuple[str, np.ndarray]]] = {}   # iteration -> gradients the merger holds
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
+        # Before a plan: the resolver, the frames held for the parsers, and the frames let go.
+        self.resolver = Resolver(job, self.streams, gap) if plan is None else None
+        self.hold_bytes = hold_bytes
+        self._held: dict[str, list[FrameBatch]] = {name: [] for name in streams}
+        self._unresolved = {name: ev.new_counters() for name in streams}
+        if plan is not None:
+            self._build(job, plan)
+
+    def _build(self, job: JobSpec, plan: WirePlan) -> None:
+        self.job = job
+        self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns) for name in self.streams}
+        self.merger = Merger(plan, self.streams, self._sink, self._first_iteration, settle_ns=self.gap_ns)
+
+    @property
+    def resolved(self) -> bool:
+        return self.merger is not None
 
     def round(self, batches: dict[str, FrameBatch], now_ns: int = -1) -> None:
         """Parse each stream's new frames, then merge and update. ``now_ns``: the capture's
         clock (a live capture's wall clock, which runs on while no frame comes); the frames'
         own times advance it too."""
+        if not self.resolved:
+            self._watch(batches)
+            self._release(now_ns)
+            return
         started = time.perf_counter()
         work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
         results = list(self._pool.map(lambda nb: self._parse(*nb), work))
@@ -110,8 +141,67 @@ class Pipeline:
         self._tell_failures()
         self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
 
+    def _watch(self, batches: dict[str, FrameBatch]) -> None:
+        """A round before the job is resolved: show each stream's frames to the resolver and
+        hold them; build the parsers once it decides."""
+        t = time.perf_counter()
+        for name, b in batches.items():
+            if b is None or len(b.offsets) == 0:
+                continue
+            recs, _ = decode_batch(b, self.job.appliance.verify_icrc,
+                                   decapsulate=self.job.mirror(name).encapsulation != "none")
+            self.resolver.observe(name, recs, b.data)
+            held = self._held[name]
+            held.append(b.owned())
+            while sum(h.data.nbytes for h in held) > self.hold_bytes and len(held) > 1:
+                self._let_go(name, held.pop(0))
+            self.times.parse_s[name] += time.perf_counter() - t
+            t = time.perf_counter()
+        self._settle(self.resolver.decide())
+
+    def _settle(self, resolution: Resolution | None) -> None:
+        """Build the parsers and the merger for the resolved job (nothing while undecided)."""
+        self._tell_failures()
+        if resolution is None:
+            return
+        from gradtap.workload.layout import job_plan
+        self._build(resolution.job, job_plan(resolution.job))
+        for name, counts in self._unresolved.items():
+            self.parsers[name].counters += counts
+        if self._on_resolved is not None:
+            self._on_resolved(resolution)
+
+    def _release(self, now_ns: int = -1) -> None:
+        """Once resolved, the held frames to the new parsers, in rounds as they came."""
+        if not self.resolved:
+            return
+        held, self._held = self._held, {name: [] for name in self.streams}
+        for k in range(max(map(len, held.values()), default=0)):
+            self.round({n: h[k] for n, h in held.items() if k < len(h)}, now_ns)
+
+    def _let_go(self, name: str, batch: FrameBatch) -> None:
+        """Count frames no parser will see: stage 1's refusals as themselves, the rest as
+        ``other.unresolved``."""
+        recs, _ = decode_batch(batch, self.job.appliance.verify_icrc,
+                               decapsulate=self.job.mirror(name).encapsulation != "none")
+        counts = np.bincount(recs["event"], minlength=ev.N_EVENTS)
+        counts[ev.OTHER_UNRESOLVED] += counts[ev.DECODE_OK]
+        counts[ev.DECODE_OK] = 0
+        self._unresolved[name] += counts
+
     def finish(self) -> list[IterationReport]:
         """End of input: every stream hands back what it holds, every pending iteration is due."""
+        if not self.resolved:
+            # The end of input closes the last iteration as a pause would.
+            self._settle(self.resolver.decide(final=True))
+            self._release()
+        if not self.resolved:
+            for name, held in self._held.items():
+                for b in held:
+                    self._let_go(name, b)
+            self._held = {name: [] for name in self.streams}
+            self._tell_failures(final=True)
+            return []
         t = time.perf_counter()
         flushed = {name: p.flush() for name, p in self.parsers.items()}
         self._place_anchors()
@@ -138,10 +228,10 @@ class Pipeline:
 
     @property
     def numbered(self) -> bool:
-        return self.merger.first is not None
+        return self.merger is not None and self.merger.first is not None
 
     def _place_anchors(self) -> None:
-        if not self._anchors:
+        if not self._anchors or not self.resolved:
             return
         streams = {}
         for name, p in self.parsers.items():
@@ -179,20 +269,42 @@ class Pipeline:
                                 f"iteration or time is wrong, or the replica's start state was")
 
     def locked(self) -> dict[str, bool]:
-        return {n: p.locked for n, p in self.parsers.items()}
+        return {n: n in self.parsers and self.parsers[n].locked for n in self.streams}
 
-    def _tell_failures(self) -> None:
-        """Each stream's lock-on failure, once, to ``on_lockon_failed``."""
-        for name, p in self.parsers.items():
-            if p.failure is not None and name not in self._failures_told:
+    def _tell_failures(self, final: bool = False) -> None:
+        """Each stream's lock-on failure, once, to ``on_lockon_failed``; before a plan, each
+        stream the resolver gave up on (and, at the end of input, every other one)."""
+        failures = {n: p.failure for n, p in self.parsers.items() if p.failure is not None}
+        if not self.resolved:
+            for name in self.streams:
+                why = self.resolver.failures.get(name)
+                if why is None and final:
+                    e = self.resolver.evidence[name]
+                    why = (f"the input ended after {e.tried} whole iteration(s) of it, before its era and protocols "
+                           f"were read from the wire ({e.packets.n:,} write packets between the ring's addresses)")
+                if why is not None:
+                    frames = int(self._unresolved[name].sum()) + sum(len(h.offsets) for h in self._held[name])
+                    failures[name] = LockFailure(stream=name, what="job not resolved from the wire", reason=why,
+                                                 detail=self.resolver.detail(name), frames=frames)
+        for name, failure in failures.items():
+            if name not in self._failures_told:
                 self._failures_told.add(name)
                 if self._on_lockon_failed is not None:
-                    self._on_lockon_failed(p.failure)
+                    self._on_lockon_failed(failure)
 
     def counters(self) -> dict[str, dict[str, int]]:
+        if not self.resolved:
+            return {n: ev.as_dict(c) for n, c in self._unresolved.items()}
         return {n: ev.as_dict(p.counters) for n, p in self.parsers.items()}
 
+    @property
+    def skipped(self) -> int:
+        """Iterations the merger passed over before the replica's start (0 before a plan)."""
+        return 0 if self.merger is None else self.merger.skipped
+
     def timings(self) -> list[IterationTiming]:
+        if self.merger is None:
+            return []
         first = self.merger.first or 0
         return self._sink.timings({first + i: t for i, t in self.last_fed.items()})
 

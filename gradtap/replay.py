@@ -28,6 +28,7 @@ from gradtap.core.errors import ConfigError
 from gradtap.gradient_dump import GradientDump
 from gradtap.merger.merger import IterationReport, Sink
 from gradtap.parser.lockon import LockFailure
+from gradtap.parser.resolve import Resolution
 from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, replica_start
@@ -137,17 +138,18 @@ def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
     return out
 
 
-def replay(job: JobSpec, plan: WirePlan, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
+def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
            progress: Progress = _no_progress, first_iteration: int = 0,
            on_lockon_failed: Callable[[LockFailure], None] | None = None,
-           numbering: Numbering | None = None) -> ReplayResult:
+           numbering: Numbering | None = None, on_resolved: Callable[[Resolution], None] | None = None) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``, numbering iterations from
     ``first_iteration`` (the trainer's iteration of the captures' first one), or as ``numbering``
-    says (``gradtap/start.py``); never hangs (ends at EOF)."""
+    says (``gradtap/start.py``); never hangs (ends at EOF). ``plan`` None: the job's ``auto``
+    fields are read from the wire first (``on_resolved`` hears what they are)."""
     if numbering is not None:
         first_iteration = numbering.start.first_iteration
     pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration, on_lockon_failed,
-                        on_anchor=None if numbering is None else numbering.placed)
+                        on_anchor=None if numbering is None else numbering.placed, on_resolved=on_resolved)
     if numbering is not None:
         numbering.attach(pipeline)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
@@ -198,13 +200,14 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     for checkpoint in resync or []:
         replica.offer(checkpoint)
     sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests)
-    plan = job_plan(job)
+    plan = job_plan(job) if job.nccl.resolved else None      # else read from the wire (parser/resolve.py)
     finished = False
     try:
-        result = replay(job, plan, pcaps, sink if gradients is None else GradientDump(sink, gradients, job, plan),
+        result = replay(job, plan, pcaps, sink if gradients is None else GradientDump(sink, gradients, job),
                         batch_frames=batch_frames, progress=progress,
                         numbering=numbering,
-                        on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()))
+                        on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()),
+                        on_resolved=lambda r: control.event("job.resolved", **r.as_event()))
         finished = replica.open_iteration is None and bool(sink.applied)
     finally:
         snapshots.close(replica if finished else None)   # a clean end writes a final snapshot

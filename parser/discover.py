@@ -41,6 +41,7 @@ from gradtap.capture.pcap import PcapReader
 from gradtap.core.errors import CaptureError, ConfigError, GradtapError
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.inspect_flows import FlowTable
+from gradtap.parser.resolve import eras_shown, imm_evidence
 from gradtap.parser.stream_tables import UNKNOWN_QPN
 from gradtap.wire.events import DECODE_OK
 from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD
@@ -142,7 +143,7 @@ def survey(paths: Iterable, progress: Callable[[int, int], None] | None = None,
                     else:
                         length = int(r["reth_len"]) if code == WRITE_ONLY_IMM else reth.pop(f, 0)
                         if length and sum(imm_order.values()) < IMM_SAMPLES:
-                            _imm_evidence(int(r["imm"]), length, imm_order)
+                            imm_evidence(int(r["imm"]), length, imm_order)
         for f, row in enumerate(table.describe()):
             row.update(file=i, write_sizes=dict(sizes.get(f, {})))
             row["role"] = _role(row)
@@ -188,16 +189,6 @@ def _name(key: bytes) -> str:
 
 def _mac_names(macs: dict[bytes, bytes]) -> dict[str, str]:
     return {_name(key): ":".join(f"{b:02x}" for b in mac) for key, mac in macs.items()}
-
-
-def _imm_evidence(imm: int, length: int, counts: Counter) -> None:
-    """ImmDt (read big-endian) against the message's length: NCCL writes the size, byte-swapped
-    to big-endian from 2.29 and as the host's little-endian word before."""
-    swapped = int.from_bytes(imm.to_bytes(4, "big"), "little")
-    if imm == length and swapped != length:
-        counts["big"] += 1
-    elif swapped == length and imm != length:
-        counts["little"] += 1
 
 
 def _role(row: dict) -> str:
@@ -288,14 +279,7 @@ def _cycle(edges: Counter) -> list[str] | None:
 
 def eras_of(s: Survey) -> list[str]:
     """The eras whose CTS size and ImmDt byte order the captures show (all, with no evidence)."""
-    eras = list(SUPPORTED_ERAS)
-    if s.cts_sizes:
-        size = s.cts_sizes.most_common(1)[0][0]
-        eras = [e for e in eras if ERAS[e].cts_bytes == size]
-    if s.imm_order:
-        big = s.imm_order["big"] > s.imm_order["little"]
-        eras = [e for e in eras if ERAS[e].imm_big_endian == big]
-    return eras
+    return eras_shown(s.cts_sizes, s.imm_order)
 
 
 @dataclass

@@ -30,20 +30,18 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from gradtap.core.bytes import read_le_u64
 from gradtap.core.jit import JIT
 from gradtap.parser.decode import is_roce
+from gradtap.parser.line_format import is_ll, is_ll128
 from gradtap.wire.events import DECODE_OK
 from gradtap.wire.frame_record import ICRC_BAD
 from gradtap.wire.headers.opcodes import (KIND_ATOMIC, KIND_READ_REQUEST, KIND_SEND, KIND_WRITE,
                                           OPCODE_KIND, OPCODE_VALID)
-from gradtap.wire.ll import LL_FLAG1_OFF, LL_FLAG2_OFF, LL_HALF_BYTES, LL_LINE_BYTES
-from gradtap.wire.ll128 import LL128_FLAG_OFF, LL128_LINE_BYTES, LL128_WORD_BYTES
+from gradtap.wire.ll128 import LL128_LINE_BYTES
 from gradtap.wire.protocol import Protocol
 from gradtap.wire.psn import PSN_HALF, psn_ahead
 
 MAX_SAMPLES = 64
-LL128_FLAG_LIMIT = 1 << 32
 UNTRACKED_EXACT = 1 << 22        # fingerprints of flows not tracked kept (in 2^23 slots of 8 B)
 KEY_WORDS = 5                    # src (2 words), dst (2), version << 32 | QP
 
@@ -187,33 +185,6 @@ def _rehash_set(old, new):
 
 
 @njit(**JIT)
-def _line_flag(data, off, n, line_bytes, flag_off, flag_bytes):
-    """The flag at ``flag_off`` of the first line if every ``line_bytes`` line of the packet
-    ``data[off:off + n]`` holds the same one there; 0 otherwise (uint64)."""
-    if n % line_bytes:
-        return np.uint64(0)
-    flag = read_le_u64(data, off + flag_off, flag_bytes)
-    for line in range(off, off + n, line_bytes):
-        if read_le_u64(data, line + flag_off, flag_bytes) != flag:
-            return np.uint64(0)
-    return flag
-
-
-@njit(**JIT)
-def _is_ll(data, off, n):
-    """Both 32-bit flags of every 16-byte line equal one nonzero flag."""
-    flag = _line_flag(data, off, n, LL_LINE_BYTES, LL_FLAG1_OFF, LL_HALF_BYTES)
-    return flag != 0 and _line_flag(data, off, n, LL_LINE_BYTES, LL_FLAG2_OFF, LL_HALF_BYTES) == flag
-
-
-@njit(**JIT)
-def _is_ll128(data, off, n):
-    """The last word of every 128-byte line equals one flag, nonzero and below 2**32."""
-    flag = _line_flag(data, off, n, LL128_LINE_BYTES, LL128_FLAG_OFF, LL128_WORD_BYTES)
-    return flag != 0 and flag < np.uint64(LL128_FLAG_LIMIT)
-
-
-@njit(**JIT)
 def _accumulate(records, ids, start, data, t):
     """Add records ``start:`` of a decoded batch to their tracked flows' counters, in arrival
     order. Returns :data:`DONE`, or the record at which the opcode table must grow first."""
@@ -255,8 +226,8 @@ def _accumulate(records, ids, start, data, t):
         if (rec["event"] == DECODE_OK and (kind == KIND_WRITE or kind == KIND_SEND)
                 and rec["payload_len"] >= LL128_LINE_BYTES and state[f, SAMPLED] < MAX_SAMPLES):
             state[f, SAMPLED] += 1
-            state[f, LL_PASS] += _is_ll(data, rec["payload_off"], rec["payload_len"])
-            state[f, LL128_PASS] += _is_ll128(data, rec["payload_off"], rec["payload_len"])
+            state[f, LL_PASS] += is_ll(data, rec["payload_off"], rec["payload_len"])
+            state[f, LL128_PASS] += is_ll128(data, rec["payload_off"], rec["payload_len"])
     return DONE
 
 

@@ -18,11 +18,8 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
 from gradtap.capture.frames import FrameBatch
-from gradtap.core.jit import JIT
-from gradtap.core.memory import copy_bytes
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.flow_learning import FlowLearner
@@ -138,9 +135,9 @@ class StreamParser:
             self._count_unlocked(recs, stop, batch.data)      # before any boundary: counted, not used
             if boundary is None:
                 return []
-            self._pending, self._held = boundary, [_compact(batch, boundary.index)]
+            self._pending, self._held = boundary, [batch.owned(boundary.index)]
         else:
-            self._held.append(_compact(batch, 0))
+            self._held.append(batch.owned())
         if not self.lockon.resolved():
             if sum(b.data.nbytes for b in self._held) > self.hold_bytes:
                 self._give_up_pending()
@@ -209,7 +206,7 @@ class StreamParser:
                                          len(before.offsets), before.data)
                 self._count_unlocked(recs, at, batch.data)
                 self._pending = Lock(index=0, ts_ns=int(recs["ts_ns"][at]), ordinal=self._pending.ordinal + 1)
-                self._held = [_compact(batch, at)] + self._held[b + 1:]
+                self._held = [batch.owned(at)] + self._held[b + 1:]
                 return True
             prev = int(ts[-1])
         self._release_held()
@@ -382,24 +379,3 @@ class StreamParser:
         self._origins()
         self.slot0 = (s + 1) % len(slots.grads)
         self.iteration += 1
-
-
-def _compact(batch: FrameBatch, start: int) -> FrameBatch:
-    """A copy of frames ``start:`` of ``batch`` that owns its bytes (a ring's batch is a view)."""
-    offsets, caplens = batch.offsets[start:], batch.caplens[start:]
-    if len(offsets) == 0:
-        return FrameBatch(np.zeros(0, np.uint8), offsets.copy(), caplens.copy(), batch.wirelens[start:].copy(),
-                          batch.ts_ns[start:].copy(), batch.linktype)
-    new_offsets = np.zeros(len(offsets), np.int64)
-    np.cumsum(caplens[:-1], out=new_offsets[1:])
-    data = np.empty(int(new_offsets[-1]) + int(caplens[-1]), np.uint8)
-    _gather(data, new_offsets, batch.data, offsets, caplens)
-    return FrameBatch(data, new_offsets, caplens.copy(), batch.wirelens[start:].copy(),
-                      batch.ts_ns[start:].copy(), batch.linktype)
-
-
-@njit(**JIT)
-def _gather(out, out_offsets, data, offsets, caplens):
-    """Frame i of ``data`` to ``out[out_offsets[i]:]`` (bounds checked by FrameBatch and the caller)."""
-    for i in range(len(offsets)):
-        copy_bytes(out, out_offsets[i], data, offsets[i], caplens[i])

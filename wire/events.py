@@ -67,6 +67,9 @@ EVENTS: tuple[tuple[str, str], ...] = (
                              "the window without the pause that starts one"),
     ("data.duplicate_conflict", "allgather data already received (its PSN, or its block from another hop of this "
                                 "stream) with other bytes: its blocks are not covered by this stream"),
+    # before a wire plan exists (appended)
+    ("other.unresolved", "a frame decoded while nccl.era or nccl.protocol 'auto' was still being read from the "
+                         "wire, past the frames held for the parser (gradtap.parser.resolve)"),
 )
 
 NAMES = tuple(name for name, _ in EVENTS)
@@ -118,6 +121,7 @@ DECODE_ERSPAN_BAD_VERSION = 39
 DECODE_ERSPAN_UNSUPPORTED = 40
 DATA_IMPLAUSIBLE_PSN = 41
 DATA_DUPLICATE_CONFLICT = 42
+OTHER_UNRESOLVED = 43
 
 
 def new_counters() -> np.ndarray:

@@ -131,7 +131,7 @@ def eras_shown(cts_sizes: Counter, imm_order: Counter) -> list[str]:
     if cts_sizes:
         size = cts_sizes.most_common(1)[0][0]
         eras = [e for e in eras if ERAS[e].cts_bytes == size]
-    if imm_order:
+    if imm_order["big"] + imm_order["little"]:
         big = imm_order["big"] > imm_order["little"]
         eras = [e for e in eras if ERAS[e].imm_big_endian == big]
     return eras
@@ -139,12 +139,17 @@ def eras_shown(cts_sizes: Counter, imm_order: Counter) -> list[str]:
 
 def imm_evidence(imm: int, length: int, counts: Counter) -> None:
     """ImmDt (read big-endian) against the message's length: NCCL writes the size, byte-swapped
-    to big-endian from 2.29 and as the host's little-endian word before."""
+    to big-endian from 2.29 and as the host's little-endian word before; ``other`` counts
+    neither (a message split over QPs, or 2.30's request IDs)."""
     swapped = int.from_bytes(imm.to_bytes(4, "big"), "little")
-    if length > 0 and imm == length and swapped != length:
+    if length <= 0:
+        return
+    if imm == length and swapped != length:
         counts["big"] += 1
-    elif length > 0 and swapped == length and imm != length:
+    elif swapped == length and imm != length:
         counts["little"] += 1
+    elif imm != length:
+        counts["other"] += 1
 
 
 class _FlowShape(NamedTuple):
@@ -457,6 +462,12 @@ class Resolver:
         eras = self.eras()
         if not eras:
             return None, "the CTS size and ImmDt byte order fit no NCCL era from 2.19 to 2.30"
+        imm: Counter = sum((e.imm_order for e in self.evidence.values()), Counter())
+        if self.job.nccl.qps_per_connection == 1 and imm["other"] > imm["big"] + imm["little"]:
+            return None, (f"ImmDt is not the message size in {imm['other']} of {sum(imm.values())} writes: NCCL 2.30's "
+                          "ID-based receive matching (NCCL_IB_OOO_RQ=1, NCCL_IB_RESILIENCY_PORT_FAILOVER=1 or "
+                          "NCCL_IB_RECEIVER_SIDE_MATCHING_SCHEME=1) writes a request ID there, which gradtap does "
+                          "not decode; run the trainer without them")
         fits: dict[tuple[int, ...], list[str]] = {}
         for era in eras:
             per = {p: shapes.of(era, p) for p in self._protocols()}

@@ -28,6 +28,7 @@ from gradtap.workload.spec import SUPPORTED_ERAS
 from gradtap.workload.tuner import tuned
 from gradtap.workload.wire_plan import build_plan
 from tests import naive
+from tests.frame_edits import bth_offset, read_frames, resign, write_frames
 from tests.golden import CAPTURES
 from tests.gradtap.test_mixed_protocols import ITERATIONS, PROTOCOLS, mixed_job
 from tests.gradtap.test_replay import start_of, streams_of
@@ -167,6 +168,30 @@ def test_a_job_the_wire_does_not_fit_is_loud(tmp_path):
     assert not sink.applied
     for stream, counts in result.counters.items():
         assert sum(counts.values()) == result.frames[stream] and counts.get("other.unresolved", 0) > 0
+
+
+@pytest.mark.slow
+def test_request_ids_in_immdt_are_refused_by_name(tmp_path):
+    """NCCL 2.30's ID-based receive matching writes a request ID into ImmDt, not the size: an
+    appliance reading the era from the wire says so at lock-on instead of guessing."""
+    job = mixed_job("2.30")
+    simulate(tmp_path / "sim", job, iterations=ITERATIONS)
+    frames = read_frames(streams_of(tmp_path / "sim", job)["m-egress"])
+    request = 0
+    for i, (frame, ts) in enumerate(frames):
+        bth = bth_offset(frame)
+        if bth is None or frame[bth] not in (0x09, 0x0B):
+            continue
+        edited = bytearray(frame)
+        struct.pack_into("!I", edited, bth + 12 + (16 if frame[bth] == 0x0B else 0), request % 32)
+        request += 1
+        frames[i] = (resign(edited), ts)
+    write_frames(tmp_path / "ids.pcap", frames)
+    result, _ = run_replay(auto(job), {"m-egress": tmp_path / "ids.pcap"}, tmp_path / "replay",
+                           start_of(tmp_path / "sim"))
+    events = [json.loads(line) for line in (tmp_path / "replay" / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["event"] == "lockon.failed"]
+    assert failed and "NCCL_IB_OOO_RQ" in failed[0]["reason"] and not result.locked["m-egress"], failed
 
 
 class _Collect:

@@ -61,6 +61,7 @@ MAX_PACKETS = 1 << 24      # write packets between the ring's addresses kept per
 START_SLACK = 64           # PSNs a flow's iteration may begin before its first packet seen (mirror loss)
 WALKS = 16                 # assignments one walk keeps (more means the flow says little)
 IMM_SAMPLES = 256          # decisive ImmDt comparisons kept
+IDS_SEEN = 8               # ImmDt not the size, and 4 times as often as the size: request IDs
 WRITE_ONLY, WRITE_ONLY_IMM, WRITE_FIRST, WRITE_LAST_IMM = 0x0A, 0x0B, 0x06, 0x09
 OPEN = -1                  # an assignment's bucket that a flow does not show
 PROTOCOLS = (Protocol.SIMPLE, Protocol.LL, Protocol.LL128)
@@ -463,7 +464,8 @@ class Resolver:
         if not eras:
             return None, "the CTS size and ImmDt byte order fit no NCCL era from 2.19 to 2.30"
         imm: Counter = sum((e.imm_order for e in self.evidence.values()), Counter())
-        if self.job.nccl.qps_per_connection == 1 and imm["other"] > imm["big"] + imm["little"]:
+        sizes = imm["big"] + imm["little"]
+        if self.job.nccl.qps_per_connection == 1 and imm["other"] >= IDS_SEEN and imm["other"] > 4 * sizes:
             return None, (f"ImmDt is not the message size in {imm['other']} of {sum(imm.values())} writes: NCCL 2.30's "
                           "ID-based receive matching (NCCL_IB_OOO_RQ=1, NCCL_IB_RESILIENCY_PORT_FAILOVER=1 or "
                           "NCCL_IB_RECEIVER_SIDE_MATCHING_SCHEME=1) writes a request ID there, which gradtap does "

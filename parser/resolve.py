@@ -33,6 +33,7 @@ after :data:`ITERATIONS` it has failed, with what fitted and the field to set.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import Counter
@@ -92,12 +93,15 @@ class Resolution:
         return f"stream {self.stream}: NCCL era {eras}, bucket protocols {buckets}"
 
 
-EraKey = int
+EraKey = tuple
 
 
 def _family(era: str) -> EraKey:
-    """Eras that send identically share one record in ``ERAS``."""
-    return id(ERAS[era])
+    """What of an era shapes a job's plan and what the resolver reads: eras with the same key
+    send the same traffic for any job (they differ in CTS fields the parser does not read, or
+    not at all), so one of them stands for all."""
+    facts = ERAS[era]
+    return (dataclasses.replace(facts, releases="", cts_fields=(), ooo_rq=False), facts.cts_bytes)
 
 
 @dataclass
@@ -176,20 +180,24 @@ class _Shapes:
         nccl = self.job.nccl.model_copy(update={"era": era, "protocols": tuple(p.nccl_name for p in protocols)})
         return self.job.model_copy(update={"nccl": nccl})
 
-    def plan(self, era: str, protocols: tuple[Protocol, ...]) -> WirePlan | None:
+    def plan(self, era: str, protocols: tuple[Protocol, ...], numels: list[int] | None = None) -> WirePlan | None:
         try:
-            return build_plan(self.job_for(era, protocols), self.numels)
+            return build_plan(self.job_for(era, protocols), self.numels if numels is None else numels)
         except PlanError:
             return None
 
     def of(self, era: str, protocol: Protocol) -> list[_FlowShape] | None:
+        """The stream's planned data flows with every bucket in ``protocol`` (a bucket's shape
+        depends on its size alone, so each distinct size is planned once)."""
         key = (era, protocol)
         if key not in self._shapes:
-            plan = self.plan(era, (protocol,) * len(self.numels))
-            self._shapes[key] = None if plan is None else self._flows(plan)
+            sizes = sorted(set(self.numels))
+            plan = self.plan(era, (protocol,) * len(sizes), sizes)
+            self._shapes[key] = None if plan is None else self._flows(plan, [sizes.index(n) for n in self.numels])
         return self._shapes[key]
 
-    def _flows(self, plan: WirePlan) -> list[_FlowShape]:
+    def _flows(self, plan: WirePlan, which: list[int]) -> list[_FlowShape]:
+        """Each data flow's shape, bucket ``b`` being the plan's bucket ``which[b]``."""
         flows = plan.flows_of(self.position, self.direction)
         flows = flows[plan.flows["kind"][flows] == DATA]
         if self.edges is None:
@@ -198,14 +206,14 @@ class _Shapes:
         for f in flows.tolist():
             m = plan.messages[plan.flows["msg_start"][f]:plan.flows["msg_start"][f] + plan.flows["msg_count"][f]]
             m = m[m["kind"] == DATA]
-            packets = np.zeros(len(self.numels), np.int64)
+            packets = np.zeros(len(plan.bucket_numels), np.int64)
             np.add.at(packets, m["bucket"].astype(np.int64), m["npkts"].astype(np.int64))
             writes = []
-            for b in range(len(self.numels)):
+            for b in range(len(plan.bucket_numels)):
                 mb = m[m["bucket"] == b]
                 offsets = mb["psn_offset"].astype(np.int64)
                 writes.append((offsets - (offsets.min() if len(mb) else 0), mb["wire_bytes"].astype(np.int64)))
-            out.append(_FlowShape(packets, writes))
+            out.append(_FlowShape(packets[which], [writes[u] for u in which]))
         return out
 
 
@@ -470,14 +478,11 @@ class Resolver:
                           "ID-based receive matching (NCCL_IB_OOO_RQ=1, NCCL_IB_RESILIENCY_PORT_FAILOVER=1 or "
                           "NCCL_IB_RECEIVER_SIDE_MATCHING_SCHEME=1) writes a request ID there, which gradtap does "
                           "not decode; run the trainer without them")
-        fits: dict[tuple[int, ...], list[str]] = {}
-        for era in eras:
-            per = {p: shapes.of(era, p) for p in self._protocols()}
-            per = {p: f for p, f in per.items() if f is not None}
-            if not per:
-                continue
-            for assignment in self._fit(shapes, per, flows, fixed):
-                fits.setdefault(assignment, []).append(era)
+        protocols = self._protocols()
+        seen = {Protocol(int(c)) for it in flows for c in np.unique(it.classes)}
+        fits = self._fits(shapes, eras, [p for p in protocols if p in seen], flows, fixed)
+        if not fits and not seen.issuperset(protocols):
+            fits = self._fits(shapes, eras, protocols, flows, fixed)
         if not fits:
             return None, (f"no era of {', '.join(eras)} and no protocol per bucket makes every planned data flow of "
                           f"the stream one of its {len(flows)} wire flows' iteration")
@@ -495,6 +500,26 @@ class Resolver:
         job = shapes.job_for(fitting[-1], protos)
         return Resolution(job=job, stream=stream, eras=tuple(family),
                           protocols=tuple(p.nccl_name for p in protos)), ""
+
+    def _fits(self, shapes: _Shapes, eras: list[str], protocols: list[Protocol], flows: list[_WireIteration],
+              fixed) -> dict[tuple[int, ...], list[str]]:
+        """Assignment -> the eras it fits in, with buckets in ``protocols`` only. Planning a
+        protocol is costly for a large model (LL: ~7 s for GPT-2 small), so the first try takes
+        only the protocols some packet shows; a bucket whose packets all say nothing (a few
+        bytes each) then fits no assignment, and every protocol is tried. A wrong protocol
+        cannot stand in for an unseen one: its writes' lengths differ (with adaptive routing,
+        where lengths are not compared, every protocol is tried at once)."""
+        if self.job.nccl.adaptive_routing:
+            protocols = self._protocols()
+        fits: dict[tuple[int, ...], list[str]] = {}
+        for era in eras:
+            per = {p: shapes.of(era, p) for p in protocols}
+            per = {p: f for p, f in per.items() if f is not None}
+            if not per:
+                continue
+            for assignment in self._fit(shapes, per, flows, fixed):
+                fits.setdefault(assignment, []).append(era)
+        return fits
 
     def _fit(self, shapes: _Shapes, per: dict[Protocol, list[_FlowShape]], flows: list[_WireIteration],
              fixed) -> list[tuple[int, ...]]:

@@ -171,6 +171,24 @@ def test_a_job_the_wire_does_not_fit_is_loud(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_bucket_whose_packets_say_nothing_is_still_read(tmp_path):
+    """A bucket of ten elements travels in writes of a few bytes, too short to show LL's
+    flags: no packet of the iteration is LL, yet only LL's write lengths fit that bucket."""
+    base = mixed_job("2.26", protocols=("LL", "Simple", "Simple"))
+    job = base.model_copy(update={"ddp": base.ddp.model_copy(update={"layout": "explicit", "buckets": (
+        ("layers.4.bias",), ("layers.4.weight", "layers.2.bias", "layers.2.weight"),
+        ("layers.0.bias", "layers.0.weight"))})})
+    simulate(tmp_path / "sim", job, iterations=ITERATIONS)
+    result, sink = run_replay(auto(job), streams_of(tmp_path / "sim", job), tmp_path / "replay",
+                              start_of(tmp_path / "sim"))
+    events = [json.loads(line) for line in (tmp_path / "replay" / "events.jsonl").read_text().splitlines()]
+    resolved = [e for e in events if e["event"] == "job.resolved"]
+    assert resolved and resolved[0]["protocols"] == ["LL", "Simple", "Simple"], events
+    v = verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job))
+    assert v.ok and not v.stale and v.digests_checked, v
+
+
+@pytest.mark.slow
 def test_request_ids_in_immdt_are_refused_by_name(tmp_path):
     """NCCL 2.30's ID-based receive matching writes a request ID into ImmDt, not the size: an
     appliance reading the era from the wire says so at lock-on instead of guessing."""

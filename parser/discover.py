@@ -40,7 +40,7 @@ import numpy as np
 from gradtap.capture.pcap import PcapReader
 from gradtap.core.errors import CaptureError, ConfigError, GradtapError
 from gradtap.parser.decode import decode_batch
-from gradtap.parser.inspect_flows import FlowTable
+from gradtap.parser.inspect_flows import MIXED, FlowTable
 from gradtap.parser.resolve import eras_shown, imm_evidence
 from gradtap.parser.stream_tables import UNKNOWN_QPN
 from gradtap.wire.events import DECODE_OK
@@ -207,9 +207,15 @@ def ring_of(s: Survey) -> Ring:
         raise GradtapError(f"no RDMA WRITE with immediate in {len(s.files)} capture(s) ({s.frames:,} frames): "
                            "nothing here is NCCL's IB/RoCE data traffic. Check that the mirror carries the "
                            "job's ports (gradtap inspect lists what the captures hold)")
+    # Flows are grouped by protocol, so that a pipeline's p2p writes (another protocol) between
+    # ring neighbours are not counted as channels; when calls of several protocols share the
+    # ring's connections (flows "mixed"), every data flow of a protocol seen on them belongs.
+    groups = {p: {p} for p in {f["nccl_protocol"] for f in data}}
+    if MIXED in groups:
+        groups[MIXED] = set(groups)
     rings, seen = {}, []
-    for proto in sorted({f["nccl_protocol"] for f in data}):
-        per_file = Counter((f["file"], f["src"], f["dst"]) for f in data if f["nccl_protocol"] == proto)
+    for proto in sorted(groups):
+        per_file = Counter((f["file"], f["src"], f["dst"]) for f in data if f["nccl_protocol"] in groups[proto])
         edges: Counter = Counter()
         for (_, a, b), n in per_file.items():        # flows per edge: in one capture (QPNs are per run)
             edges[(a, b)] = max(edges[(a, b)], n)
@@ -223,12 +229,14 @@ def ring_of(s: Survey) -> Ring:
                            "rank to the next around a cycle. Mirror every rank's port, or both directions of one "
                            "rank's, and include a whole iteration")
     undecided = []
-    if len(rings) > 1:
-        undecided.append("several protocols go around the ring (" + ", ".join(rings) + "): NCCL's tuner picked a "
-                         "protocol per call; the busiest is written as nccl.protocol; give nccl.protocols, one per "
-                         "bucket in launch order")
-    proto = max(rings, key=lambda p: sum(f["frames"] for f in data if f["nccl_protocol"] == p))
-    order, counts = rings[proto]
+    busiest = max(rings, key=lambda p: sum(f["frames"] for f in data if f["nccl_protocol"] in groups[p]))
+    order, counts = rings[busiest]
+    proto = busiest
+    if len(rings) > 1 or busiest == MIXED:
+        proto = "auto"
+        undecided.append(f"the ring's flows carry calls in several protocols ({', '.join(sorted(groups))}): NCCL's tuner "
+                         "picks one per call; nccl.protocol 'auto' is written (the appliance reads each bucket's "
+                         "from the wire), or give --job with the model to have them written one per bucket")
     if len(counts) != 1:
         undecided.append(f"the ring's edges carry different numbers of data flows ({sorted(counts)}): some flows "
                          "were not captured, or other traffic shares the ring's protocol")
@@ -253,28 +261,30 @@ def ring_of(s: Survey) -> Ring:
                          "(major.minor), or --job to try each")
     # NCCL_IB_ADAPTIVE_ROUTING: the bulk of a message goes as a plain WRITE, then a zero-length
     # WRITE with immediate (ncclIbMultiSend); without it every data write carries the immediate.
-    adaptive = any(set(f["opcodes"]) & PLAIN_ENDS for f in data if f["nccl_protocol"] == proto)
+    adaptive = any(set(f["opcodes"]) & PLAIN_ENDS for f in data if f["nccl_protocol"] in groups[busiest])
     return Ring(order=order, protocol=proto, flows_per_edge=per_edge, mtu=s.mtu, macs=s.macs, eras=eras,
                 adaptive_routing=adaptive, undecided=undecided, to_fit=to_fit)
 
 
 def _cycle(edges: Counter) -> list[str] | None:
-    """The hosts in the order of the one directed cycle that visits each once, following at each
-    host its busiest out-edge; None if that walk does not close over every host."""
-    hosts = sorted({a for e in edges for a in e})
+    """The hosts of the longest directed cycle that following each host's busiest out-edge
+    walks (hosts off it, such as a point-to-point peer, are left out), in its order from its
+    lowest host; None if the walk closes no cycle of two hosts or more."""
     nxt = {}
     for (a, b), n in sorted(edges.items()):
         if n > edges.get((a, nxt.get(a)), 0):
             nxt[a] = b
-    if len(hosts) < 2 or set(nxt) != set(hosts):
+    best: list[str] = []
+    for start in sorted(nxt):
+        order = [start]
+        while order[-1] in nxt and nxt[order[-1]] not in order:
+            order.append(nxt[order[-1]])
+        if nxt.get(order[-1]) == start and len(order) > len(best):
+            best = order
+    if len(best) < 2:
         return None
-    order = [hosts[0]]
-    while len(order) < len(hosts):
-        b = nxt[order[-1]]
-        if b in order:
-            return None
-        order.append(b)
-    return order if nxt[order[-1]] == order[0] else None
+    k = best.index(min(best))
+    return best[k:] + best[:k]
 
 
 def eras_of(s: Survey) -> list[str]:
@@ -290,20 +300,19 @@ class Fit:
     locked: int                           # captures whose stream locked on and recovered an iteration
     learnt: list[dict[str, int]]          # per capture: planned flow label -> learnt QPN
     reasons: list[str]                    # why the other captures did not lock
+    eras: tuple[str, ...] = ()            # the eras that send this job's traffic alike (when read from the wire)
 
 
 def candidates(partial: dict, ring: Ring) -> list[dict]:
-    """The job documents that the wire leaves open: every rotation of the ring, every era
-    family the CTS and ImmDt allow, every split of an edge's data flows into channels x QPs.
-    What the partial job already says (its ``ring``, ``nccl.era``, ``nccl.channels``,
+    """The job documents that the wire leaves open: every rotation of the ring and every split
+    of an edge's data flows into channels x QPs, with the era and the protocols left to the
+    wire (``auto``: ``parser/resolve.py`` reads them while a candidate is tried). What the
+    partial job already says (its ``ring``, ``nccl.era``, ``nccl.channels``,
     ``nccl.qps_per_connection``, or any other ``nccl`` field) is kept, not tried."""
     given = dict(partial.get("nccl") or {})
-    wire = {"protocol": ring.protocol, "adaptive_routing": ring.adaptive_routing}
+    wire = {"era": "auto", "protocol": "auto", "adaptive_routing": ring.adaptive_routing}
     if ring.mtu is not None:
         wire["mtu"] = ring.mtu
-    families: dict[int, str] = {}
-    for e in [given["era"]] if "era" in given else ring.eras:
-        families.setdefault(id(ERAS.get(e)), e)
     per_edge = ring.flows_per_edge
     splits = [(per_edge // q, q) for q in range(1, per_edge + 1) if per_edge % q == 0
               and given.get("channels", per_edge // q) == per_edge // q and given.get("qps_per_connection", q) == q]
@@ -314,9 +323,8 @@ def candidates(partial: dict, ring: Ring) -> list[dict]:
         macs = {ip: ring.macs.get(ip, f"02:00:00:00:ff:{i:02x}") for i, ip in enumerate(ring.order)}
         rings = [{"ranks": [{"ip": ip, "mac": macs[ip]} for ip in ring.order[k:] + ring.order[:k]]}
                  for k in range(len(ring.order))]
-    return [dict(partial, nccl={**wire, **given, "era": era, "channels": channels, "qps_per_connection": qps},
-                 ring=r)
-            for r in rings for era in families.values() for channels, qps in splits]
+    return [dict(partial, nccl={**wire, **given, "channels": channels, "qps_per_connection": qps}, ring=r)
+            for r in rings for channels, qps in splits]
 
 
 def fit(partial: dict, s: Survey, ring: Ring, progress: Callable[[int, int], None] | None = None) -> list[Fit]:
@@ -341,18 +349,29 @@ def fit(partial: dict, s: Survey, ring: Ring, progress: Callable[[int, int], Non
 
 
 def _try(doc: dict, partial: dict, s: Survey, ring: Ring) -> Fit:
-    """One candidate through the stream parser, capture by capture, until each has locked on
-    and recovered an iteration, or ended, or given :data:`TRIAL_FRAMES` frames."""
+    """One candidate, capture by capture: its era and protocols read from the wire where it
+    leaves them ``auto`` (the first capture that decides them fixes them for the rest), then
+    the stream parser until the capture has locked on and recovered an iteration, or ended, or
+    given :data:`TRIAL_FRAMES` frames."""
     from gradtap.parser.stream import StreamParser
     from gradtap.workload.layout import job_plan
     from gradtap.workload.spec import parse_job
 
     doc = dict(doc, mirrors=[_mirror(i, h, ring.order_of(doc)) for i, h in enumerate(s.hosts)])
     spec = parse_job(doc, "the job --job gave, completed from the wire")
-    plan = job_plan(spec)
+    plan, eras = None, ()
     locked, learnt, reasons = 0, [], []
     for i, path in enumerate(s.files):
-        parser = StreamParser(spec, plan, f"capture{i}")
+        stream = f"capture{i}"
+        if plan is None and not spec.nccl.resolved:
+            resolution, why = _resolve(spec, stream, path)
+            if resolution is None:
+                learnt.append({})
+                reasons.append(f"{path}: {why}")
+                continue
+            spec, eras = resolution.job, resolution.eras
+        plan = plan or job_plan(spec)
+        parser = StreamParser(spec, plan, stream)
         got: list = []
         frames = 0
         with PcapReader(path) as reader:
@@ -370,8 +389,34 @@ def _try(doc: dict, partial: dict, s: Survey, ring: Ring) -> Fit:
             learnt.append({})
             why = parser.failure.reason if parser.failure is not None else "no iteration recovered"
             reasons.append(f"{path}: {why}")
-    return Fit(spec=dict(doc, mirrors=partial.get("mirrors") or doc["mirrors"]), locked=locked,
-               learnt=learnt, reasons=reasons)
+    nccl = dict(doc["nccl"])
+    if spec.nccl.resolved:
+        nccl["era"] = spec.nccl.era
+        protocols = spec.nccl.protocols or (spec.nccl.protocol,) * len(plan.bucket_numels)
+        if len(set(protocols)) == 1:
+            nccl.update(protocol=protocols[0])
+            nccl.pop("protocols", None)
+        else:
+            nccl.update(protocol=Counter(protocols).most_common(1)[0][0], protocols=list(protocols))
+    return Fit(spec=dict(doc, nccl=nccl, mirrors=partial.get("mirrors") or doc["mirrors"]), locked=locked,
+               learnt=learnt, reasons=reasons, eras=eras)
+
+
+def _resolve(spec, stream: str, path: str):
+    """The era and protocols one capture shows (``parser/resolve.py``), or why not."""
+    from gradtap.parser.resolve import Resolver
+
+    resolver = Resolver(spec, [stream], spec.appliance.iteration_gap_ns)
+    frames = 0
+    with PcapReader(path) as reader:
+        for batch in reader:
+            recs, _ = decode_batch(batch, spec.appliance.verify_icrc, decapsulate=True)
+            resolver.observe(stream, recs, batch.data)
+            frames += len(batch.offsets)
+            if resolver.decide() is not None or stream in resolver.failures or frames >= TRIAL_FRAMES:
+                break
+    found = resolver.decide(final=True)
+    return found, resolver.failures.get(stream, "its era and protocols were not decided")
 
 
 def _mirror(i: int, hosts: dict[str, tuple[int, int]], order: list[str]) -> dict:
@@ -426,6 +471,9 @@ def discover(paths: Iterable, partial: dict | None = None,
     if len(ties) > 1:
         undecided.append(f"{len(ties)} jobs fit equally ({best.locked} of {len(s.files)} captures): "
                          + "; ".join(_differs(best.spec, f.spec) for f in ties[1:]) + "; the first is written")
+    if len(best.eras) > 1:
+        undecided.append(f"the NCCL era: {best.eras[0]} to {best.eras[-1]} send this job's traffic alike; "
+                         f"nccl.era {best.spec['nccl']['era']!r} is written, give the trainer's NCCL major.minor")
     if best.locked < len(s.files):
         undecided.append("captures that did not lock on under the job written: " + "; ".join(best.reasons))
     return Discovery(doc=best.spec, learnt=best.learnt, undecided=undecided)

@@ -42,6 +42,7 @@ from gradtap.wire.protocol import Protocol
 from gradtap.wire.psn import PSN_HALF, psn_ahead
 
 MAX_SAMPLES = 64
+MIXED = "mixed"                  # a flow whose packets show more than one protocol
 UNTRACKED_EXACT = 1 << 22        # fingerprints of flows not tracked kept (in 2^23 slots of 8 B)
 KEY_WORDS = 5                    # src (2 words), dst (2), version << 32 | QP
 
@@ -329,6 +330,8 @@ class FlowTable:
                 protocol = Protocol.LL.nccl_name
             elif row[LL128_PASS] == row[SAMPLED]:
                 protocol = Protocol.LL128.nccl_name
+            elif row[LL_PASS] or row[LL128_PASS]:
+                protocol = MIXED            # calls in several protocols on one connection
             else:
                 protocol = Protocol.SIMPLE.nccl_name
             out.append({"src": src[f], "dst": dst[f], "dest_qp": qps[f], "udp_sport": row[SPORT],

@@ -157,6 +157,9 @@ def imm_evidence(imm: int, length: int, counts: Counter) -> None:
         counts["other"] += 1
 
 
+FlowId = tuple      # (src, dst, channel, QP) of a planned flow
+
+
 class _FlowShape(NamedTuple):
     """One planned data flow of a stream, every bucket in one protocol."""
 
@@ -173,8 +176,7 @@ class _Shapes:
         self.job, self.numels = job, numels
         mirror = job.mirror(stream)
         self.position, self.direction = mirror.rank, mirror.direction
-        self._shapes: dict[tuple[str, Protocol], list[_FlowShape] | None] = {}
-        self.edges: np.ndarray | None = None        # (src, dst) ring positions of the stream's data flows
+        self._shapes: dict[tuple[str, Protocol], dict[FlowId, _FlowShape] | None] = {}
 
     def job_for(self, era: str, protocols: tuple[Protocol, ...]) -> JobSpec:
         nccl = self.job.nccl.model_copy(update={"era": era, "protocols": tuple(p.nccl_name for p in protocols)})
@@ -186,7 +188,7 @@ class _Shapes:
         except PlanError:
             return None
 
-    def of(self, era: str, protocol: Protocol) -> list[_FlowShape] | None:
+    def of(self, era: str, protocol: Protocol) -> dict[FlowId, _FlowShape] | None:
         """The stream's planned data flows with every bucket in ``protocol`` (a bucket's shape
         depends on its size alone, so each distinct size is planned once)."""
         key = (era, protocol)
@@ -196,13 +198,13 @@ class _Shapes:
             self._shapes[key] = None if plan is None else self._flows(plan, [sizes.index(n) for n in self.numels])
         return self._shapes[key]
 
-    def _flows(self, plan: WirePlan, which: list[int]) -> list[_FlowShape]:
-        """Each data flow's shape, bucket ``b`` being the plan's bucket ``which[b]``."""
+    def _flows(self, plan: WirePlan, which: list[int]) -> dict[FlowId, _FlowShape]:
+        """Each data flow's shape, bucket ``b`` being the plan's bucket ``which[b]`` (a plan
+        has the flows its calls use: a protocol whose small calls take fewer channels may
+        leave one out)."""
         flows = plan.flows_of(self.position, self.direction)
         flows = flows[plan.flows["kind"][flows] == DATA]
-        if self.edges is None:
-            self.edges = np.stack([plan.flows["src"][flows], plan.flows["dst"][flows]], axis=1).astype(np.int64)
-        out = []
+        out = {}
         for f in flows.tolist():
             m = plan.messages[plan.flows["msg_start"][f]:plan.flows["msg_start"][f] + plan.flows["msg_count"][f]]
             m = m[m["kind"] == DATA]
@@ -213,7 +215,9 @@ class _Shapes:
                 mb = m[m["bucket"] == b]
                 offsets = mb["psn_offset"].astype(np.int64)
                 writes.append((offsets - (offsets.min() if len(mb) else 0), mb["wire_bytes"].astype(np.int64)))
-            out.append(_FlowShape(packets[which], [writes[u] for u in which]))
+            row = plan.flows[f]
+            out[(int(row["src"]), int(row["dst"]), int(row["channel"]), int(row["qp"]))] = \
+                _FlowShape(packets[which], [writes[u] for u in which])
         return out
 
 
@@ -517,33 +521,38 @@ class Resolver:
             per = {p: f for p, f in per.items() if f is not None}
             if not per:
                 continue
-            for assignment in self._fit(shapes, per, flows, fixed):
+            for assignment in self._fit(per, flows, fixed):
                 fits.setdefault(assignment, []).append(era)
         return fits
 
-    def _fit(self, shapes: _Shapes, per: dict[Protocol, list[_FlowShape]], flows: list[_WireIteration],
+    def _fit(self, per: dict[Protocol, dict[FlowId, _FlowShape]], flows: list[_WireIteration],
              fixed) -> list[tuple[int, ...]]:
         """Assignments (one protocol per bucket) under which each planned data flow of the
         stream that carries packets is the iteration of a wire flow of its own."""
         # With adaptive routing a NIC may send a write's packets as writes of their own.
         lengths = not self.job.nccl.adaptive_routing
-        walks: dict[int, dict[int, list[tuple[int, ...]]]] = {}   # planned flow -> wire flow -> walks
+        rows = sorted(set().union(*per.values()))
+        nb = len(self._numels)
+        empty = _FlowShape(np.zeros(nb, np.int64), [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * nb)
+        shape = {r: {p: at.get(r, empty) for p, at in per.items()} for r in rows}
+        walks: dict[FlowId, dict[int, list[tuple[int, ...]]]] = {}   # planned flow -> wire flow -> walks
         for w, it in enumerate(flows):
             if len(it.positions) == 0:
                 continue              # no packet says its protocol (a CTS flow, or too few bytes)
             edge = (it.key >> 40, (it.key >> 24) & 0xFFFF)
-            for row in np.flatnonzero((shapes.edges[:, 0] == edge[0]) & (shapes.edges[:, 1] == edge[1])).tolist():
-                found = _walk({p: flows_of[row] for p, flows_of in per.items()}, it, lengths)
+            for r in rows:
+                if r[:2] != edge:
+                    continue
+                found = _walk(shape[r], it, lengths)
                 if fixed is not None:
                     found = [x for x in found if _unify(x, fixed) is not None]
                 if found:
-                    walks.setdefault(row, {})[w] = found
+                    walks.setdefault(r, {})[w] = found
         if not walks:
             return []
         out = []
-        rows = range(len(shapes.edges))
         for c in _candidates([x for at in walks.values() for found in at.values() for x in found], fixed):
-            active = [r for r in rows if any(Protocol(p) in per and per[Protocol(p)][r].packets[b]
+            active = [r for r in rows if any(Protocol(p) in per and shape[r][Protocol(p)].packets[b]
                                              for b, p in enumerate(c))]
             options = {r: [w for w, found in walks.get(r, {}).items()
                            if any(_unify(c, x) is not None for x in found)] for r in active}

@@ -102,10 +102,11 @@ def test_simulated_later_era_job_is_rediscovered(tmp_path):
     assert [r["ip"] for r in found.doc["ring"]["ranks"]] == [r.ip for r in job.ring.ranks]
     assert [r["mac"] for r in found.doc["ring"]["ranks"]] == [r.mac for r in job.ring.ranks]
     nccl = found.doc["nccl"]
+    # 2.29 and 2.30 send this job's traffic alike: the newest is written, and both are named
     assert (nccl["era"], nccl["protocol"], nccl["channels"], nccl["qps_per_connection"], nccl["mtu"]) == \
-        ("2.29", "LL", 2, 1, 1024)
+        ("2.30", "LL", 2, 1, 1024)
     assert [m["direction"] for m in found.doc["mirrors"]] == ["egress", "ingress", "both"]
-    assert any("nccl.era '2.30'" in u for u in found.undecided)   # the same wire for this job
+    assert any("2.29 to 2.30 send this job's traffic alike" in u for u in found.undecided), found.undecided
     plan = job_plan(job)
     want = {(f"rank {int(f['src'])}->{int(f['dst'])} channel {int(f['channel'])} "
              + (f"QP {int(f['qp'])} data" if f["kind"] == 0 else "CTS")): int(f["dst_qpn"]) for f in plan.flows}
@@ -173,3 +174,23 @@ def test_what_the_partial_job_says_is_kept_not_tried():
     assert [d["ring"] for d in candidates(ordered, ring)] == [ordered["ring"]] * 2
     found = discover([CAPTURES / "allreduce+p2p.pcapng"], said)
     assert [r["ip"] for r in found.doc["ring"]["ranks"]] == [RANK0, RANK1] and found.doc["nccl"]["ar_threshold"] == 4096
+
+
+@pytest.mark.slow
+def test_buckets_in_several_protocols_are_written_one_per_bucket(tmp_path):
+    """NCCL's tuner put the buckets in LL, Simple and LL128: discover, given the model, writes
+    ``nccl.protocols`` in launch order and the era, read from the wire."""
+    from tests.gradtap.test_mixed_protocols import ITERATIONS, PROTOCOLS, mixed_job
+
+    job = mixed_job("2.22")
+    simulate(tmp_path / "sim", job, iterations=ITERATIONS)
+    paths = list(streams_of(tmp_path / "sim", job).values())
+    alone = discover(paths)
+    assert alone.doc["nccl"]["protocol"] == "auto" and alone.doc["nccl"]["channels"] == 2, alone.doc
+    assert any("several protocols" in u for u in alone.undecided)
+    partial = {k: v for k, v in job.model_dump(mode="json", exclude_none=True).items()
+               if k in ("name", "model", "ddp", "optimizer", "training")}
+    found = discover(paths, partial)
+    nccl = found.doc["nccl"]
+    assert nccl["protocols"] == PROTOCOLS and nccl["era"] == "2.22", nccl
+    assert found.doc["ring"]["ranks"] == [{"ip": r.ip, "mac": r.mac} for r in job.ring.ranks]

@@ -398,7 +398,7 @@ def test_cli_json_has_exactly_the_documented_shape():
         assert set(f) == {"src", "dst", "dest_qp", "udp_sport", "frames", "opcodes", "payload_bytes",
                           "psn_first", "psn_last", "psn_gaps", "nccl_protocol"}
         assert all(k.isdigit() and isinstance(v, int) for k, v in f["opcodes"].items())
-        assert f["nccl_protocol"] in ("Simple", "LL", "LL128", "unknown")
+        assert f["nccl_protocol"] in ("Simple", "LL", "LL128", "mixed", "unknown")
     table = gradtap("inspect", str(CAPTURES / "rdma32.pcapng"))
     text = " ".join(table.stdout.split())       # the title folds where the path is long
     assert table.exit_code == 0 and "0xaa unknown: 7" in text and "ICRC ok 116, bad 7" in text

@@ -280,8 +280,9 @@ class Pipeline:
                 why = self.resolver.failures.get(name)
                 if why is None and final:
                     e = self.resolver.evidence[name]
-                    why = (f"the input ended after {e.tried} whole iteration(s) of it, before its era and protocols "
-                           f"were read from the wire ({e.packets.n:,} write packets between the ring's addresses)")
+                    why = (f"the input ended after {e.tried} iteration(s) of it, before its era and protocols were "
+                           f"read from the wire ({e.packets.n:,} write packets between the ring's addresses)"
+                           + (f"; the last: {e.why}" if e.why else ""))
                 if why is not None:
                     frames = int(self._unresolved[name].sum()) + sum(len(h.offsets) for h in self._held[name])
                     failures[name] = LockFailure(stream=name, what="job not resolved from the wire", reason=why,

@@ -231,6 +231,7 @@ class WireEvidence:
         self.cts_sizes: Counter = Counter()
         self.imm_order: Counter = Counter()
         self.tried = 0                      # whole iterations tried
+        self.why = ""                       # why the last one did not decide
         self._first_len: dict[int, int] = {}  # flow key -> RETH length of its last WRITE_FIRST
         self.full = False
 
@@ -381,6 +382,11 @@ def _walk(shapes: dict[Protocol, _FlowShape], it: _WireIteration, lengths: bool)
     return [w for w in rest(0, 0) if again(w)]
 
 
+def _wire_only(messages: np.ndarray) -> bytes:
+    """A plan's messages without what only says which elements they carry, as bytes."""
+    return b"".join(messages[n].tobytes() for n in messages.dtype.names if n not in ("elem_offset", "nelem", "block"))
+
+
 def _unify(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
     out = []
     for x, y in zip(a, b):
@@ -423,6 +429,7 @@ class Resolver:
             for a, b in e.iterations(final)[e.tried:]:
                 e.tried += 1
                 found, why = self._try(stream, a, b)
+                e.why = why
                 if found is not None:
                     self.resolution = found
                     log.info("resolved from the wire: %s", found.describe())
@@ -498,8 +505,10 @@ class Resolver:
         plans = {era: shapes.plan(era, protos) for era in fitting}
         distinct = {(plans[e].messages.tobytes(), ERAS[e].cts_bytes) for e in fitting if plans[e] is not None}
         if len(distinct) > 1:
-            return None, (f"NCCL eras {', '.join(fitting)} fit this stream's data equally but send different "
-                          "traffic elsewhere; set nccl.era to the trainer's NCCL major.minor")
+            placed = {_wire_only(plans[e].messages) for e in fitting if plans[e] is not None}
+            how = ("send the same bytes but carry different elements in them, which the wire cannot show"
+                   if len(placed) == 1 else "fit this stream's traffic equally but send differently elsewhere")
+            return None, f"NCCL eras {', '.join(fitting)} {how}; set nccl.era to the trainer's NCCL major.minor"
         family = [e for e in SUPPORTED_ERAS if any(_family(e) == _family(f) for f in fitting)]
         job = shapes.job_for(fitting[-1], protos)
         return Resolution(job=job, stream=stream, eras=tuple(family),

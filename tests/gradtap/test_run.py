@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -152,3 +153,23 @@ def test_gradtap_run_stops_cleanly_on_a_signal(tmp_path, signum):
         assert "gradtap run: stopped" in err
     finally:
         netns.remove(ns)
+
+
+@pytest.mark.slow
+def test_run_reads_an_auto_jobs_era_and_protocol_from_the_wire(tmp_path):
+    """The live appliance told only ``era: auto`` and ``protocol: auto``: it holds the frames
+    until a stream decides them, then replays them into parsers built for what it read."""
+    job = make_job(3, "LL128", 2, "fp32", era="2.29")
+    simulate(tmp_path / "sim", job, iterations=3)
+    told = job.model_copy(update={"nccl": job.nccl.model_copy(update={"era": "auto", "protocol": "auto"})})
+    streams = {m.name: SourceSpec("pcap", (str(tmp_path / "sim" / "streams" / f"{m.name}.pcap"),), {})
+               for m in job.mirrors}
+    start = torch.load(tmp_path / "sim" / "truth" / "start.pt", weights_only=True)
+    appliance = Appliance(told, streams, tmp_path / "run", start,
+                          RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True))
+    result = appliance.run()
+    assert result.exit_code == 0 and result.unrecoverable == 0
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    resolved = [e for e in events if e["event"] == "job.resolved"]
+    assert len(resolved) == 1 and "2.29" in resolved[0]["eras"] and set(resolved[0]["protocols"]) == {"LL128"}
+    assert verify(tmp_path / "run", tmp_path / "sim" / "truth", job_params(job)).ok

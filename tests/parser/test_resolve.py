@@ -150,6 +150,22 @@ def test_the_tuners_choice_is_read_back_from_the_wire(tmp_path, era):
 
 
 @pytest.mark.slow
+def test_eras_that_send_the_same_bytes_with_other_elements_are_refused(tmp_path):
+    """One LL128 call of 7210 elements: NCCL 2.22 and 2.23+ cut it into per-channel ranges at
+    other elements, yet both fill the same 6144-byte messages (padded LL128 lines). The wire
+    cannot tell them apart, so the appliance stops and asks for nccl.era rather than guess."""
+    job = make_job(3, "LL128", 2, "fp32", era="2.24")
+    simulate(tmp_path / "sim", job, iterations=3)
+    result, sink = run_replay(auto(job), streams_of(tmp_path / "sim", job), tmp_path / "replay",
+                              start_of(tmp_path / "sim"))
+    events = [json.loads(line) for line in (tmp_path / "replay" / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["event"] == "lockon.failed"]
+    assert failed and not any(result.locked.values()) and not sink.applied
+    assert all("2.22" in e["reason"] and "carry different elements" in e["reason"] and "nccl.era" in e["reason"]
+               for e in failed), failed
+
+
+@pytest.mark.slow
 def test_a_job_the_wire_does_not_fit_is_loud(tmp_path):
     """A job spec with a channel the traffic does not have: no era and no protocols fit; every
     stream fails lock-on with the resolver's reason, nothing is applied, and every frame is

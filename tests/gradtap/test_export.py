@@ -44,6 +44,12 @@ def replica(tmp_path_factory):
     return job, snaps, snapshot.load(snapshot.latest(snaps)), tmp
 
 
+def test_the_package_offers_restore_as_the_readme_calls_it():
+    import gradtap.trainer
+
+    assert gradtap.trainer.restore is restore and callable(gradtap.trainer.restore)
+
+
 def test_the_command_offers_the_formats_the_exporter_writes():
     assert CLI_FORMATS == FORMATS
 

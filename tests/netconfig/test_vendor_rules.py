@@ -237,3 +237,25 @@ def test_sonic_commands_for_mixed_directions_to_one_destination_are_accepted_by_
     ports = {"Ethernet0", "Ethernet1", "Ethernet2", "Ethernet9"}
     result = vendor_rules.check("sonic", config.apply, config.teardown, ports)
     assert not result.problems, result.problems
+
+
+def test_sonic_teardown_patch_never_leaves_an_empty_table():
+    """generic_config_updater rejects a patch whose result has an empty table."""
+    config = one_config("sonic")
+    per_entry = json.dumps([{"op": "remove", "path": f"/MIRROR_SESSION/gradtap-{i}"} for i in range(2)])
+    found = problems("sonic", config.apply, {**config.teardown, "apply-patch.json": per_entry})
+    assert any("leaves empty tables ['MIRROR_SESSION']" in p for p in found), found
+    assert json.loads(config.teardown["apply-patch.json"]) == [{"op": "remove", "path": "/MIRROR_SESSION"}]
+    assert not problems("sonic", config.apply)
+
+
+@pytest.mark.parametrize("key", ["VLAN_MEMBER|*|Ethernet64", "PORTCHANNEL_MEMBER|*|Ethernet64",
+                                 "INTERFACE|Ethernet64", "INTERFACE|Ethernet64|*", "MIRROR_SESSION|*"])
+def test_sonic_apply_script_checks_what_config_mirror_session_refuses(key):
+    """A SPAN destination with VLAN, PortChannel or IP config is refused by the CLI; the whole-table
+    teardown needs gradtap to own MIRROR_SESSION: the script checks both before any change."""
+    text = one_config("sonic").apply["commands.sh"]
+    line = next(line for line in text.splitlines() if line.startswith(f"refuse_if_set '{key}' "))
+    found = problems("sonic", edited("sonic", line + "\n", "", key="commands.sh"))
+    assert any(f"{key!r}" in p or "holds no other session" in p for p in found), found
+    assert text.index(line) < text.index("config mirror_session span add")

@@ -66,6 +66,7 @@ import json
 import re
 import shlex
 from collections import Counter, defaultdict
+import copy
 from dataclasses import dataclass, field
 
 #: A planned source's direction is the GPU NIC's; the switch port sees it reversed.
@@ -215,8 +216,16 @@ def sonic_commands(text: str, ports: set[str], result: Result) -> dict[str, dict
     """Run ``config mirror_session`` lines the way sonic-utilities' click commands and
     ``validate_mirror_session_config`` would, against an initially empty MIRROR_SESSION table."""
     table: dict[str, dict[str, str]] = {}
+    checked: set[str] = set()     # CONFIG_DB key patterns the script refuses to find
+    if "set -e" not in text.splitlines():
+        result.bad("commands.sh does not stop at the first failure (set -e)")
     for line in _lines(text, ("#",)):
         words = shlex.split(line)
+        if line in ("set -e", SONIC_REFUSE_HELPER):
+            continue
+        if words[:1] == ["refuse_if_set"] and len(words) == 3:
+            checked.add(words[1])
+            continue
         if words[:2] != ["config", "mirror_session"] or len(words) < 4:
             result.bad(f"not a mirror_session command: {line!r}")
             continue
@@ -254,7 +263,16 @@ def sonic_commands(text: str, ports: set[str], result: Result) -> dict[str, dict
         if src_port:
             entry["src_port"] = src_port
             entry["direction"] = (direction or "both").upper()     # gather_session_info
-        # validate_mirror_session_config
+        # validate_mirror_session_config, and the script's own stop before it: a destination
+        # with VLAN, PortChannel or router-interface config is refused, and gradtap must own
+        # MIRROR_SESSION for its whole-table teardown.
+        if "MIRROR_SESSION|*" not in checked:
+            result.bad(f"{line!r}: runs before the script checks that MIRROR_SESSION holds no other session")
+        if dst_port is not None:
+            for key in SONIC_DESTINATION_KEYS:
+                if key.format(port=dst_port) not in checked:
+                    result.bad(f"{line!r}: runs before the script checks that CONFIG_DB has no "
+                               f"{key.format(port=dst_port)!r} (config mirror_session refuses such a destination)")
         if name in table:
             result.bad(f"{line!r}: {name} already exists")
         if dst_port is not None and dst_port not in ports:
@@ -278,6 +296,36 @@ def sonic_commands(text: str, ports: set[str], result: Result) -> dict[str, dict
             result.bad(f"{line!r}: Direction {direction} is invalid")
         table[name] = entry
     return table
+
+
+#: The apply script's guard: exit when CONFIG_DB has a key matching the pattern.
+SONIC_REFUSE_HELPER = ('refuse_if_set() { if [ -n "$(sonic-db-cli CONFIG_DB keys "$1")" ]; then '
+                       'echo "gradtap: $2" >&2; exit 1; fi; }')
+#: validate_mirror_session_config: interface_is_in_vlan (VLAN_MEMBER|<vlan>|<port>),
+#: interface_is_in_portchannel (PORTCHANNEL_MEMBER|<pc>|<port>), is_port_router_interface
+#: (INTERFACE|<port>; addresses live under INTERFACE|<port>|<prefix>).
+SONIC_DESTINATION_KEYS = ("VLAN_MEMBER|*|{port}", "PORTCHANNEL_MEMBER|*|{port}", "INTERFACE|{port}",
+                          "INTERFACE|{port}|*")
+
+
+def sonic_teardown_patch(patch: list, running: dict, result: Result) -> dict:
+    """Apply the teardown patch as generic_config_updater would: RFC 6902 on the running config
+    (only ``remove`` is needed here; RFC 6901 pointers), then its rule "will result in empty
+    tables which is not allowed in ConfigDb" (generic_updater.py, ``get_empty_tables``)."""
+    after = copy.deepcopy(running)
+    for op in patch:
+        keys = [k.replace("~1", "/").replace("~0", "~") for k in op.get("path", "").split("/")[1:]]
+        node = after
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if op.get("op") != "remove" or not keys or not isinstance(node, dict) or keys[-1] not in node:
+            result.bad(f"apply-patch.json: {op} does not apply to the running config")
+            continue
+        del node[keys[-1]]
+    empty = [table for table, entries in after.items() if not entries]
+    if empty:
+        result.bad(f"apply-patch.json leaves empty tables {empty}, which generic_config_updater rejects")
+    return after
 
 
 def _same_entry(a: dict[str, str], b: dict[str, str]) -> bool:
@@ -304,13 +352,14 @@ def check_sonic(files: dict[str, str], teardown: dict[str, str], ports: set[str]
     _common(result, ports, sources, destinations, session_limit)
     result.sessions = list(table)
     patch = json.loads(teardown["apply-patch.json"])
-    removed = []
     for op in patch:
-        m = re.fullmatch(r"/MIRROR_SESSION/([^/]+)", op.get("path", ""))
-        if op.get("op") != "remove" or not m or set(op) != {"op", "path"}:
-            result.bad(f"apply-patch.json: {op} is not a JSON-patch removal of a MIRROR_SESSION entry")
-        else:
-            removed.append(m.group(1))
+        if op.get("op") != "remove" or not op.get("path", "").startswith("/MIRROR_SESSION") or len(op) != 2:
+            result.bad(f"apply-patch.json: {op} is not a JSON-patch removal of MIRROR_SESSION or its entries")
+    # The running config after apply: the ports, and MIRROR_SESSION as the apply left it (the
+    # apply script refuses a switch whose MIRROR_SESSION already holds sessions).
+    running = {"PORT": {port: {"admin_status": "up"} for port in sorted(ports)}, "MIRROR_SESSION": table}
+    after = sonic_teardown_patch(patch, running, result)
+    removed = [name for name in table if name not in after.get("MIRROR_SESSION", {})]
     cli_removed = [shlex.split(line)[3] for line in _lines(teardown["commands.sh"], ("#",))
                    if shlex.split(line)[:3] == ["config", "mirror_session", "remove"]]
     if cli_removed != removed or len(_lines(teardown["commands.sh"], ("#",))) != len(cli_removed):

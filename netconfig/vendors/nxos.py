@@ -3,7 +3,11 @@
 
 Session numbers 1..32 and at most four active SPAN sessions per forwarding engine (Cisco
 Nexus 9000 NX-OS System Management Configuration Guide, "Configuring SPAN"); sessions are
-created shut, hence ``no shut``. ERSPAN type III uses ``header-type 3``.
+created shut, hence ``no shut``. ERSPAN type III uses ``header-type 3``. An ERSPAN source
+session takes the policy's outer-header ``ip ttl`` and ``ip dscp`` ("Configuring ERSPAN",
+Nexus 9000 System Management Configuration Guide). Teardown undoes ``switchport monitor`` on
+every local destination; ``switchport`` itself stays (a destination must already be a
+switched port for the apply to succeed, see docs/netconfig.md).
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ def render(switch: SwitchInfo, sessions: list[Session]) -> SwitchConfig:
         kind = "local" if s.erspan is None else "erspan-source"
         lines += [f"monitor session {s.id} type {kind}", "  description gradtap"]
         if s.erspan is not None:
-            lines += [f"  erspan-id {s.id}", "  vrf default", f"  destination ip {s.erspan.dst_ip}"]
+            lines += [f"  erspan-id {s.id}", "  vrf default", f"  destination ip {s.erspan.dst_ip}",
+                      f"  ip ttl {s.erspan.ttl}", f"  ip dscp {s.erspan.dscp}"]
             if s.erspan.version == 3:
                 lines.append("  header-type 3")
         for m in s.members:

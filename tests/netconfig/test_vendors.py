@@ -11,6 +11,7 @@ from gradtap.netconfig.render import render_plan
 from gradtap.netconfig.topology import MirrorPolicy, load_topology
 from gradtap.netconfig.vendors import VENDORS, spec
 from gradtap.netconfig.vendors.base import build_sessions
+from tests.netconfig import vendor_rules
 from tests.netconfig.topologies import EXAMPLES
 
 # The sonic-mirror-session YANG model (sonic-buildimage, revision 2021-06-15).
@@ -28,12 +29,12 @@ GRAMMAR = {
               r"echo \"gradtap: \$2\" >&2; exit 1; fi; \}",
               r"refuse_if_set '[A-Z_]+\|[^'\s]+' '[^']+'"],
     "eos": [r"monitor session \S+ source \S+ (rx|tx|both)", r"monitor session \S+ destination \S+",
-            r"monitor session \S+ destination tunnel mode gre source [\d.]+ destination [\d.]+",
+            r"monitor session \S+ destination tunnel mode gre source [\d.]+ destination [\d.]+ ttl \d+ dscp \d+",
             r"no monitor session \S+"],
     "nxos": [r"interface \S+", r"  switchport", r"  switchport monitor", r"  no switchport monitor",
              r"monitor erspan origin ip-address [\d.]+ global", r"monitor session ([1-9]|[12]\d|3[0-2]) type "
              r"(local|erspan-source)", r"  description gradtap", r"  erspan-id \d+", r"  vrf default",
-             r"  destination ip [\d.]+", r"  header-type 3", r"  source interface \S+ (rx|tx|both)",
+             r"  destination ip [\d.]+", r"  ip ttl \d+", r"  ip dscp \d+", r"  header-type 3", r"  source interface \S+ (rx|tx|both)",
              r"  destination interface \S+", r"  no shut", r"no monitor session ([1-9]|[12]\d|3[0-2])"],
     "comware": [r"system-view", r"return", r"mirroring-group \d+ local",
                 r"mirroring-group \d+ mirroring-port \S+ (inbound|outbound|both)",
@@ -149,3 +150,20 @@ def test_sonic_config_db_follows_the_yang_model(example):
             assert all(isinstance(v, str) for v in entry.values())  # CONFIG_DB holds strings
             if entry["type"] == "ERSPAN":
                 assert 0 <= int(entry["dscp"]) <= 63 and 0 <= int(entry["ttl"]) <= 255
+
+
+@pytest.mark.parametrize("vendor", ["sonic", "eos", "nxos"])
+def test_erspan_dscp_and_ttl_come_from_the_policy(vendor):
+    """The policy's outer-header DSCP and TTL are rendered, never dropped for a platform default."""
+    policy = MirrorPolicy(loss_rate=1e-9, packets_per_iteration=1e6, erspan={"dscp": 46, "ttl": 17})
+    sw = switch(erspan_source_ip="10.0.0.1")
+    module = VENDORS[vendor]
+    config = module.render(sw, build_sessions(module.SPEC, sw, [source(encapsulation="erspan2", ip="10.9.9.9")],
+                                              policy))
+    result = vendor_rules.check(vendor, config.apply, config.teardown, {"Ethernet0"})
+    assert not result.problems, result.problems
+    if vendor == "sonic":
+        entry = json.loads(config.apply["config_db.json"])["MIRROR_SESSION"]["gradtap-0"]
+        assert (entry["ttl"], entry["dscp"]) == ("17", "46")
+    else:
+        assert result.erspan == {"erspan:10.9.9.9": (17, 46)}

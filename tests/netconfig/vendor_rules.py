@@ -88,6 +88,9 @@ class Result:
     problems: list[str] = field(default_factory=list)
     sessions: list[str] = field(default_factory=list)          # session ids created, in order
     removed: list[str] = field(default_factory=list)           # session ids the teardown removes
+    #: ERSPAN destination (``erspan:<ip>``) -> (ttl, dscp) of the outer header the config sets,
+    #: None where it leaves a platform default.
+    erspan: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
 
     def bad(self, message: str) -> None:
         self.problems.append(message)
@@ -371,7 +374,8 @@ def check_sonic(files: dict[str, str], teardown: dict[str, str], ports: set[str]
 # -- Arista EOS -----------------------------------------------------------------------------------
 
 EOS_SOURCE = re.compile(r"monitor session (\S+) source (\S+)(?: (rx|tx|both))?")
-EOS_DEST = re.compile(r"monitor session (\S+) destination (?:tunnel mode gre source (\S+) destination (\S+)|(\S+))")
+EOS_DEST = re.compile(r"monitor session (\S+) destination (?:tunnel mode gre source (\S+) destination (\S+)"
+                      r"(?: ttl (\d+))?(?: dscp (\d+))?|(\S+))")
 EOS_REMOVE = re.compile(r"no monitor session (\S+)")
 
 
@@ -387,9 +391,13 @@ def check_eos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
             members[name].append((port, direction or "both"))
             sources.setdefault(name, set()).add(port)
         elif m := EOS_DEST.fullmatch(line):
-            name, gre_src, gre_dst, port = m.groups()
+            name, gre_src, gre_dst, ttl, dscp, port = m.groups()
             if port in ("tunnel", "cpu") or (gre_src is not None and not (_ipv4(gre_src) and _ipv4(gre_dst))):
                 result.bad(f"{line!r}: not a destination EOS accepts")
+            if (ttl and not 1 <= int(ttl) <= 255) or (dscp and not 0 <= int(dscp) <= 63):
+                result.bad(f"{line!r}: ttl must be 1..255 and dscp 0..63")
+            if gre_dst:
+                result.erspan[f"erspan:{gre_dst}"] = (int(ttl) if ttl else None, int(dscp) if dscp else None)
             dests.setdefault(name, []).append(port if port else f"erspan:{gre_dst}")
         else:
             result.bad(f"{line!r}: not an EOS monitor-session command")
@@ -462,6 +470,11 @@ def check_nxos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
                 s["erspan_id"] = int(m.group(1))
             elif m := re.fullmatch(r"vrf (\S+)", text):
                 s["vrf"] = m.group(1)
+            elif m := re.fullmatch(r"ip (ttl|dscp) (\d+)", text):
+                low, high = (1, 255) if m.group(1) == "ttl" else (0, 63)
+                if s["type"] != "erspan-source" or not low <= int(m.group(2)) <= high:
+                    result.bad(f"session {number}: {text!r} needs an erspan-source session and {low}..{high}")
+                s[m.group(1)] = int(m.group(2))
             elif text == "no shut":
                 s["up"] = True
             elif text in ("header-type 3",) or text.startswith("description "):
@@ -491,6 +504,7 @@ def check_nxos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
                            f"global origin address, got {s}")
                 continue
             dest = f"erspan:{s['ip']}"
+            result.erspan[dest] = (s.get("ttl"), s.get("dscp"))
         destinations[dest].append(number)
         sources[number] = {p for p, _ in s["sources"]}
         for port, direction in s["sources"]:

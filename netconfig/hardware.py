@@ -48,6 +48,10 @@ class LeafSwitch(_Model):
     session_id_base: int | None = Field(None, ge=0)
     #: Source address of ERSPAN packets this switch originates.
     erspan_source_ip: IPv4Address | None = None
+    #: Junos only: the switch runs Enhanced Layer 2 Software (``forwarding-options analyzer``:
+    #: QFX, EX4300 and later). False for a non-ELS EX switch (EX2200/3300/4200/4500/6200/8200),
+    #: which has ``ethernet-switching-options analyzer`` and a single analyzer.
+    junos_els: bool = True
 
 
 class GpuNic(_Model):

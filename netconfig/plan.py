@@ -76,6 +76,8 @@ class SwitchInfo(_Model):
     max_mirror_sessions: int | None = None
     session_id_base: int | None = None
     erspan_source_ip: str | None = None
+    #: Junos: Enhanced Layer 2 Software (see :class:`~gradtap.netconfig.hardware.LeafSwitch`).
+    junos_els: bool = True
     ports_total: int
     ports_free: int
     #: Switch port -> Linux interface, for the ports this plan uses (``linux`` vendor).

@@ -209,7 +209,7 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
            reasons: set[str]) -> tuple[_CpuPort, str] | None:
     """The best port of the node for this source (local first, tightest fit), or None with reasons noted."""
     spec = vendors.spec(switch.vendor)
-    limit = session_limit(spec, switch.max_mirror_sessions, topo.mirror)
+    limit = session_limit(spec, switch, topo.mirror)
     erspan = f"erspan{topo.mirror.erspan.version}"
     used = {id(p.port) for p in picks}
     options = []
@@ -283,6 +283,7 @@ def _switch_infos(topo: Topology, groups: list[GroupPlan]) -> list[SwitchInfo]:
     return [SwitchInfo(name=sw.name, vendor=sw.vendor, max_mirror_sessions=sw.max_mirror_sessions,
                        session_id_base=sw.session_id_base,
                        erspan_source_ip=str(sw.erspan_source_ip) if sw.erspan_source_ip else None,
+                       junos_els=sw.junos_els,
                        ports_total=len(sw.ports),
                        ports_free=sum((sw.name, p.name) not in cabled and not p.uplink for p in sw.ports),
                        linux_ifnames={p.name: p.linux_ifname for p in sw.ports

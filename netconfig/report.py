@@ -41,7 +41,7 @@ def report_dict(plan: Plan) -> dict:
         spec = vendors.spec(sw.vendor)
         switches.append({"switch": sw.name, "vendor": sw.vendor, "sources": len(sources),
                          "sessions": len(build_sessions(spec, sw, sources, mirror)),
-                         "session_limit": session_limit(spec, sw.max_mirror_sessions, mirror),
+                         "session_limit": session_limit(spec, sw, mirror),
                          "free_ports": sw.ports_free})
     eq2 = [g.p_fail_eq2 for g in plan.groups]
     p_job = p_any_fails(g.p_fail_exact for g in plan.groups)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from gradtap.core.errors import ConfigError
+from gradtap.netconfig.hardware import LeafSwitch
 from gradtap.netconfig.plan import PlannedSource, SwitchInfo
 from gradtap.netconfig.topology import Direction, MirrorPolicy
 
@@ -104,9 +105,16 @@ def destination_key(source: PlannedSource) -> str:
     return source.dest_port if source.encapsulation == "none" else f"erspan:{source.erspan_dst_ip}"
 
 
-def session_limit(spec: VendorSpec, switch_limit: int | None, policy: MirrorPolicy) -> int | None:
-    """The switch's own limit, else the policy's limit for the vendor, else the vendor default."""
-    return switch_limit or policy.session_limits.get(spec.name) or spec.max_sessions
+#: A non-ELS Junos EX switch has one analyzer (``ethernet-switching-options analyzer``).
+NON_ELS_ANALYZERS = 1
+
+
+def session_limit(spec: VendorSpec, switch: LeafSwitch | SwitchInfo, policy: MirrorPolicy) -> int | None:
+    """The switch's own limit, else the policy's limit for the vendor, else the vendor default;
+    always one on a non-ELS Junos switch."""
+    if spec.name == "junos" and not switch.junos_els:
+        return NON_ELS_ANALYZERS
+    return switch.max_mirror_sessions or policy.session_limits.get(spec.name) or spec.max_sessions
 
 
 def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSource],
@@ -119,11 +127,14 @@ def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSo
                               f"{src.encapsulation} because CPU node {src.cpu_node} is cabled to "
                               f"{src.dest_switch}, not {src.switch}; {spec.title} renders {', '.join(can)}")
     keys = session_keys(spec, ((destination_key(s), s.direction) for s in sources))
-    limit = session_limit(spec, switch.max_mirror_sessions, policy)
+    limit = session_limit(spec, switch, policy)
     if limit is not None and len(keys) > limit:
+        hint = (f"set leaf_switches[].max_mirror_sessions or mirror.session_limits.{spec.name} if the ASIC "
+                f"allows more" if switch.junos_els or spec.name != "junos" else
+                "a non-ELS EX switch (ethernet-switching-options analyzer) has one analyzer; give its sources "
+                "one CPU port, or set leaf_switches[].junos_els: true if it runs ELS")
         raise ConfigError(f"{spec.title} on {switch.name}: the plan needs {len(keys)} mirror sessions, but the "
-                          f"switch allows {limit} (set leaf_switches[].max_mirror_sessions or "
-                          f"mirror.session_limits.{spec.name} if the ASIC allows more)")
+                          f"switch allows {limit} ({hint})")
     sessions = []
     for index, key in enumerate(keys):
         dest, shared = key

@@ -14,15 +14,15 @@ from functools import cache
 import pytest
 
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.plan import Plan
+from gradtap.netconfig.plan import Plan, SwitchInfo
 from gradtap.netconfig.planner import plan_topology
 from gradtap.netconfig.render import render_plan
 from gradtap.netconfig.topology import MirrorPolicy, Topology, load_topology, parse_topology
-from gradtap.netconfig.vendors import VENDORS, sonic
+from gradtap.netconfig.vendors import VENDORS, junos, sonic
 from gradtap.netconfig.vendors.base import build_sessions
 from tests.netconfig import vendor_rules
 from tests.netconfig.test_vendors import MIXED as MIXED_SOURCES
-from tests.netconfig.test_vendors import switch
+from tests.netconfig.test_vendors import source, switch
 from tests.netconfig.topologies import EXAMPLES, one_leaf
 from tests.netconfig.vendor_rules import NIC_TO_PORT, Mirror
 
@@ -188,7 +188,9 @@ def test_sonic_validator_wants_config_db_and_commands_to_agree():
     ("nxos", "interface Ethernet72\n  switchport\n  switchport monitor", "interface Ethernet72\n  switchport",
      "not in `switchport monitor` mode"),
     ("junos", "input ingress", "input both", "not a Junos analyzer statement"),
-    ("junos", "set interfaces Ethernet64 unit 0 family ethernet-switching\n", "", "is not family ethernet-switching"),
+    ("junos", "set groups gradtap interfaces Ethernet64 unit 0 family ethernet-switching\n", "",
+     "is not family ethernet-switching"),
+    ("junos", "set apply-groups gradtap\n", "", "group gradtap is never applied"),
     ("comware", "HundredGigE1/0/1 inbound", "HundredGigE1/0/1 rx", "not a Comware mirroring-group command"),
     ("comware", "mirroring-group 1 local\n", "", "group 1 does not exist yet"),
     ("nvue", "session 2 span", "session 8 span", "session id must be 0..7"),
@@ -259,3 +261,52 @@ def test_sonic_apply_script_checks_what_config_mirror_session_refuses(key):
     found = problems("sonic", edited("sonic", line + "\n", "", key="commands.sh"))
     assert any(f"{key!r}" in p or "holds no other session" in p for p in found), found
     assert text.index(line) < text.index("config mirror_session span add")
+
+
+def test_junos_teardown_removes_only_what_the_apply_added():
+    """An output port that was a switching port before the apply stays one after the teardown."""
+    config = one_config("junos")
+    assert not problems("junos", config.apply)
+    old_style = ("delete forwarding-options analyzer gradtap-0\n"
+                 "delete interfaces Ethernet64 unit 0 family ethernet-switching\n"
+                 "delete forwarding-options analyzer gradtap-1\n"
+                 "delete interfaces Ethernet72 unit 0 family ethernet-switching\ncommit\n")
+    found = problems("junos", config.apply, {"set": old_style})
+    assert any("before the apply it held" in p for p in found), found
+
+
+def junos_switch(els: bool, sources: list) -> tuple:
+    sw = SwitchInfo(name="ex", vendor="junos", ports_total=48, ports_free=8, junos_els=els)
+    policy = MirrorPolicy(loss_rate=1e-9, packets_per_iteration=1e6)
+    return sw, build_sessions(junos.SPEC, sw, sources, policy)
+
+
+def test_junos_non_els_uses_ethernet_switching_options_and_one_analyzer():
+    sw, sessions = junos_switch(False, [source_on("Ethernet0", "Ethernet9"), source_on("Ethernet1", "Ethernet9")])
+    config = junos.render(sw, sessions)
+    assert "set groups gradtap ethernet-switching-options analyzer gradtap-0 output interface Ethernet9.0" in \
+        config.apply["set"]
+    assert "forwarding-options" not in config.apply["set"]
+    result = vendor_rules.check("junos", config.apply, config.teardown, {"Ethernet0", "Ethernet1", "Ethernet9"})
+    assert not result.problems, result.problems
+    two = [source_on("Ethernet0", "Ethernet9"), source_on("Ethernet1", "Ethernet8")]
+    with pytest.raises(ConfigError, match=r"needs 2 mirror sessions, but the switch allows 1 \(a non-ELS EX"):
+        junos_switch(False, two)
+    with pytest.raises(ConfigError, match="the plan needs 2 analyzers, but a non-ELS EX switch .* has one"):
+        junos.render(sw, junos_switch(True, two)[1])
+    sw, sessions = junos_switch(True, [source_on("Ethernet0", "Ethernet9"), source_on("Ethernet1", "Ethernet8")])
+    assert "set groups gradtap forwarding-options analyzer gradtap-1" in junos.render(sw, sessions).apply["set"]
+
+
+def source_on(port: str, dest: str):
+    return source(name=port, port=port, dest=dest)
+
+
+def test_junos_els_comes_from_the_topology():
+    """The planner counts a non-ELS switch's one analyzer: three sources of a group on distinct
+    ports of one leaf cannot be mirrored there, and it says so."""
+    doc = one_leaf(dp=4, cpu_ports=3, vendor="junos")
+    assert [sw.junos_els for sw in plan_topology(parse_topology(doc)).switches] == [True]
+    doc["leaf_switches"][0]["junos_els"] = False
+    with pytest.raises(ConfigError, match=r"leaf0 \(Juniper Junos\) would exceed its limit of 1 mirror sessions"):
+        plan_topology(parse_topology(doc))

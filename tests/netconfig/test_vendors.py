@@ -39,10 +39,12 @@ GRAMMAR = {
     "comware": [r"system-view", r"return", r"mirroring-group \d+ local",
                 r"mirroring-group \d+ mirroring-port \S+ (inbound|outbound|both)",
                 r"mirroring-group \d+ monitor-port \S+", r"undo mirroring-group \d+"],
-    "junos": [r"set interfaces \S+ unit 0 family ethernet-switching",
-              r"set forwarding-options analyzer \S+ input (ingress|egress) interface \S+\.\d+",
-              r"set forwarding-options analyzer \S+ output interface \S+\.\d+", r"commit",
-              r"delete forwarding-options analyzer \S+", r"delete interfaces \S+ unit 0 family ethernet-switching"],
+    "junos": [r"set groups gradtap interfaces \S+ unit 0 family ethernet-switching",
+              r"set groups gradtap (forwarding-options|ethernet-switching-options) analyzer \S+ input (ingress|egress) "
+              r"interface \S+\.\d+",
+              r"set groups gradtap (forwarding-options|ethernet-switching-options) analyzer \S+ output interface "
+              r"\S+\.\d+", r"set apply-groups gradtap", r"commit", r"delete apply-groups gradtap",
+              r"delete groups gradtap"],
     "nvue": [r"nv set system port-mirror session [0-7] span source-port \S+",
              r"nv set system port-mirror session [0-7] span destination \S+",
              r"nv set system port-mirror session [0-7] span direction (ingress|egress)",

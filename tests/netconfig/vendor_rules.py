@@ -530,24 +530,76 @@ def check_nxos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
 
 # -- Juniper Junos --------------------------------------------------------------------------------
 
+@dataclass
+class JunosConfig:
+    """A Junos candidate configuration as ``set`` statements: top-level ones, configuration
+    groups, and the groups inherited through ``apply-groups`` (Junos "Configuration Groups")."""
+
+    top: set[str] = field(default_factory=set)
+    groups: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    applied: list[str] = field(default_factory=list)
+
+    def effective(self) -> set[str]:
+        return self.top.union(*(self.groups[g] for g in self.applied))
+
+    def run(self, line: str) -> bool:
+        """Apply one ``set``/``delete`` line; False when it is neither."""
+        if m := re.fullmatch(r"set apply-groups (\S+)", line):
+            self.applied += [m.group(1)] if m.group(1) not in self.applied else []
+        elif m := re.fullmatch(r"delete apply-groups (\S+)", line):
+            self.applied = [g for g in self.applied if g != m.group(1)]
+        elif m := re.fullmatch(r"set groups (\S+) (.+)", line):
+            self.groups[m.group(1)].add(m.group(2))
+        elif m := re.fullmatch(r"delete groups (\S+)", line):
+            self.groups.pop(m.group(1), None)
+        elif m := re.fullmatch(r"set (.+)", line):
+            self.top.add(m.group(1))
+        elif m := re.fullmatch(r"delete (.+)", line):     # a path and everything under it
+            self.top = {t for t in self.top if t != m.group(1) and not t.startswith(m.group(1) + " ")}
+        else:
+            return False
+        return True
+
+
+JUNOS_ANALYZER = r"(forwarding-options|ethernet-switching-options) analyzer (\S+)"
+
+
 def check_junos(files: dict[str, str], teardown: dict[str, str], ports: set[str],
                 session_limit: int | None) -> Result:
+    """ELS analyzers live under ``forwarding-options``, non-ELS EX ones under
+    ``ethernet-switching-options`` (one analyzer). The teardown is run against a switch whose
+    output ports were already ``family ethernet-switching`` before the apply: it must leave
+    that configuration exactly as it found it."""
     result = Result()
-    switching: set[str] = set()
-    inputs: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    outputs: dict[str, list[str]] = defaultdict(list)
     lines = _lines(files["set"], ("#",))
     if not lines or lines[-1] != "commit":
         result.bad("the configuration is never committed")
+    statement = re.compile(r"set (?:groups \S+ )?(?:interfaces \S+ unit \d+ family ethernet-switching|"
+                           + JUNOS_ANALYZER + r" (?:input (?:ingress|egress)|output) interface \S+)|"
+                           r"set apply-groups \S+")
+    config = JunosConfig()
     for line in lines[:-1]:
-        if m := re.fullmatch(r"set interfaces (\S+) unit (\d+) family ethernet-switching", line):
-            switching.add(f"{m.group(1)}.{m.group(2)}")
-        elif m := re.fullmatch(r"set forwarding-options analyzer (\S+) input (ingress|egress) interface (\S+)", line):
-            inputs[m.group(1)].append((m.group(3), {"ingress": "rx", "egress": "tx"}[m.group(2)]))
-        elif m := re.fullmatch(r"set forwarding-options analyzer (\S+) output interface (\S+)", line):
-            outputs[m.group(1)].append(m.group(2))
-        else:
+        if not statement.fullmatch(line) or not config.run(line):
             result.bad(f"{line!r}: not a Junos analyzer statement")
+    for group in sorted(set(config.groups) - set(config.applied)):
+        result.bad(f"group {group} is never applied (no `set apply-groups {group}`): its statements do nothing")
+    switching: set[str] = set()
+    inputs: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    outputs: dict[str, list[str]] = defaultdict(list)
+    styles: set[str] = set()
+    for text in sorted(config.effective()):
+        if m := re.fullmatch(r"interfaces (\S+) unit (\d+) family ethernet-switching", text):
+            switching.add(f"{m.group(1)}.{m.group(2)}")
+        elif m := re.fullmatch(JUNOS_ANALYZER + r" input (ingress|egress) interface (\S+)", text):
+            styles.add(m.group(1))
+            inputs[m.group(2)].append((m.group(4), {"ingress": "rx", "egress": "tx"}[m.group(3)]))
+        elif m := re.fullmatch(JUNOS_ANALYZER + r" output interface (\S+)", text):
+            styles.add(m.group(1))
+            outputs[m.group(2)].append(m.group(3))
+    if len(styles) > 1:
+        result.bad("analyzers under both forwarding-options (ELS) and ethernet-switching-options (non-ELS)")
+    if styles == {"ethernet-switching-options"} and len({*inputs, *outputs}) > 1:
+        result.bad(f"{len({*inputs, *outputs})} analyzers, but a non-ELS EX switch has one")
     physical = lambda ifl: ifl.rsplit(".", 1)[0] if re.fullmatch(r"\S+\.\d+", ifl) else None  # noqa: E731
     sources, destinations = {}, defaultdict(list)
     for name in {*inputs, *outputs}:
@@ -570,19 +622,23 @@ def check_junos(files: dict[str, str], teardown: dict[str, str], ports: set[str]
             result.add(physical(ifl), direction, physical(out))
     _common(result, ports, sources, destinations, session_limit)
     result.sessions = list(sources)
+    # Teardown on a switch whose output ports were switching ports before the apply.
+    prior = {f"interfaces {physical(o)} unit 0 family ethernet-switching" for outs in outputs.values() for o in outs
+             if physical(o)}
+    switch = JunosConfig(top=set(prior))
+    for line in lines[:-1]:
+        switch.run(line)
     undo = _lines(teardown["set"], ("#",))
     if not undo or undo[-1] != "commit":
         result.bad("the teardown is never committed")
-    unset = set()
     for line in undo[:-1]:
-        if m := re.fullmatch(r"delete forwarding-options analyzer (\S+)", line):
-            result.removed.append(m.group(1))
-        elif m := re.fullmatch(r"delete interfaces (\S+) unit (\d+) family ethernet-switching", line):
-            unset.add(f"{m.group(1)}.{m.group(2)}")
-        else:
+        if not re.fullmatch(r"delete \S.*", line) or not switch.run(line):
             result.bad(f"teardown {line!r}: unexpected")
-    if unset != switching:
-        result.bad(f"teardown removes ethernet-switching from {sorted(unset)}, apply set {sorted(switching)}")
+    after = switch.effective()
+    result.removed = [name for name in sources if not any(re.fullmatch(JUNOS_ANALYZER + r" .*", t)
+                                                          and t.split()[2] == name for t in after)]
+    if after != prior:
+        result.bad(f"after the teardown the switch holds {sorted(after)}, before the apply it held {sorted(prior)}")
     return result
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import lru_cache
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class EraFacts:
 
     @property
     def cts_dtype(self) -> np.dtype:
-        return np.dtype(list(self.cts_fields))
+        return _struct(self.cts_fields)
 
     @property
     def cts_bytes(self) -> int:
@@ -109,6 +110,12 @@ class EraFacts:
     def cts_slot_stride(self) -> int:
         """Bytes between fifo slots: NCCL_NET_IB_MAX_RECVS entries."""
         return NET_IB_MAX_RECVS * self.cts_bytes
+
+
+@lru_cache(maxsize=None)
+def _struct(fields: tuple) -> np.dtype:
+    """A C struct's fields as a NumPy dtype (made once: the wire plan asks per message)."""
+    return np.dtype(list(fields))
 
 
 def _era(releases: str, split: ChannelSplit, cts: tuple, cbd: CbdCells | None = None, **kw) -> EraFacts:

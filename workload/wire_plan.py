@@ -60,6 +60,8 @@ MESSAGE_DTYPE = np.dtype([
     ("block", "i8"),         # allgather data: first coverage block of this write (see BLOCK_DTYPE), else -1
 ])
 
+_MESSAGE_FIELDS = MESSAGE_DTYPE.names
+
 BLOCK_DTYPE = np.dtype([
     ("bucket", "i4"),
     ("elem", "i8"),          # first element, in the flat gradient (buckets concatenated in launch order)
@@ -172,7 +174,7 @@ class _FlowBuilder:
         npkts = packets(fields["wire_bytes"], mtu)
         fields.update(npkts=npkts, psn_offset=self.psn)
         self.psn += npkts
-        self.rows.append(tuple(fields.get(name, 0) for name in MESSAGE_DTYPE.names))
+        self.rows.append(tuple([fields.get(name, 0) for name in _MESSAGE_FIELDS]))
 
 
 def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:

@@ -194,7 +194,7 @@ def test_sonic_validator_wants_config_db_and_commands_to_agree():
     ("comware", "HundredGigE1/0/1 inbound", "HundredGigE1/0/1 rx", "not a Comware mirroring-group command"),
     ("comware", "mirroring-group 1 local\n", "", "group 1 does not exist yet"),
     ("nvue", "session 2 span", "session 8 span", "session id must be 0..7"),
-    ("nvue", "span direction ingress", "span direction both", "needs one destination and one direction"),
+    ("nvue", "span direction ingress", "span direction both", "one destination and one direction"),
     ("linux", "prio 51105", "prio 0", "prio must be 1..65535"),
     ("linux", "tc qdisc add dev Ethernet0 clsact\n", "", "no clsact qdisc on Ethernet0 yet"),
 ])
@@ -310,3 +310,13 @@ def test_junos_els_comes_from_the_topology():
     doc["leaf_switches"][0]["junos_els"] = False
     with pytest.raises(ConfigError, match=r"leaf0 \(Juniper Junos\) would exceed its limit of 1 mirror sessions"):
         plan_topology(parse_topology(doc))
+
+
+def test_nvue_renders_erspan_and_says_which_policy_values_it_cannot_set():
+    config = one_config("nvue", "erspan-two-leaf", "leaf-a")
+    text = config.apply["sh"]
+    assert "nv set system port-mirror session 0 erspan destination dest-ip 10.0.1.12" in text
+    assert "# NVUE sets no ERSPAN ttl/dscp: the switch's defaults apply, not the policy's ttl 64 dscp 8" in text
+    result = vendor_rules.check("nvue", config.apply, config.teardown, ports_of("erspan-two-leaf", "leaf-a", "nvue"))
+    assert not result.problems, result.problems
+    assert {m.destination for m in result.mirrors} == {"erspan:10.0.1.12"}

@@ -48,6 +48,9 @@ GRAMMAR = {
     "nvue": [r"nv set system port-mirror session [0-7] span source-port \S+",
              r"nv set system port-mirror session [0-7] span destination \S+",
              r"nv set system port-mirror session [0-7] span direction (ingress|egress)",
+             r"nv set system port-mirror session [0-7] erspan source-port \S+",
+             r"nv set system port-mirror session [0-7] erspan destination (source-ip|dest-ip) [\d.]+",
+             r"nv set system port-mirror session [0-7] erspan direction (ingress|egress)",
              r"nv unset system port-mirror session [0-7]", r"nv config apply"],
     "linux": [r"tc qdisc add dev \S+ clsact", r"tc qdisc del dev \S+ clsact",
               r"tc filter add dev \S+ (ingress|egress) protocol all prio \d+ u32 match u32 0 0 action mirred "
@@ -102,8 +105,8 @@ def test_session_limits_numbers_and_names():
 def test_erspan_needs_a_capable_platform_and_a_source_address():
     remote = [source(encapsulation="erspan2", ip="10.9.9.9")]
     with pytest.raises(ConfigError, match="needs erspan2 because CPU node ckpt0 is cabled to other, not sw; "
-                                          "NVIDIA Cumulus NVUE renders no ERSPAN"):
-        shape("nvue", remote)
+                                          "Juniper Junos renders no ERSPAN"):
+        shape("junos", remote)
     with pytest.raises(ConfigError, match="ERSPAN needs a source address"):
         shape("sonic", remote)
     with pytest.raises(ConfigError, match="Arista EOS renders erspan2"):

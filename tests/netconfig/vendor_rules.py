@@ -709,22 +709,34 @@ def check_nvue(files: dict[str, str], teardown: dict[str, str], ports: set[str],
         result.bad("the pending NVUE configuration is never applied")
     sessions: dict[int, dict] = {}
     for line in lines[:-1]:
-        m = re.fullmatch(r"nv set system port-mirror session (\d+) span (source-port|destination|direction) (\S+)",
-                         line)
+        m = re.fullmatch(r"nv set system port-mirror session (\d+) (span|erspan) (source-port|destination|direction|"
+                         r"destination source-ip|destination dest-ip) (\S+)", line)
         if not m:
-            result.bad(f"{line!r}: not an NVUE port-mirror span command")
+            result.bad(f"{line!r}: not an NVUE port-mirror span/erspan command")
             continue
-        number, what, value = int(m.group(1)), m.group(2), m.group(3)
+        number, kind, what, value = int(m.group(1)), m.group(2), m.group(3), m.group(4)
         if not 0 <= number <= 7:
             result.bad(f"{line!r}: session id must be 0..7")
-        s = sessions.setdefault(number, {"source-port": [], "destination": [], "direction": []})
+        allowed = {"span": ("source-port", "destination", "direction"),
+                   "erspan": ("source-port", "direction", "destination source-ip", "destination dest-ip")}[kind]
+        if what not in allowed:
+            result.bad(f"{line!r}: {kind} has no {what!r}")
+            continue
+        s = sessions.setdefault(number, {"kind": set(), "source-port": [], "destination": [], "direction": [],
+                                         "destination source-ip": [], "destination dest-ip": []})
+        s["kind"].add(kind)
         s[what].append(value)
     sources, destinations = {}, defaultdict(list)
     for number, s in sessions.items():
-        if len(s["destination"]) != 1 or len(s["direction"]) != 1 or s["direction"][0] not in NVUE_WAY:
-            result.bad(f"session {number}: needs one destination and one direction ingress|egress, got {s}")
+        erspan = s["kind"] == {"erspan"}
+        dests = [f"erspan:{ip}" for ip in s["destination dest-ip"]] if erspan else s["destination"]
+        if len(s["kind"]) != 1 or len(dests) != 1 or len(s["direction"]) != 1 or s["direction"][0] not in NVUE_WAY:
+            result.bad(f"session {number}: needs one kind, one destination and one direction ingress|egress, got {s}")
             continue
-        dest = s["destination"][0]
+        if erspan and not (len(s["destination source-ip"]) == 1 and _ipv4(s["destination source-ip"][0])
+                           and _ipv4(s["destination dest-ip"][0])):
+            result.bad(f"session {number}: ERSPAN needs one IPv4 source-ip and dest-ip, got {s}")
+        dest = dests[0]
         destinations[dest].append(number)
         sources[number] = set(s["source-port"])
         for port in s["source-port"]:

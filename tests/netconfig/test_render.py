@@ -15,12 +15,14 @@ from pathlib import Path
 import pytest
 
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.plan import Plan, load_plan, mirrors_yaml, save_plan
+from gradtap.netconfig.plan import Plan, SwitchInfo, load_plan, mirrors_yaml, save_plan
 from gradtap.netconfig.planner import plan_topology
 from gradtap.netconfig.render import format_configs, render_plan, write_configs
 from gradtap.netconfig.report import report_dict
-from gradtap.netconfig.topology import load_topology
-from gradtap.netconfig.vendors import VENDORS
+from gradtap.netconfig.topology import MirrorPolicy, load_topology
+from gradtap.netconfig.vendors import VENDORS, junos
+from gradtap.netconfig.vendors.base import build_sessions
+from tests.netconfig.test_vendors import source
 from tests.netconfig.topologies import EXAMPLES
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -115,3 +117,13 @@ def test_unknown_vendor_and_switch():
         render_plan(example_plan("flowcheck-testbed"), "ios")
     with pytest.raises(ConfigError, match="switch 'leaf9' is not part of this plan"):
         render_plan(example_plan("flowcheck-testbed"), None, ["leaf9"])
+
+
+def test_junos_non_els_matches_golden():
+    """No shipped topology has a non-ELS EX switch; this golden holds one analyzer on one."""
+    switch = SwitchInfo(name="ex4200", vendor="junos", ports_total=48, ports_free=8, junos_els=False)
+    sources = [source(name="m0", port="ge-0/0/0", dest="ge-0/0/47"),
+               source(name="m1", port="ge-0/0/1", dest="ge-0/0/47", direction="both")]
+    policy = MirrorPolicy(loss_rate=1e-9, packets_per_iteration=1e6)
+    config = junos.render(switch, build_sessions(junos.SPEC, switch, sources, policy))
+    check_golden(GOLDEN / "junos-non-els" / "junos.txt", format_configs([config]))

@@ -34,7 +34,8 @@ GRAMMAR = {
     "nxos": [r"interface \S+", r"  switchport", r"  switchport monitor", r"  no switchport monitor",
              r"monitor erspan origin ip-address [\d.]+ global", r"monitor session ([1-9]|[12]\d|3[0-2]) type "
              r"(local|erspan-source)", r"  description gradtap", r"  erspan-id \d+", r"  vrf default",
-             r"  destination ip [\d.]+", r"  ip ttl \d+", r"  ip dscp \d+", r"  header-type 3", r"  source interface \S+ (rx|tx|both)",
+             r"  destination ip [\d.]+", r"  ip ttl \d+", r"  ip dscp \d+", r"  header-type 3",
+             r"  source interface \S+ (rx|tx|both)",
              r"  destination interface \S+", r"  no shut", r"no monitor session ([1-9]|[12]\d|3[0-2])"],
     "comware": [r"system-view", r"return", r"mirroring-group \d+ local",
                 r"mirroring-group \d+ mirroring-port \S+ (inbound|outbound|both)",

@@ -270,16 +270,22 @@ class Snapshots:
         origin is recorded or checked (a directory of snapshots only).
     force:
         Clear a directory holding another replica's snapshots instead of refusing it.
+    uploader:
+        The durable tier (:class:`gradtap.updater.uploader.Uploader`): every snapshot written
+        is handed to it, as hard links in a staging directory here, and :meth:`close` gives
+        it ``close_timeout_s`` to upload the last one.
     """
 
     def __init__(self, directory: str | Path, job: str, *, every: int | None = None, keep: int = 3,
-                 origin: ReplicaOrigin | None = None, force: bool = False):
+                 origin: ReplicaOrigin | None = None, force: bool = False, uploader=None,
+                 close_timeout_s: float = 60.0):
         if every is not None and every < 1:
             raise ConfigError(f"snapshot every: {every} must be at least 1 iteration (or unset)")
         if keep < 1:
             raise ConfigError(f"snapshot keep: {keep} must be at least 1")
         self.directory = Path(directory)
         self.job, self.every, self.keep = job, every, keep
+        self.uploader, self.close_timeout_s = uploader, close_timeout_s
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.directory / ".lock", "a")
@@ -348,7 +354,11 @@ class Snapshots:
             if replica is not None and not replica.stale:
                 self.write_replica(replica)
         finally:
-            self._lock.close()
+            try:
+                if self.uploader is not None:
+                    self.uploader.close(self.close_timeout_s)
+            finally:
+                self._lock.close()
 
     def due(self, iteration: int) -> bool:
         """Whether a state ready for ``iteration`` falls on the ``every`` schedule."""
@@ -374,6 +384,7 @@ class Snapshots:
                     _discard(final)
                 else:
                     self._replace_small(LATEST, final.name + "\n")
+                    self._upload(final, iteration)
                     return final
             for old in self._expiring(new=1):
                 _discard(old)
@@ -381,8 +392,26 @@ class Snapshots:
             self._write_new(state, step, final)
         except OSError as exc:
             raise self._failed(exc, iteration) from None
+        self._upload(final, iteration)
         self._retain()
         return final
+
+    def _upload(self, final: Path, iteration: int) -> None:
+        """Hand ``final`` to the uploader as hard links (cheap: no data is copied), so that
+        retention here may drop it before it goes; a staging failure is logged, not raised."""
+        if self.uploader is None:
+            return
+        staged = self.directory / f"{TMP_PREFIX}upload-{final.name}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            staged.mkdir()
+            for name in (*FILES, "manifest.json"):
+                os.link(final / name, staged / name)
+        except OSError as exc:
+            shutil.rmtree(staged, ignore_errors=True)
+            log.error("%s: cannot stage %s for the store (%s); it is not uploaded", self.directory, final.name,
+                      exc.strerror)
+            return
+        self.uploader.submit(iteration, staged)
 
     def write_replica(self, replica) -> Path:
         """Snapshot a :class:`gradtap.updater.replica.Replica` between iterations (no copy).

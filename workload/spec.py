@@ -297,6 +297,42 @@ class TrainingSpec(_Strict):
     data_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+class StoreSpec(_Strict):
+    """The durable tier: snapshots also go, in the background, to an fsspec URL
+    (``updater/store.py``; docs/updater.md, "Storage tiers")."""
+
+    url: str = Field(..., description="fsspec URL of the store: file:///DIR or s3://BUCKET/PREFIX")
+    endpoint_url: str | None = Field(None, description="an S3-compatible endpoint (MinIO, Ceph, ...) for s3:// "
+                                     "URLs; unset: AWS, or the AWS_ENDPOINT_URL environment variable")
+    keep_last: int = Field(3, ge=1, description="READY snapshots kept in the store (the newest iterations)")
+    keep_every: int | None = Field(None, ge=1, description="also keep every snapshot whose iteration is a "
+                                   "multiple of this (unset: none beyond keep_last)")
+    retry_min_s: float = Field(0.5, gt=0, description="first wait after a failed upload; doubles per failure")
+    retry_max_s: float = Field(30.0, gt=0, description="longest wait between upload attempts")
+    close_timeout_s: float = Field(60.0, ge=0, description="how long a clean shutdown waits for the last "
+                                   "upload to finish")
+
+    @field_validator("url")
+    @classmethod
+    def _store_url(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z][a-z0-9+.-]*://\S+", v):
+            raise ValueError(f"{v!r} is not a store URL (file:///DIR, s3://BUCKET/PREFIX)")
+        return v.rstrip("/")
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
+            raise ValueError(f"{v!r} is not an http:// or https:// URL")
+        return v
+
+    @model_validator(mode="after")
+    def _retry(self) -> "StoreSpec":
+        if self.retry_max_s < self.retry_min_s:
+            raise ValueError(f"retry_max_s {self.retry_max_s} is below retry_min_s {self.retry_min_s}")
+        return self
+
+
 class ApplianceSpec(_Strict):
     """How the appliance runs this job (capture, parse, merge, update, snapshot)."""
 
@@ -312,6 +348,8 @@ class ApplianceSpec(_Strict):
                                             "(mode 0600; created when missing)")
     resync_dirs: tuple[Path, ...] = Field((), description="directories the control endpoint may take trainer "
                                           "checkpoints from")
+    store: StoreSpec | None = Field(None, description="durable store tier the snapshots are uploaded to "
+                                    "(unset: the local directory only)")
 
     @field_validator("control_endpoint")
     @classmethod

@@ -1,0 +1,284 @@
+"""The durable tier: snapshots in any fsspec store (``file://DIR``, ``s3://BUCKET/PREFIX``).
+
+Layout under the store's URL::
+
+    objects/ab/abcdef…            one object per distinct file, keyed by its sha256 (the first two
+                                  hex digits as a prefix spread the keys)
+    snapshots/000120/MANIFEST     JSON: format, job, iteration, step, and for each file of the
+                                  snapshot (model.pt, optimizer.pt) its object's sha256 and size
+
+A snapshot is PENDING while its objects are written and READY once its ``MANIFEST`` exists:
+the manifest is written last, after every object it names is complete, so a reader that
+lists the manifests sees only complete snapshots. Every object is written atomically (an S3
+PUT or multipart upload becomes visible whole, or not at all; on a local filesystem it is
+written under a temporary name and renamed), so a writer killed at any moment leaves at most
+unreferenced objects, which retention removes, and never a READY snapshot whose objects are
+missing or short. A reader still checks every object's size and sha256 as it loads it
+(:func:`load`), and :func:`load_newest` passes over a snapshot that fails to the one before.
+
+Retention (:meth:`SnapshotStore.retain`) keeps the ``keep_last`` newest iterations and every
+iteration that is a multiple of ``keep_every``; it deletes the other manifests first (so the
+snapshot stops being READY) and only then the objects no remaining manifest names. One
+writer per store URL: two appliances writing one prefix would collect each other's objects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.updater import snapshot
+
+log = logging.getLogger(__name__)
+
+FORMAT = "gradtap-store/1"
+MANIFEST = "MANIFEST"
+OBJECTS = "objects"
+SNAPSHOTS = "snapshots"
+CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class StoreObject:
+    sha256: str
+    size: int
+
+
+def object_key(sha256: str) -> str:
+    return f"{OBJECTS}/{sha256[:2]}/{sha256}"
+
+
+def manifest_key(iteration: int) -> str:
+    return f"{SNAPSHOTS}/{iteration:06d}/{MANIFEST}"
+
+
+def open_store(url: str, endpoint_url: str | None = None, storage_options: dict | None = None):
+    """``(filesystem, root path)`` of the store at ``url``; ``endpoint_url`` names an
+    S3-compatible server for ``s3://``."""
+    import fsspec
+
+    options = dict(storage_options or {})
+    if endpoint_url is not None:
+        options.setdefault("client_kwargs", {})["endpoint_url"] = endpoint_url
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **options)
+    except (ImportError, ValueError) as exc:
+        raise ConfigError(f"store {url}: {exc}") from None
+    return fs, root.rstrip("/")
+
+
+def _sha256_file(path: Path) -> StoreObject:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(CHUNK), b""):
+            h.update(block)
+            size += len(block)
+    return StoreObject(h.hexdigest(), size)
+
+
+class SnapshotStore:
+    """The snapshots of one job in the store at ``url`` (see the module's docstring).
+
+    Parameters
+    ----------
+    url:
+        fsspec URL (``file:///DIR``, ``s3://BUCKET/PREFIX``).
+    job:
+        The job's name, written in every manifest and checked on load.
+    keep_last, keep_every:
+        Retention: the newest ``keep_last`` READY iterations, and every multiple of
+        ``keep_every`` (``None``: none beyond them).
+    endpoint_url, storage_options:
+        Passed to fsspec (an S3-compatible server's URL; s3fs options such as ``key``).
+    """
+
+    def __init__(self, url: str, job: str, *, keep_last: int = 3, keep_every: int | None = None,
+                 endpoint_url: str | None = None, storage_options: dict | None = None):
+        if keep_last < 1:
+            raise ConfigError(f"store keep_last: {keep_last} must be at least 1")
+        if keep_every is not None and keep_every < 1:
+            raise ConfigError(f"store keep_every: {keep_every} must be at least 1 (or unset)")
+        self.url, self.job, self.keep_last, self.keep_every = url, job, keep_last, keep_every
+        self.fs, self.root = open_store(url, endpoint_url, storage_options)
+        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+
+    @classmethod
+    def of_spec(cls, spec, job: str) -> "SnapshotStore":
+        """From the job spec's ``appliance.store`` (:class:`gradtap.workload.spec.StoreSpec`)."""
+        return cls(spec.url, job, keep_last=spec.keep_last, keep_every=spec.keep_every,
+                   endpoint_url=spec.endpoint_url)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}"
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _put(self, local: Path | None, data: bytes | None, key: str) -> None:
+        """Write one object whole or not at all (see the module's docstring)."""
+        path = self._path(key)
+        if not self.local:
+            if local is not None:
+                self.fs.put_file(str(local), path)
+            else:
+                self.fs.pipe_file(path, data)
+            return
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        try:
+            if local is not None:
+                self.fs.put_file(str(local), tmp)
+            else:
+                self.fs.pipe_file(tmp, data)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            self.fs.mv(tmp, path)
+        except BaseException:
+            try:
+                self.fs.rm_file(tmp)
+            except OSError:
+                pass
+            raise
+
+    def put_snapshot(self, directory: str | Path) -> str:
+        """Upload the local snapshot ``directory`` (``updater/snapshot.py``): its objects, each
+        only when the store lacks it, then its manifest. The files are hashed as they are read
+        and must match the local manifest (``GradtapError`` otherwise: nothing becomes READY).
+        Returns the manifest's key."""
+        directory = Path(directory)
+        local = json.loads((directory / "manifest.json").read_text())
+        objects: dict[str, StoreObject] = {}
+        for name in snapshot.FILES:
+            obj = _sha256_file(directory / name)
+            if obj.sha256 != local["sha256"][name]:
+                raise GradtapError(f"{directory}: {name} has sha256 {obj.sha256[:16]}…, its manifest says "
+                                   f"{local['sha256'][name][:16]}…; not uploaded")
+            key = object_key(obj.sha256)
+            if not self._has(key, obj.size):
+                self._put(directory / name, None, key)
+            objects[name] = obj
+        iteration = int(local["iteration"])
+        manifest = {"format": FORMAT, "job": self.job, "iteration": iteration, "step": int(local["step"]),
+                    "created_unix": local.get("created_unix"), "torch": local.get("torch"),
+                    "objects": {n: {"sha256": o.sha256, "size": o.size} for n, o in objects.items()}}
+        key = manifest_key(iteration)
+        self._put(None, (json.dumps(manifest, indent=1) + "\n").encode(), key)    # last: READY
+        return key
+
+    def _has(self, key: str, size: int) -> bool:
+        try:
+            return int(self.fs.info(self._path(key))["size"]) == size
+        except FileNotFoundError:
+            return False
+
+    def retain(self) -> list[int]:
+        """Apply retention; the iterations whose manifests were deleted."""
+        ready = self.ready()
+        keep = set(ready[-self.keep_last:])
+        if self.keep_every is not None:
+            keep |= {i for i in ready if i % self.keep_every == 0}
+        dropped = [i for i in ready if i not in keep]
+        for iteration in dropped:                  # manifests first: no longer READY
+            self.fs.rm_file(self._path(manifest_key(iteration)))
+        if dropped:
+            named = set()
+            for iteration in keep:
+                manifest = self.manifest(iteration)
+                if manifest is not None:
+                    named |= {o["sha256"] for o in manifest["objects"].values()}
+            for path in self._objects():
+                if path.rsplit("/", 1)[-1] not in named:     # also what a killed writer left (.tmp-)
+                    self.fs.rm_file(path)
+        return dropped
+
+    def _objects(self) -> list[str]:
+        try:
+            return [p for p in self.fs.find(self._path(OBJECTS))]
+        except FileNotFoundError:
+            return []
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def ready(self) -> list[int]:
+        """The iterations of READY snapshots (with a manifest), oldest first."""
+        try:
+            self.fs.invalidate_cache()
+            found = self.fs.glob(self._path(f"{SNAPSHOTS}/*/{MANIFEST}"))
+        except FileNotFoundError:
+            return []
+        out = []
+        for path in found:
+            name = path.rstrip("/").split("/")[-2]
+            if name.isdigit():
+                out.append(int(name))
+        return sorted(out)
+
+    def manifest(self, iteration: int) -> dict[str, Any] | None:
+        """The manifest of ``iteration`` (``None``: not READY, or unreadable)."""
+        try:
+            manifest = json.loads(self.fs.cat_file(self._path(manifest_key(iteration))))
+        except (FileNotFoundError, ValueError):
+            return None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            return None
+        return manifest
+
+    def load(self, iteration: int) -> dict[str, Any]:
+        """``{"model", "optimizer", "iteration"}`` of the READY snapshot ``iteration``, every
+        object's size and sha256 checked (``GradtapError`` when one fails or is missing)."""
+        where = f"{self.url}/{manifest_key(iteration)}"
+        manifest = self.manifest(iteration)
+        if manifest is None:
+            raise GradtapError(f"{where}: no READY manifest")
+        if manifest.get("job") != self.job:
+            raise GradtapError(f"{where}: a snapshot of job {manifest.get('job')!r}, not {self.job!r}")
+        parts = {}
+        for name in snapshot.FILES:
+            want = manifest["objects"].get(name, {})
+            try:
+                data = self.fs.cat_file(self._path(object_key(str(want.get("sha256")))))
+            except FileNotFoundError:
+                raise GradtapError(f"{where}: the object of {name} is missing") from None
+            got = hashlib.sha256(data).hexdigest()
+            if got != want.get("sha256") or len(data) != want.get("size"):
+                raise GradtapError(f"{where}: {name} has sha256 {got[:16]}… and {len(data)} B, the manifest "
+                                   f"says {str(want.get('sha256'))[:16]}… and {want.get('size')} B")
+            parts[name] = torch.load(io.BytesIO(data), weights_only=True)
+        return {"model": parts["model.pt"], "optimizer": parts["optimizer.pt"],
+                "iteration": int(manifest["iteration"])}
+
+    def load_newest(self) -> dict[str, Any]:
+        """The newest READY snapshot that verifies; older ones are tried when a newer fails
+        (``GradtapError`` when none does)."""
+        tried = []
+        for iteration in reversed(self.ready()):
+            try:
+                return self.load(iteration)
+            except GradtapError as exc:
+                log.warning("%s", exc)
+                tried.append(str(exc))
+        raise GradtapError(f"{self.url}: no READY snapshot of job {self.job!r} that verifies"
+                           + (f" ({'; '.join(tried)})" if tried else ""))
+
+
+def load_url(url: str, *, job: str | None = None, endpoint_url: str | None = None,
+             storage_options: dict | None = None) -> dict[str, Any]:
+    """The newest verified READY snapshot at the store ``url`` (of any job when ``job`` is
+    ``None``: the job recorded in the newest manifest)."""
+    store = SnapshotStore(url, job or "", endpoint_url=endpoint_url, storage_options=storage_options)
+    if job is None:
+        ready = store.ready()
+        manifest = store.manifest(ready[-1]) if ready else None
+        if manifest is None:
+            raise GradtapError(f"{url}: no READY snapshot")
+        store.job = str(manifest.get("job"))
+    return store.load_newest()

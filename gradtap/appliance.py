@@ -28,6 +28,7 @@ from gradtap.pipeline import Pipeline
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, ReplicaStart, replica_start
+from gradtap.store_tier import store_close_timeout, uploader_for
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.updater.snapshot import Snapshots, SnapshotWriteError
@@ -72,10 +73,14 @@ class Appliance:
             start = replica_start(job, start, "the start state")
         self.replica = Replica(job, start.checkpoint)
         # First: refuses an --out that cannot be written or holds another replica's snapshots.
+        self.uploader = uploader_for(job)
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
                                    keep=job.appliance.snapshot_keep,
-                                   origin=ReplicaOrigin.of(self.replica, start.waiting), force=options.force)
+                                   origin=ReplicaOrigin.of(self.replica, start.waiting), force=options.force,
+                                   uploader=self.uploader, close_timeout_s=store_close_timeout(job))
         self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
+        if self.uploader is not None:
+            self.uploader.on_event = self.control.event
         self.numbering = Numbering(start, self.replica, self.control)
         self.attestations = Attestations(self.replica, self.control)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
@@ -158,7 +163,8 @@ class Appliance:
                                    parse_s=parse_s, merge_s=merge_s, update_s=update_s,
                                    locked=self.pipeline.locked(), numbered=self.pipeline.numbered,
                                    skipped=self.pipeline.skipped, attested=self.attestations.attested,
-                                   diverged=self.attestations.diverged)
+                                   diverged=self.attestations.diverged,
+                                   store=None if self.uploader is None else self.uploader.counts())
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

@@ -14,7 +14,10 @@ twice and nothing can drift:
   ``gradtap_replica_numbered`` (0 while waiting for the trainer's checkpoint with ``time_ns``);
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating;
 - ``gradtap_attestations_total{result}``: the trainer's fingerprints the replica ``matched`` or
-  ``diverged`` from (``gradtap/attestation.py``).
+  ``diverged`` from (``gradtap/attestation.py``);
+- ``gradtap_store_snapshots_total{result}``: snapshots the durable tier ``uploaded``, ``skipped``
+  (replaced by a newer one while the store was slow) and upload attempts that ``failed``
+  (``updater/uploader.py``); absent without a store.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ class ApplianceCollector:
         attestations.add_metric(["matched"], s.attested)
         attestations.add_metric(["diverged"], s.diverged)
         yield from (frames, nbytes, drops, events, iterations, stages, attestations)
+        if s.store is not None:
+            store = CounterMetricFamily("gradtap_store_snapshots", "snapshots sent to the durable store",
+                                        labels=["result"])
+            for result in ("uploaded", "skipped", "failed"):
+                store.add_metric([result], s.store[result])
+            yield store
         locked = GaugeMetricFamily("gradtap_stream_locked", "1 once the stream has locked on to the job's "
                                    "traffic (0: see the lockon.failed event)", labels=["stream"])
         for stream, yes in s.locked.items():

@@ -32,6 +32,7 @@ from gradtap.parser.resolve import Resolution
 from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, replica_start
+from gradtap.store_tier import store_close_timeout, uploader_for
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.updater.snapshot import Snapshots
@@ -191,11 +192,15 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     (``gradtap/gradient_dump.py``)."""
     begin = replica_start(job, start, start_source)
     replica = Replica(job, begin.checkpoint)
+    uploader = uploader_for(job)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                          keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(replica), force=force)
+                          keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(replica), force=force,
+                          uploader=uploader, close_timeout_s=store_close_timeout(job))
     for stale in ("iterations.jsonl", "events.jsonl"):
         (out / stale).unlink(missing_ok=True)
     control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
+    if uploader is not None:
+        uploader.on_event = control.event
     numbering = Numbering(begin, replica, control)
     for checkpoint in resync or []:
         replica.offer(checkpoint)
@@ -215,5 +220,6 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
         "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": result.wall_s,
         "frames": result.frames, "bytes": result.bytes, "events": result.counters,
         "iterations": sink.lines, "stale": replica.stale, "locked": result.locked,
+        "store": None if uploader is None else uploader.counts(),
         "timings": [t.__dict__ for t in result.timings]}, indent=1))
     return result, sink

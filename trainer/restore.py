@@ -10,7 +10,11 @@
   PyTorch Distributed Checkpoint into whatever ``model`` and ``optimizer`` are (one process,
   DDP, FSDP2 ``fully_shard``: every rank calls ``restore``, and DCP reshards), ``state-dict``
   with ``torch.load``;
-- a trainer checkpoint file ``{"model", "optimizer", "iteration"}``.
+- a trainer checkpoint file ``{"model", "optimizer", "iteration"}``;
+- a store URL (``s3://BUCKET/PREFIX``, ``file:///DIR``: the appliance's durable tier,
+  ``updater/store.py``): its newest READY snapshot whose objects match their sha256s (an
+  S3-compatible server is named with ``storage_options={"client_kwargs": {"endpoint_url": …}}``
+  or the ``AWS_ENDPOINT_URL`` environment variable).
 
 ``model`` and ``optimizer`` are changed in place; the iteration returned is the one whose
 forward pass comes next (the snapshot convention). A safetensors export is for other tools,
@@ -20,6 +24,7 @@ not for ``restore``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -28,11 +33,17 @@ from gradtap.core.errors import ConfigError
 from gradtap.updater import snapshot
 
 EXPORT_INFO = "gradtap-export.json"     # what ``gradtap export`` writes beside the checkpoint
+STORE_URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
 
 
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: str | Path) -> int:
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: str | Path, *,
+            storage_options: dict | None = None) -> int:
     """Load the checkpoint at ``source`` into ``model`` and ``optimizer``; the iteration to
-    continue at."""
+    continue at. ``storage_options``: fsspec's, for a store URL."""
+    if isinstance(source, str) and STORE_URL.match(source):
+        from gradtap.updater.store import load_url
+
+        return _load(model, optimizer, load_url(source, storage_options=storage_options), Path(source))
     source = Path(source)
     info = source / EXPORT_INFO
     if info.is_file():

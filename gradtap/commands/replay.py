@@ -19,6 +19,12 @@ from gradtap.core.errors import CaptureError
               help="output directory: snapshots/, iterations.jsonl, events.jsonl, replay.json")
 @click.option("--start", type=click.Path(path_type=Path), metavar="CKPT",
               help="trainer checkpoint the capture starts from (default: the job's initial_state)")
+@click.option("--store", metavar="URL",
+              help="durable store the snapshots are also uploaded to, in the background: file:///DIR or "
+                   "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/updater.md, Storage tiers)")
+@click.option("--start-from-store", is_flag=True,
+              help="start from the newest READY snapshot in the store that verifies (a restarted appliance "
+                   "whose local snapshots are lost); like --start with that snapshot")
 @click.option("--digests/--no-digests", default=True,
               help="record a digest of the replica after every iteration (for verify)")
 @click.option("--resync", multiple=True, type=click.Path(path_type=Path), metavar="CKPT",
@@ -29,8 +35,9 @@ from gradtap.core.errors import CaptureError
 @click.option("--gradients", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="write each recovered iteration's reduced gradient here: iter_NNNNNN.npy, flat in wire order "
                    "and dtype (bf16/fp16 as uint16), with layout.json (the simulator's truth format)")
-def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Path | None, digests: bool,
-                   resync: tuple[Path, ...], force: bool, gradients: Path | None) -> None:
+def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Path | None, store: str | None,
+                   start_from_store: bool, digests: bool, resync: tuple[Path, ...], force: bool,
+                   gradients: Path | None) -> None:
     """Capture → parse → merge → update over files: the appliance, offline."""
     from rich.console import Console
 
@@ -39,9 +46,12 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from gradtap.replay import match_streams, run_replay
     from gradtap.tables import events_table, iteration_table
     from gradtap.job_file import open_job
+    from gradtap.store_tier import store_checkpoint, with_store
 
     console = Console()
-    job = open_job(job_path)
+    job = with_store(open_job(job_path), store)
+    if start and start_from_store:
+        raise click.UsageError("give --start or --start-from-store, not both")
     streams = match_streams(job, list(pcaps))
     if len(streams) < 3:
         console.print(f"[yellow]warning:[/] {len(streams)} mirror stream(s): FlowCheck's analysis needs 3 to "
@@ -49,9 +59,12 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
                       "(see `gradtap netconfig plan` for the probability)")
     checkpoints = [load_checkpoint(path) for path in resync]
     with replay_progress(console, streams) as progress:
-        result, sink = run_replay(job, streams, out, start_checkpoint(job, start), digests=digests,
-                                  progress=progress, resync=checkpoints, force=force, gradients=gradients,
+        result, sink = run_replay(job, streams, out,
+                                  store_checkpoint(job) if start_from_store else start_checkpoint(job, start),
+                                  digests=digests, progress=progress, resync=checkpoints, force=force,
+                                  gradients=gradients,
                                   start_source=f"--start {start}" if start else
+                                  f"the store {job.appliance.store.url}" if start_from_store else
                                   f"initial_state of {job_path}")
     console.print(iteration_table(result, sink))
     console.print(events_table(result))

@@ -57,6 +57,12 @@ def _cpus(text: str, what: str) -> list[int]:
                    "begin after it; without, the trainer's state when the capture began (default: the job's "
                    "initial_state.checkpoint; with none, the replica waits, stale, for the trainer's checkpoint "
                    "with time_ns through POST /resync)")
+@click.option("--store", metavar="URL",
+              help="durable store the snapshots are also uploaded to, in the background: file:///DIR or "
+                   "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/updater.md, Storage tiers)")
+@click.option("--start-from-store", is_flag=True,
+              help="start from the newest READY snapshot in the store that verifies (a restarted appliance "
+                   "whose local snapshots are lost); like --start with that snapshot")
 @click.option("--metrics-port", type=int, default=9464, metavar="PORT", help="Prometheus metrics port (0: off)")
 @click.option("--metrics-address", default="127.0.0.1", metavar="ADDR",
               help="address the metrics listen on (0.0.0.0: every interface)")
@@ -88,7 +94,7 @@ def _cpus(text: str, what: str) -> list[int]:
 @click.option("--force", is_flag=True,
               help="clear the snapshots in --out when they are another replica's (another job or start state)")
 def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
-                start: Path | None, metrics_port: int, metrics_address: str, control_port: int,
+                start: Path | None, store: str | None, start_from_store: bool, metrics_port: int, metrics_address: str, control_port: int,
                 control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...],
                 capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int, hugepages: str,
                 no_status: bool, force: bool) -> None:
@@ -102,18 +108,23 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.control_server import ControlServer, ControlSettings
     from gradtap.job_file import open_job
     from gradtap.start import replica_start
+    from gradtap.store_tier import store_checkpoint, with_store
     from gradtap.tables import status_table
 
     console = Console(stderr=True)
-    job = open_job(job_path)
+    job = with_store(open_job(job_path), store)
+    if start and start_from_store:
+        raise click.UsageError("give --start or --start-from-store, not both")
     specs = dict(parse_stream(s, source, netns) for s in stream)
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
                          force=force)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
-    start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
-    checkpoint = start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
+    start_source = f"--start {start}" if start else f"the store {job.appliance.store.url}" if start_from_store \
+        else f"initial_state.checkpoint {job.initial_state.checkpoint}"
+    checkpoint = store_checkpoint(job) if start_from_store else \
+        start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
     appliance = Appliance(job, specs, out, replica_start(job, checkpoint, start_source), options)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:

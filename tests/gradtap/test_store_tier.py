@@ -1,0 +1,55 @@
+"""The appliance with a durable store: replay uploads its snapshots (file:// store), the store's
+newest READY snapshot is what a restarted appliance starts from and what a trainer resumes
+from, bit for bit; --store and --start-from-store are checked."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from gradtap.core.errors import ConfigError
+from gradtap.replay import run_replay
+from gradtap.simulator.run import resume
+from gradtap.simulator.truth import optimizer_arrays
+from gradtap.store_tier import store_checkpoint, with_store
+from gradtap.updater import snapshot
+from gradtap.updater.store import SnapshotStore
+from tests.gradtap.test_replay import start_of, streams_of
+from tests.simulator.test_simulate import make_job, simulate
+from tests.updater.test_store import bits
+
+
+@pytest.mark.slow
+def test_replay_uploads_and_a_restart_starts_from_the_store(tmp_path):
+    job = make_job(3, "LL", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=4)
+    url = f"file://{tmp_path / 'store'}"
+    stored = with_store(job, url)
+    stored = stored.model_copy(update={"appliance": stored.appliance.model_copy(
+        update={"store": stored.appliance.store.model_copy(update={"keep_last": 10})})})
+    run_replay(stored, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"))
+    counts = json.loads((tmp_path / "replay" / "replay.json").read_text())["store"]
+    assert counts["uploaded"] >= 1 and counts["failed"] == 0
+    local = snapshot.load(snapshot.latest(tmp_path / "replay" / "snapshots"))
+    # The local directory is lost: a restarted appliance takes the store's newest READY snapshot.
+    assert bits(store_checkpoint(stored)) == bits(local)
+    # A trainer resumed from an older READY snapshot in the store continues bit for bit.
+    store = SnapshotStore(url, job.name)
+    k = [i for i in store.ready() if i < 5][0]
+    trainer = resume(job, store.load(k), seed=7, until=5)
+    resumed = optimizer_arrays(trainer.model, trainer.optimizer)
+    with np.load(tmp_path / "sim" / "truth" / "iter_000004" / "state.npz") as truth:
+        for key in truth.files:
+            assert resumed[key].tobytes() == truth[key].tobytes(), key
+
+
+def test_store_flags_are_checked():
+    job = make_job(3, "LL", 2, "fp32")
+    with pytest.raises(ConfigError, match="no store"):
+        store_checkpoint(job)
+    with pytest.raises(ConfigError, match="--store /tmp/x"):
+        with_store(job, "/tmp/x")
+    assert with_store(job, None) is job
+    assert with_store(job, "s3://b/p/").appliance.store.url == "s3://b/p"

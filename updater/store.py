@@ -142,6 +142,11 @@ class SnapshotStore:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             self.fs.mv(tmp, path)
+            fd = os.open(path.rsplit("/", 1)[0], os.O_RDONLY | os.O_DIRECTORY)
+            try:                                    # the name survives a power loss before the manifest
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except BaseException:
             try:
                 self.fs.rm_file(tmp)

@@ -62,7 +62,10 @@ def _cpus(text: str, what: str) -> list[int]:
                    "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/updater.md, Storage tiers)")
 @click.option("--start-from-store", is_flag=True,
               help="start from the newest READY snapshot in the store that verifies (a restarted appliance "
-                   "whose local snapshots are lost); like --start with that snapshot")
+                   "whose local snapshots are lost); like --start with that snapshot, which carries no time_ns: "
+                   "it is declared to be the trainer's state when the capture begins. A job that went on while "
+                   "the appliance was down has moved past it: start without a state instead and let the trainer "
+                   "offer its checkpoint")
 @click.option("--metrics-port", type=int, default=9464, metavar="PORT", help="Prometheus metrics port (0: off)")
 @click.option("--metrics-address", default="127.0.0.1", metavar="ADDR",
               help="address the metrics listen on (0.0.0.0: every interface)")

@@ -17,16 +17,25 @@ best of ``--repeats`` with the contenders interleaved so that background load hi
 - ``upload s3`` (``--s3``): the same to moto's S3 server on 127.0.0.1 (in-memory; it measures
   the client and HTTP path, not a disk).
 
-GB/s = 1e9 bytes of state per second. Run:
-``python -m benchmarks.snapshot [--params N] [--repeats R] [--dir DIR] [--s3]``.
+GB/s = 1e9 bytes of state per second.
+
+``--lag``: the update path with uploads running. A replica of ``--lag-params`` parameters
+(gradtap's fused AdamW kernel, fp32 wire) steps ``--lag-steps`` times alone, then as many
+times while the background uploader uploads the big state above to the ``file://`` store
+without pause; each step's time is the replica's lag on this path, and the ratio of the medians
+says what uploading costs it (on this machine's 2 cores the uploader competes for them).
+
+Run: ``python -m benchmarks.snapshot [--params N] [--repeats R] [--dir DIR] [--s3] [--lag]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -76,12 +85,85 @@ def torch_save(path: Path, state: dict) -> float:
     return took
 
 
+def lag_job(n: int):
+    from gradtap.workload.spec import parse_job
+
+    ranks = [{"ip": f"198.18.{i}.1", "mac": f"02:00:00:00:01:{i + 1:02x}"} for i in range(3)]
+    width = max(16, int((n / 4) ** 0.5))
+    return parse_job({"name": "lag-bench", "model": {"factory": "gradtap.workload.models:mlp",
+                                                    "kwargs": {"sizes": [width, width, width, width, width]}},
+                      "optimizer": {"kind": "adamw", "implementation": "fused", "lr": 1e-3},
+                      "ring": {"ranks": ranks}, "mirrors": [{"name": "m", "rank": 0, "direction": "egress"}]})
+
+
+def step_times(replica, grad, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        replica.apply(replica.iteration, grad)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def lag(work: Path, state: dict, state_bytes: int, params: int, steps: int) -> None:
+    import numpy as np
+
+    from gradtap.updater.replica import Replica
+    from gradtap.updater.uploader import Uploader
+
+    job = lag_job(params)
+    replica = Replica.from_job(job)
+    grad = (np.random.default_rng(0).standard_normal(sum(b.numel for b in replica.layout.buckets)) * 1e-3).astype(np.float32)
+    step_times(replica, grad, 2)                                  # compiled and warm
+    alone = step_times(replica, grad, steps)
+    snaps = Snapshots(work / "lag-local", "bench", keep=2)
+    store = SnapshotStore(f"file://{work / 'lag-store'}", "bench", keep_last=1)
+    uploader = Uploader(store)
+    big = snaps.write(state, step=1)
+    stop = threading.Event()
+
+    def feed() -> None:                                           # keep the uploader busy throughout
+        i = 0
+        while not stop.is_set():
+            i += 1
+            staged = work / f"lag-stage-{i}"
+            staged.mkdir()
+            for name in ("model.pt", "optimizer.pt", "manifest.json"):
+                os.link(big / name, staged / name)
+            (staged / "manifest.json").unlink()
+            manifest = json.loads((big / "manifest.json").read_text())
+            manifest["iteration"] = i
+            (staged / "manifest.json").write_text(json.dumps(manifest))
+            uploader.submit(i, staged)
+            uploader.wait_idle(600)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    while uploader.counts()["submitted"] == 0:
+        time.sleep(0.01)
+    busy = step_times(replica, grad, steps)
+    stop.set()
+    feeder.join()
+    uploaded = uploader.counts()["uploaded"]
+    uploader.close(60)
+    snaps.close()
+    a, b = float(np.median(alone)), float(np.median(busy))
+    print(f"\nupdate path, {sum(b.numel for b in replica.layout.buckets) / 1e6:.1f} M parameters, fused AdamW, {steps} steps each:")
+    print(f"  step alone                 median {a * 1e3:8.1f} ms   max {max(alone) * 1e3:8.1f} ms")
+    print(f"  step while uploading       median {b * 1e3:8.1f} ms   max {max(busy) * 1e3:8.1f} ms   "
+          f"({uploaded} uploads of the {state_bytes / 1e9:.2f} GB state meanwhile)")
+    print(f"  ratio (busy / alone)       {b / a:8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=32_000_000, help="float32 parameters (default 32 M)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--s3", action="store_true", help="also upload to moto's S3 server on 127.0.0.1")
+    parser.add_argument("--lag", action="store_true", help="the update path's step time with uploads running")
+    parser.add_argument("--lag-params", type=int, default=8_000_000)
+    parser.add_argument("--lag-steps", type=int, default=20)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gradtap-bench-", dir=args.dir))
@@ -126,6 +208,8 @@ def main() -> None:
         for name, took in best.items():
             rate = nbytes / took
             print(f"{name:34s} {took:7.2f} {rate / 1e9:7.2f} {rate / disk:7.2f} {rate / saved:13.2f}")
+        if args.lag:
+            lag(work, state, nbytes, args.lag_params, args.lag_steps)
     finally:
         if server is not None:
             server.kill()

@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--s3", action="store_true", help="also upload to moto's S3 server on 127.0.0.1")
     parser.add_argument("--lag", action="store_true", help="the update path's step time with uploads running")
     parser.add_argument("--lag-params", type=int, default=8_000_000)
-    parser.add_argument("--lag-steps", type=int, default=20)
+    parser.add_argument("--lag-steps", type=int, default=100)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="gradtap-bench-", dir=args.dir))

@@ -22,6 +22,7 @@ removed once the snapshot is uploaded or skipped.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from gradtap.updater.store import SnapshotStore
 log = logging.getLogger(__name__)
 
 EventSink = Callable[..., object]        # ControlPlane.event(kind, **fields)
+NICE = 10                                # the uploader thread's niceness (the update path keeps 0)
 
 
 @dataclass
@@ -120,6 +122,10 @@ class Uploader:
             self.on_event("store.abandoned", url=self.store.url, reason=f"not finished within {timeout} s")
 
     def _loop(self) -> None:
+        try:            # Linux schedules threads as tasks: the update path wins the cores it shares with us
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (OSError, AttributeError):
+            pass
         failures, delay = 0, self.retry_min_s
         while True:
             with self._cond:

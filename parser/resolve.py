@@ -38,7 +38,6 @@ import itertools
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -58,7 +57,8 @@ from gradtap.workload.wire_plan import DATA, WirePlan, build_plan
 log = logging.getLogger(__name__)
 
 ITERATIONS = 4             # iterations a stream is given to decide (its first may have begun before the capture)
-MAX_PACKETS = 1 << 24      # write packets between the ring's addresses kept per stream (~400 MiB)
+MAX_PACKETS = 1 << 24      # write packets between the ring's addresses kept per stream (33 B each: ~550 MiB)
+MAX_FLOWS = 1024           # wire flows of one iteration looked at (the busiest): a hostile capture's many are not
 START_SLACK = 64           # PSNs a flow's iteration may begin before its first packet seen (mirror loss)
 WALKS = 16                 # assignments one walk keeps (more means the flow says little)
 IMM_SAMPLES = 256          # decisive ImmDt comparisons kept
@@ -281,23 +281,33 @@ class WireEvidence:
         return [(int(a), int(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
     def flows_in(self, a: int, b: int) -> list[_WireIteration]:
-        """Every wire flow with packets in ``[a, b)``, as :class:`_WireIteration` (see the
-        module docstring for where its iteration may begin and end)."""
+        """The wire flows with packets in ``[a, b)`` (the :data:`MAX_FLOWS` busiest), as
+        :class:`_WireIteration` (see the module docstring for where an iteration may begin and
+        end)."""
         p = self.packets
         key, psn, cls, reth = p.key[:p.n], p.psn[:p.n], p.cls[:p.n], p.reth[:p.n]
+        keys, inverse, counts = np.unique(key[a:b], return_inverse=True, return_counts=True)
+        kept = np.sort(np.argsort(-counts, kind="stable")[:MAX_FLOWS])
+        # Each kept flow's last packet before the segment and first after it, in one pass each.
+        before_keys, before_at = np.unique(key[:a][::-1], return_index=True)
+        after_keys, after_at = np.unique(key[b:], return_index=True)
+        members = np.argsort(inverse, kind="stable") + a          # the segment's packets, flow by flow
+        bounds = np.r_[0, np.cumsum(counts)]
         out = []
-        for k in np.unique(key[a:b]).tolist():
-            inside = np.flatnonzero(key[a:b] == k) + a
+        for j in kept.tolist():
+            k = int(keys[j])
+            inside = members[bounds[j]:bounds[j + 1]]
             first, last = int(psn[inside[0]]), int(psn[inside[-1]])
-            before = np.flatnonzero(key[:a] == k)
-            after = np.flatnonzero(key[b:] == k)
             start = first
-            if len(before):
-                lost = psn_delta(int(psn[before[-1]]) + 1, first)
+            i = np.searchsorted(before_keys, k)
+            if i < len(before_keys) and before_keys[i] == k:
+                lost = psn_delta(int(psn[a - 1 - before_at[i]]) + 1, first)
                 start = first - lost if 0 <= lost <= START_SLACK else first
             rel = psn_delta(start, psn[inside])
             end_lo = psn_delta(start, last) + 1
-            end_hi = psn_delta(start, int(psn[b + after[0]])) if len(after) else end_lo + START_SLACK
+            i = np.searchsorted(after_keys, k)
+            following = i < len(after_keys) and after_keys[i] == k
+            end_hi = psn_delta(start, int(psn[b + after_at[i]])) if following else end_lo + START_SLACK
             decided = (cls[inside] != UNDECIDED) & (rel >= 0)
             order = np.argsort(rel[decided], kind="stable")
             writes = (reth[inside] >= 0) & (rel >= 0)
@@ -350,21 +360,33 @@ def _walk(shapes: dict[Protocol, _FlowShape], it: _WireIteration, lengths: bool)
         return bool(len(offsets) or i == j) and bool(
             ((offsets[k] == it.write_at[i:j] - at) & (sizes[k] == it.write_bytes[i:j])).all())
 
-    @lru_cache(maxsize=None)
-    def rest(b: int, at: int) -> tuple[tuple[int, ...], ...]:
-        if b == nb:
-            return ((),) if at <= high else ()
-        if all(shapes[p].packets[b] == 0 for p in protos):
-            return tuple((OPEN,) + t for t in rest(b + 1, at))
-        out: list[tuple[int, ...]] = []
-        for p in protos:
-            n = int(shapes[p].packets[b])
-            if at + n > high or not fits(p, b, at):
-                continue
-            for tail in rest(b + 1, at + n):
-                out.append((int(p),) + tail)
-                if len(out) >= WALKS:
-                    return tuple(out)
+    # Forward: the positions each bucket can begin at, and the ways on to the next (bucket by
+    # bucket, not by recursion: a large model has thousands of buckets).
+    steps: list[dict[int, list[tuple[int, int]]]] = []     # per bucket: begin -> [(protocol, next begin)]
+    reach = {0}
+    for b in range(nb):
+        sizes = {p: int(shapes[p].packets[b]) for p in protos}
+        ways: dict[int, list[tuple[int, int]]] = {}
+        for at in sorted(reach):
+            if all(n == 0 for n in sizes.values()):
+                ways[at] = [(OPEN, at)]
+            else:
+                ways[at] = [(int(p), at + n) for p, n in sizes.items() if at + n <= high and fits(p, b, at)]
+        steps.append(ways)
+        reach = {nxt for w in ways.values() for _, nxt in w}
+        if not reach:
+            return []
+    # Backward: up to WALKS ways from each begin to an end within the iteration, as linked
+    # (protocol, rest) pairs, spelt out only at the start.
+    tails: dict[int, list] = {at: [None] for at in reach if at <= high}
+    for b in range(nb - 1, -1, -1):
+        tails = {at: [(p, t) for p, nxt in w for t in tails.get(nxt, ())][:WALKS] for at, w in steps[b].items()}
+
+    def spelt(node) -> tuple[int, ...]:
+        out = []
+        while node is not None:
+            out.append(node[0])
+            node = node[1]
         return tuple(out)
 
     def again(walk: tuple[int, ...]) -> bool:
@@ -379,7 +401,7 @@ def _walk(shapes: dict[Protocol, _FlowShape], it: _WireIteration, lengths: bool)
                 at += n
         return True
 
-    return [w for w in rest(0, 0) if again(w)]
+    return [w for w in map(spelt, tails.get(0, ())) if again(w)]
 
 
 def _wire_only(messages: np.ndarray) -> bytes:

@@ -74,6 +74,24 @@ def test_a_payload_reaching_outside_the_bytes_is_undecided():
     assert packet_protocols(recs, data).tolist() == [UNDECIDED]
 
 
+def test_a_walk_over_thousands_of_buckets():
+    """A large model has thousands of buckets: the walk goes bucket by bucket (no recursion)
+    and finds the one assignment its packets allow."""
+    from gradtap.parser.resolve import _FlowShape, _walk, _WireIteration
+
+    nb = 5000
+    simple, ll = np.full(nb, 2, np.int64), np.full(nb, 4, np.int64)
+    writes = [(np.zeros(1, np.int64), np.zeros(1, np.int64))] * nb
+    shapes = {Protocol.SIMPLE: _FlowShape(simple, writes), Protocol.LL: _FlowShape(ll, writes)}
+    expect = [Protocol.LL if b % 7 == 0 else Protocol.SIMPLE for b in range(nb)]
+    sizes = np.array([4 if p == Protocol.LL else 2 for p in expect])
+    starts = np.r_[0, np.cumsum(sizes)[:-1]]
+    it = _WireIteration(key=0, positions=starts, classes=np.array([int(p) for p in expect]),
+                        write_at=np.zeros(0, np.int64), write_bytes=np.zeros(0, np.int64),
+                        period=(int(sizes.sum()), int(sizes.sum())))
+    assert _walk(shapes, it, lengths=False) == [tuple(int(p) for p in expect)]
+
+
 def resolve_capture(job, path):
     r = Resolver(job, ["port"], job.appliance.iteration_gap_ns)
     with PcapReader(path) as reader:

@@ -53,3 +53,18 @@ def test_store_flags_are_checked():
         with_store(job, "/tmp/x")
     assert with_store(job, None) is job
     assert with_store(job, "s3://b/p/").appliance.store.url == "s3://b/p"
+
+
+def test_store_counters_are_metrics():
+    from gradtap.metrics import ApplianceCollector
+    from gradtap.status import ApplianceStatus
+
+    def families(store):
+        status = ApplianceStatus({}, {}, 0, 0, 0, False, 0.0, 0.0, 0.0, 0.0, {}, store=store)
+        return {f.name: f for f in ApplianceCollector(lambda: status).collect()}
+
+    assert "gradtap_store_snapshots" not in families(None)
+    counts = {"submitted": 9, "uploaded": 5, "skipped": 3, "failed": 2, "last_uploaded": 12}
+    samples = {s.labels["result"]: s.value for s in families(counts)["gradtap_store_snapshots"].samples
+               if s.name.endswith("_total")}
+    assert samples == {"uploaded": 5, "skipped": 3, "failed": 2}

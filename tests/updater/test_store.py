@@ -281,9 +281,12 @@ def test_sigkill_while_uploading_never_leaves_a_ready_snapshot_that_fails(tmp_pa
                                 env={**os.environ, **CREDENTIALS})
         assert proc.stdout.readline().strip() == b"ready"
         time.sleep(rng.uniform(0.3, 2.0))
+        store = SnapshotStore(url, "kill-test", storage_options=options)
+        deadline = time.monotonic() + 20
+        while trial == 2 and not ready_seen and not store.ready() and time.monotonic() < deadline:
+            time.sleep(0.05)                                 # a loaded machine: let one upload complete
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        store = SnapshotStore(url, "kill-test", storage_options=options)
         for iteration in store.ready():                      # every READY one verifies whole
             assert store.load(iteration)["iteration"] == iteration
             ready_seen.add((trial, iteration))

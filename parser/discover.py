@@ -45,7 +45,6 @@ from gradtap.parser.resolve import eras_shown, imm_evidence
 from gradtap.parser.stream_tables import UNKNOWN_QPN
 from gradtap.wire.events import DECODE_OK
 from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD
-from gradtap.workload.nccl import ERAS
 from gradtap.workload.spec import SUPPORTED_ERAS
 
 WRITE_FIRST, WRITE_MIDDLE, WRITE_LAST_IMM, WRITE_ONLY, WRITE_ONLY_IMM, ACK = 0x06, 0x07, 0x09, 0x0A, 0x0B, 0x11

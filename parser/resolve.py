@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gradtap.core.errors import GradtapError, PlanError
+from gradtap.core.errors import PlanError
 from gradtap.parser.line_format import UNDECIDED, packet_protocols
 from gradtap.parser.stream_tables import ip16
 from gradtap.wire import events as ev
@@ -416,10 +416,6 @@ def _unify(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
             return None
         out.append(y if x == OPEN else x)
     return tuple(out)
-
-
-class ResolveFailed(GradtapError):
-    """A stream whose traffic did not decide the job's era or protocols."""
 
 
 class Resolver:

@@ -68,3 +68,30 @@ def test_store_counters_are_metrics():
     samples = {s.labels["result"]: s.value for s in families(counts)["gradtap_store_snapshots"].samples
                if s.name.endswith("_total")}
     assert samples == {"uploaded": 5, "skipped": 3, "failed": 2}
+
+
+@pytest.mark.slow
+def test_gradtap_replay_store_flags(tmp_path):
+    import yaml
+    from click.testing import CliRunner
+
+    from gradtap.cli import _register, app
+
+    _register()
+    job = make_job(3, "LL", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=2)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job.model_dump(mode="json")))
+    pcaps = [f"{n}={p}" for n, p in streams_of(tmp_path / "sim", job).items()]
+    start = tmp_path / "sim" / "truth" / "start.pt"
+    url = f"file://{tmp_path / 'store'}"
+    runner = CliRunner()
+    done = runner.invoke(app, ["replay", str(job_file), *pcaps, "--out", str(tmp_path / "a"), "--start", str(start),
+                               "--store", url])
+    assert done.exit_code == 0, done.output
+    assert SnapshotStore(url, job.name).ready()[-1] == 3
+    both = runner.invoke(app, ["replay", str(job_file), *pcaps, "--out", str(tmp_path / "b"), "--start", str(start),
+                               "--store", url, "--start-from-store"])
+    assert both.exit_code == 2 and "not both" in both.output
+    none = runner.invoke(app, ["replay", str(job_file), *pcaps, "--out", str(tmp_path / "c"), "--start-from-store"])
+    assert none.exit_code != 0 and "no store" in str(none.exception or none.output)

@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from gradtap.updater.snapshot import Snapshots
-from gradtap.updater.store import SnapshotStore
+from gradtap.store.snapshot import Snapshots
+from gradtap.store.object_store import SnapshotStore
 
 BLOCK = 4 << 20
 
@@ -109,7 +109,7 @@ def lag(work: Path, state: dict, state_bytes: int, params: int, steps: int) -> N
     import numpy as np
 
     from gradtap.updater.replica import Replica
-    from gradtap.updater.uploader import Uploader
+    from gradtap.store.uploader import Uploader
 
     job = lag_job(params)
     replica = Replica.from_job(job)
@@ -174,7 +174,7 @@ def main() -> None:
         snaps = Snapshots(work / "local", "bench", keep=1)
         stores = {"upload file://": SnapshotStore(f"file://{work / 'store'}", "bench", keep_last=1)}
         if args.s3:
-            from tests.updater.s3_server import CREDENTIALS, MotoServer
+            from tests.store.s3_server import CREDENTIALS, MotoServer
             os.environ.update(CREDENTIALS)
             server = MotoServer().start()
             server.make_bucket("bench")

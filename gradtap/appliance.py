@@ -31,7 +31,7 @@ from gradtap.start import Numbering, ReplicaStart, replica_start
 from gradtap.store_tier import store_close_timeout, uploader_for
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
-from gradtap.updater.snapshot import Snapshots, SnapshotWriteError
+from gradtap.store.snapshot import Snapshots, SnapshotWriteError
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
 

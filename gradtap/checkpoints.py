@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 import torch
 
 from gradtap.core.errors import ConfigError
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.updater.replica import seed_checkpoint
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec

@@ -28,7 +28,7 @@ from gradtap.simulator.faults import parse_faults
 from gradtap.simulator.run import Simulation, resume
 from gradtap.simulator.truth import iteration_dir, optimizer_arrays
 from gradtap.tables import events_table, iteration_table, summary_table, verification_lines
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.verify import compare_state, verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec, load_job

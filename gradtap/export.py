@@ -38,7 +38,7 @@ import torch
 from gradtap.checkpoints import load_checkpoint
 from gradtap.core.errors import ConfigError
 from gradtap.trainer.restore import EXPORT_INFO
-from gradtap.updater.snapshot import named_latest
+from gradtap.store.snapshot import named_latest
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec
 

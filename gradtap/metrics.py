@@ -17,7 +17,7 @@ twice and nothing can drift:
   ``diverged`` from (``gradtap/attestation.py``);
 - ``gradtap_store_snapshots_total{result}``: snapshots the durable tier ``uploaded``, ``skipped``
   (replaced by a newer one while the store was slow) and upload attempts that ``failed``
-  (``updater/uploader.py``); absent without a store.
+  (``store/uploader.py``); absent without a store.
 """
 
 from __future__ import annotations

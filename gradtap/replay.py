@@ -35,7 +35,7 @@ from gradtap.start import Numbering, replica_start
 from gradtap.store_tier import store_close_timeout, uploader_for
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
-from gradtap.updater.snapshot import Snapshots
+from gradtap.store.snapshot import Snapshots
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
 from gradtap.workload.wire_plan import WirePlan

@@ -32,7 +32,7 @@ from gradtap.control import ControlPlane
 from gradtap.digest import replica_digest
 from gradtap.merger.merger import IterationReport
 from gradtap.updater.replica import Begin, Replica
-from gradtap.updater.snapshot import Snapshots, SnapshotWriteError
+from gradtap.store.snapshot import Snapshots, SnapshotWriteError
 
 log = logging.getLogger(__name__)
 

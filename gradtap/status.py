@@ -27,5 +27,5 @@ class ApplianceStatus:
     skipped: int = 0                     # captured iterations before the replica's start: not applied
     attested: int = 0                    # the trainer's fingerprints the replica matched
     diverged: int = 0                    # ... and those it did not (each a fallback)
-    store: dict[str, int] | None = None  # the durable tier's upload counters (updater/uploader.py):
+    store: dict[str, int] | None = None  # the durable tier's upload counters (store/uploader.py):
                                          # submitted, uploaded, skipped, failed, last_uploaded; None: no store

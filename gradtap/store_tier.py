@@ -1,12 +1,12 @@
-"""The job's durable store tier, as the shell wires it (``updater/store.py``, ``updater/uploader.py``):
+"""The job's durable store tier, as the shell wires it (``store/object_store.py``, ``store/uploader.py``):
 ``--store URL`` over the job spec's ``appliance.store``, the uploader a run hands its snapshots
 to, and the newest READY snapshot a restarted appliance starts from (``--start-from-store``)."""
 
 from __future__ import annotations
 
 from gradtap.core.errors import ConfigError
-from gradtap.updater.store import SnapshotStore
-from gradtap.updater.uploader import Uploader
+from gradtap.store.object_store import SnapshotStore
+from gradtap.store.uploader import Uploader
 from gradtap.workload.spec import JobSpec, StoreSpec
 
 

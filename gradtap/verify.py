@@ -27,7 +27,7 @@ import numpy as np
 from gradtap.core.errors import GradtapError
 from gradtap.digest import KINDS, truth_digest
 from gradtap.simulator.truth import iteration_dir
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.workload.spec import ParamSpec
 
 

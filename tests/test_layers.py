@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GROUND = ("core", "wire")
 CONTRACT = ("workload",)
-STAGES = ("capture", "parser", "merger", "updater", "simulator", "netconfig", "trainer")
+STAGES = ("capture", "parser", "merger", "updater", "store", "simulator", "netconfig", "trainer")
 SHELL = "shell"                 # the gradtap/ folder itself
 PACKAGES = GROUND + CONTRACT + STAGES + ("configs",)
 FLOOR = {"core": 0, "wire": 1, "workload": 2, "configs": 2, **{s: 3 for s in STAGES}, SHELL: 4}

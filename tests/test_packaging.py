@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("core", "wire", "workload", "capture", "parser", "merger", "updater", "netconfig", "simulator", "trainer")
+STAGES = ("core", "wire", "workload", "capture", "parser", "merger", "updater", "store", "netconfig", "simulator", "trainer")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@
   with ``torch.load``;
 - a trainer checkpoint file ``{"model", "optimizer", "iteration"}``;
 - a store URL (``s3://BUCKET/PREFIX``, ``file:///DIR``: the appliance's durable tier,
-  ``updater/store.py``): its newest READY snapshot whose objects match their sha256s (an
+  ``store/object_store.py``): its newest READY snapshot whose objects match their sha256s (an
   S3-compatible server is named with ``storage_options={"client_kwargs": {"endpoint_url": …}}``
   or the ``AWS_ENDPOINT_URL`` environment variable).
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from gradtap.core.errors import ConfigError
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 
 EXPORT_INFO = "gradtap-export.json"     # what ``gradtap export`` writes beside the checkpoint
 STORE_URL = re.compile(r"^[a-z][a-z0-9+.-]*://")
@@ -41,7 +41,7 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, source: st
     """Load the checkpoint at ``source`` into ``model`` and ``optimizer``; the iteration to
     continue at. ``storage_options``: fsspec's, for a store URL."""
     if isinstance(source, str) and STORE_URL.match(source):
-        from gradtap.updater.store import load_url
+        from gradtap.store.object_store import load_url
 
         return _load(model, optimizer, load_url(source, storage_options=storage_options), Path(source))
     source = Path(source)

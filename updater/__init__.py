@@ -7,7 +7,9 @@
 - :mod:`gradtap.updater.clipping`: ``clip_grad_norm_``'s coefficient;
 - :mod:`gradtap.updater.state`: the flat state and its PyTorch state dicts;
 - :mod:`gradtap.updater.selfcheck`: the start-up proof that this host's kernels equal its torch;
-- :mod:`gradtap.updater.snapshot`: atomic snapshots a trainer loads with ``torch.load``.
+- :mod:`gradtap.updater.replica_origin`: what a replica started from (its snapshots carry it).
+
+Its snapshots, and their tiers, are ``store/``'s.
 
 See ``docs/updater.md``.
 """

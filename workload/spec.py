@@ -299,7 +299,7 @@ class TrainingSpec(_Strict):
 
 class StoreSpec(_Strict):
     """The durable tier: snapshots also go, in the background, to an fsspec URL
-    (``updater/store.py``; docs/updater.md, "Storage tiers")."""
+    (``store/object_store.py``; docs/store.md, "Storage tiers")."""
 
     url: str = Field(..., description="fsspec URL of the store: file:///DIR or s3://BUCKET/PREFIX")
     endpoint_url: str | None = Field(None, description="an S3-compatible endpoint (MinIO, Ceph, ...) for s3:// "

@@ -59,7 +59,7 @@ def _cpus(text: str, what: str) -> list[int]:
                    "with time_ns through POST /resync)")
 @click.option("--store", metavar="URL",
               help="durable store the snapshots are also uploaded to, in the background: file:///DIR or "
-                   "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/updater.md, Storage tiers)")
+                   "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/store.md, Storage tiers)")
 @click.option("--start-from-store", is_flag=True,
               help="start from the newest READY snapshot in the store that verifies (a restarted appliance "
                    "whose local snapshots are lost); like --start with that snapshot, which carries no time_ns: "

@@ -34,7 +34,7 @@ from gradtap.control_token import MIN_TOKEN_BYTES, ensure_token, read_token
 from gradtap.core.errors import ConfigError
 from gradtap.status import ApplianceStatus
 from gradtap.updater.replica import Begin, Replica
-from gradtap.updater.snapshot import Snapshots
+from gradtap.store.snapshot import Snapshots
 from tests.updater.naive_adam import random_reduced
 from tests.updater.test_replica import assert_equal_state, drive, job, trainer_checkpoint
 
@@ -547,7 +547,7 @@ def test_the_appliance_resyncs_from_a_checkpoint_posted_to_it(tmp_path):
     from gradtap.appliance import Appliance, RunOptions
     from gradtap.capture.worker import SourceSpec
     from gradtap.simulator.run import resume
-    from gradtap.updater import snapshot
+    from gradtap.store import snapshot
     from gradtap.verify import verify
     from gradtap.workload.layout import job_params
     from tests.gradtap.test_replay import drop_allgather

@@ -20,7 +20,7 @@ from gradtap.core.errors import ConfigError
 from gradtap.export import FORMATS, by_name, export_checkpoint
 from gradtap.trainer.restore import EXPORT_INFO, restore
 from gradtap.replay import run_replay
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.models import build

@@ -12,10 +12,10 @@ import pytest
 from gradtap.control import ControlPlane
 from gradtap.merger.merger import IterationReport
 from gradtap.replica_sink import ReplicaSink
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
-from gradtap.updater.snapshot import Snapshots
+from gradtap.store.snapshot import Snapshots
 from tests.tmpfs import fill, on_disk, tmpfs
 from tests.updater.naive_adam import TorchStep, random_reduced
 from tests.updater.test_replica import assert_equal_state, job

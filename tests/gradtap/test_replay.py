@@ -24,7 +24,7 @@ from gradtap.simulator.truth import optimizer_arrays
 from tests import naive
 from tests.parser import naive_coverage
 from tests.simulator.test_simulate import make_job, simulate
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.workload.layout import job_params, job_plan
 from gradtap.wire.icrc import compute_icrc
 from gradtap.wire.psn import PSN_MODULUS
@@ -72,7 +72,7 @@ def test_a_trainer_resumed_from_a_snapshot_continues_bit_for_bit(tmp_path):
     simulate(tmp_path / "sim", job, iterations=4)
     run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"))
     snap = sorted((tmp_path / "replay" / "snapshots").glob("iteration-*"))[0]
-    # The two lines a trainer runs (docs/updater.md), into a real torch training loop.
+    # The two lines a trainer runs (docs/store.md), into a real torch training loop.
     model_sd = torch.load(snap / "model.pt", weights_only=True)
     optim_sd = torch.load(snap / "optimizer.pt", weights_only=True)
     k = snapshot.verify(snap)["iteration"]

@@ -16,7 +16,7 @@ import torch
 from gradtap import metrics
 from gradtap.appliance import Appliance, RunOptions
 from gradtap.capture.worker import SourceSpec
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import dump_job

@@ -14,11 +14,11 @@ from gradtap.replay import run_replay
 from gradtap.simulator.run import resume
 from gradtap.simulator.truth import optimizer_arrays
 from gradtap.store_tier import store_checkpoint, with_store
-from gradtap.updater import snapshot
-from gradtap.updater.store import SnapshotStore
+from gradtap.store import snapshot
+from gradtap.store.object_store import SnapshotStore
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
-from tests.updater.test_store import bits
+from tests.store.test_object_store import bits
 
 
 @pytest.mark.slow

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from gradtap.replay import run_replay
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.updater.replica import Replica
-from gradtap.updater.snapshot import Snapshots
+from gradtap.store.snapshot import Snapshots
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec

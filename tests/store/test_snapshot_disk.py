@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gradtap.core.errors import ConfigError
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.updater.replica import Replica
-from gradtap.updater.snapshot import Snapshots, SnapshotWriteError
+from gradtap.store.snapshot import Snapshots, SnapshotWriteError
 from tests.tmpfs import fill, free_bytes, on_disk, read_only, tmpfs
 from tests.updater.naive_adam import random_reduced
 from tests.updater.test_replica import job

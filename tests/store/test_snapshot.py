@@ -21,7 +21,7 @@ from gradtap.workload.spec import MirrorSpec
 from gradtap.simulator.training import make_optimizer
 from tests.updater.naive_adam import TorchStep, random_reduced
 from tests.updater.test_replica import assert_equal_state, job
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.updater.replica import Replica, seed_checkpoint
 from gradtap.updater.replica_origin import ORIGIN, ReplicaOrigin, parse_origin
 
@@ -129,7 +129,7 @@ WRITER = """
 import sys, numpy as np
 from pathlib import Path
 from tests.updater.test_replica import job
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 from gradtap.updater.replica import Replica
 out = Path(sys.argv[1])
 j = job(factory=("gradtap.workload.models:mlp", {"sizes": [1024, 1536, 1024, 10]}))

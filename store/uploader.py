@@ -12,7 +12,7 @@ A failed upload (the store is down, a timeout, a refused request) is counted
 a backoff that doubles from ``retry_min_s`` up to ``retry_max_s``; a newer snapshot
 submitted meanwhile is what the retry uploads (the failed one is then skipped). The first
 upload that succeeds after failures is a ``store.resumed`` event. Because the manifest is
-written last (``updater/store.py``), an upload cut short leaves no READY snapshot.
+written last (``store/object_store.py``), an upload cut short leaves no READY snapshot.
 
 The files of a submitted snapshot are hard links in a staging directory (``stage``), so
 local retention may drop the snapshot while its upload waits; the staging directory is
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gradtap.updater.store import SnapshotStore
+from gradtap.store.object_store import SnapshotStore
 
 log = logging.getLogger(__name__)
 

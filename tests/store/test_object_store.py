@@ -2,7 +2,7 @@
 bit for bit, retention, a slow store that skips (counted) instead of blocking the update path, a
 store that dies mid-upload and comes back, and writers killed with SIGKILL at random moments that
 never leave a READY snapshot failing its checksums. S3 is moto's server on 127.0.0.1
-(``tests/updater/s3_server.py``); ``file://`` is a local directory."""
+(``tests/store/s3_server.py``); ``file://`` is a local directory."""
 
 from __future__ import annotations
 
@@ -23,14 +23,14 @@ import torch
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.simulator.training import make_optimizer
 from gradtap.trainer import restore
-from gradtap.updater import snapshot
-from gradtap.updater.snapshot import Snapshots
-from gradtap.updater.store import SnapshotStore, manifest_key, object_key
-from gradtap.updater.uploader import Uploader
+from gradtap.store import snapshot
+from gradtap.store.snapshot import Snapshots
+from gradtap.store.object_store import SnapshotStore, manifest_key, object_key
+from gradtap.store.uploader import Uploader
 from gradtap.workload.models import build
 from gradtap.workload.spec import StoreSpec
-from tests.updater.s3_server import CREDENTIALS, MotoServer
-from tests.updater.test_snapshot import stepped
+from tests.store.s3_server import CREDENTIALS, MotoServer
+from tests.store.test_snapshot import stepped
 from tests.updater.test_replica import job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -244,9 +244,9 @@ def test_the_store_dies_mid_upload_and_comes_back(tmp_path, s3):
 WRITER = textwrap.dedent("""
     import json, sys, torch
     from pathlib import Path
-    from gradtap.updater.snapshot import Snapshots
-    from gradtap.updater.store import SnapshotStore
-    from gradtap.updater.uploader import Uploader
+    from gradtap.store.snapshot import Snapshots
+    from gradtap.store.object_store import SnapshotStore
+    from gradtap.store.uploader import Uploader
     url, local, seed, options = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256))

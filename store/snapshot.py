@@ -271,7 +271,7 @@ class Snapshots:
     force:
         Clear a directory holding another replica's snapshots instead of refusing it.
     uploader:
-        The durable tier (:class:`gradtap.updater.uploader.Uploader`): every snapshot written
+        The durable tier (:class:`gradtap.store.uploader.Uploader`): every snapshot written
         is handed to it, as hard links in a staging directory here, and :meth:`close` gives
         it ``close_timeout_s`` to upload the last one.
     """

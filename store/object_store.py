@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
-from gradtap.updater import snapshot
+from gradtap.store import snapshot
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class SnapshotStore:
             raise
 
     def put_snapshot(self, directory: str | Path) -> str:
-        """Upload the local snapshot ``directory`` (``updater/snapshot.py``): its objects, each
+        """Upload the local snapshot ``directory`` (``store/snapshot.py``): its objects, each
         only when the store lacks it, then its manifest. The files are hashed as they are read
         and must match the local manifest (``GradtapError`` otherwise: nothing becomes READY).
         Returns the manifest's key."""

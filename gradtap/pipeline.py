@@ -3,13 +3,13 @@ the sink (the updater), advanced one round of frames at a time, with the time ea
 
 A round parses each stream's new frames in parallel threads (the Numba kernels release the
 GIL); the merger and the sink then run on the caller's thread while the parsers wait, so
-nothing reads a slot a parser is writing.
+nothing reads a slot a parser is writing. ``gradtap.replay`` feeds rounds from capture files,
+``gradtap.appliance`` from the capture workers' shared-memory rings.
 
 A job that leaves ``nccl.era`` or ``nccl.protocol`` to the wire (``auto``) has no plan yet:
 until the streams decide it (``parser/resolve.py``), each round's frames are watched and held
 (up to ``hold_bytes`` per stream; older frames past that are counted as ``other.unresolved``),
-then the parsers and the merger are built for the resolved job and take the held frames first. ``gradtap.replay`` feeds rounds from capture files,
-``gradtap.appliance`` from the capture workers' shared-memory rings.
+then the parsers and the merger are built for the resolved job and take the held frames first.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from gradtap.parser.lockon import LockFailure
 from gradtap.parser.resolve import Resolution, Resolver
 from gradtap.parser.stream import StreamParser
 from gradtap.wire import events as ev
+from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
 from gradtap.workload.wire_plan import WirePlan
 
@@ -164,7 +165,6 @@ class Pipeline:
         self._tell_failures()
         if resolution is None:
             return
-        from gradtap.workload.layout import job_plan
         self._build(resolution.job, job_plan(resolution.job))
         for name, counts in self._unresolved.items():
             self.parsers[name].counters += counts

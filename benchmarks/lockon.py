@@ -46,6 +46,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PROTOCOLS = ("Simple", "LL", "LL128")
 
 
+def _from_frame(reader, skip: int):
+    """The reader's batches from its frame ``skip`` on (an appliance started mid-iteration)."""
+    for b in reader:
+        if skip >= len(b.offsets):
+            skip -= len(b.offsets)
+            continue
+        if skip:
+            b, skip = b.tail(skip), 0
+        yield b
+
+
 def measure(job, path: Path, stream: str, batch: int, skip: int) -> dict:
     """One stream, from its frame ``skip`` on (an appliance started mid-iteration): where it
     locked, and the parse rate before and after (the batch that locks, which also assembles
@@ -56,12 +67,7 @@ def measure(job, path: Path, stream: str, batch: int, skip: int) -> dict:
     learning = [0, 0.0]              # frames, seconds
     locked = [0, 0.0, 0]             # frames, seconds, bytes
     with PcapReader(path, max_frames=batch) as reader:
-        for b in reader:
-            if skip >= len(b.offsets):
-                skip -= len(b.offsets)
-                continue
-            if skip:
-                b, skip = b.tail(skip), 0
+        for b in _from_frame(reader, skip):
             was = parser.locked
             started = time.perf_counter()
             done = parser.feed(b)
@@ -94,12 +100,7 @@ def resolve_measure(job, path: Path, stream: str, batch: int, skip: int) -> dict
     resolver = Resolver(job, [stream], job.appliance.iteration_gap_ns)
     frames, spent, found = 0, 0.0, None
     with PcapReader(path, max_frames=batch) as reader:
-        for b in reader:
-            if skip >= len(b.offsets):
-                skip -= len(b.offsets)
-                continue
-            if skip:
-                b, skip = b.tail(skip), 0
+        for b in _from_frame(reader, skip):
             started = time.perf_counter()
             recs, _ = decode_batch(b, job.appliance.verify_icrc)
             resolver.observe(stream, recs, b.data)

@@ -149,9 +149,7 @@ class Pipeline:
         for name, b in batches.items():
             if b is None or len(b.offsets) == 0:
                 continue
-            recs, _ = decode_batch(b, self.job.appliance.verify_icrc,
-                                   decapsulate=self.job.mirror(name).encapsulation != "none")
-            self.resolver.observe(name, recs, b.data)
+            self.resolver.observe(name, self._decode(name, b), b.data)
             held = self._held[name]
             held.append(b.owned())
             while sum(h.data.nbytes for h in held) > self.hold_bytes and len(held) > 1:
@@ -179,12 +177,16 @@ class Pipeline:
         for k in range(max(map(len, held.values()), default=0)):
             self.round({n: h[k] for n, h in held.items() if k < len(h)}, now_ns)
 
+    def _decode(self, name: str, batch: FrameBatch) -> np.ndarray:
+        """Stage 1 over a stream's frames before a plan, as its parser will decode them."""
+        recs, _ = decode_batch(batch, self.job.appliance.verify_icrc,
+                               decapsulate=self.job.mirror(name).encapsulation != "none")
+        return recs
+
     def _let_go(self, name: str, batch: FrameBatch) -> None:
         """Count frames no parser will see: stage 1's refusals as themselves, the rest as
         ``other.unresolved``."""
-        recs, _ = decode_batch(batch, self.job.appliance.verify_icrc,
-                               decapsulate=self.job.mirror(name).encapsulation != "none")
-        counts = np.bincount(recs["event"], minlength=ev.N_EVENTS)
+        counts = np.bincount(self._decode(name, batch)["event"], minlength=ev.N_EVENTS)
         counts[ev.OTHER_UNRESOLVED] += counts[ev.DECODE_OK]
         counts[ev.DECODE_OK] = 0
         self._unresolved[name] += counts

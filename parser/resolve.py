@@ -477,12 +477,14 @@ class Resolver:
         """One era per family the pooled CTS sizes and ImmDt order allow (the newest of each)."""
         if self.job.nccl.era != "auto":
             return [self.job.nccl.era]
-        cts: Counter = sum((e.cts_sizes for e in self.evidence.values()), Counter())
-        imm: Counter = sum((e.imm_order for e in self.evidence.values()), Counter())
         newest: dict[EraKey, str] = {}
-        for e in eras_shown(cts, imm):
+        for e in eras_shown(self._pooled("cts_sizes"), self._pooled("imm_order")):
             newest[_family(e)] = e
         return list(newest.values())
+
+    def _pooled(self, evidence: str) -> Counter:
+        """One Counter of ``WireEvidence`` (``cts_sizes``, ``imm_order``) over every stream."""
+        return sum((getattr(e, evidence) for e in self.evidence.values()), Counter())
 
     def _protocols(self) -> list[Protocol]:
         nccl = self.job.nccl
@@ -500,7 +502,7 @@ class Resolver:
         eras = self.eras()
         if not eras:
             return None, "the CTS size and ImmDt byte order fit no NCCL era from 2.19 to 2.30"
-        imm: Counter = sum((e.imm_order for e in self.evidence.values()), Counter())
+        imm = self._pooled("imm_order")
         sizes = imm["big"] + imm["little"]
         if self.job.nccl.qps_per_connection == 1 and imm["other"] >= IDS_SEEN and imm["other"] > 4 * sizes:
             return None, (f"ImmDt is not the message size in {imm['other']} of {sum(imm.values())} writes: NCCL 2.30's "

@@ -297,6 +297,13 @@ class TrainingSpec(_Strict):
     data_kwargs: dict[str, Any] = Field(default_factory=dict)
 
 
+def _http_url(v: str | None) -> str | None:
+    """An optional http:// or https:// URL, as a field validator takes it."""
+    if v is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
+        raise ValueError(f"{v!r} is not an http:// or https:// URL")
+    return v
+
+
 class StoreSpec(_Strict):
     """The durable tier: snapshots also go, in the background, to an fsspec URL
     (``store/object_store.py``; docs/store.md, "Storage tiers")."""
@@ -322,9 +329,7 @@ class StoreSpec(_Strict):
     @field_validator("endpoint_url")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
-            raise ValueError(f"{v!r} is not an http:// or https:// URL")
-        return v
+        return _http_url(v)
 
     @model_validator(mode="after")
     def _retry(self) -> "StoreSpec":
@@ -354,9 +359,7 @@ class ApplianceSpec(_Strict):
     @field_validator("control_endpoint")
     @classmethod
     def _url(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"https?://[^\s/]+(/\S*)?", v):
-            raise ValueError(f"{v!r} is not an http:// or https:// URL")
-        return v
+        return _http_url(v)
 
 
 class JobSpec(_Strict):

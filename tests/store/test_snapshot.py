@@ -20,7 +20,7 @@ from gradtap.workload.models import build
 from gradtap.workload.spec import MirrorSpec
 from gradtap.simulator.training import make_optimizer
 from tests.updater.naive_adam import TorchStep, random_reduced
-from tests.updater.test_replica import assert_equal_state, job
+from tests.updater.test_replica import assert_equal_state, job, train_on_alike
 from gradtap.store import snapshot
 from gradtap.updater.replica import Replica, seed_checkpoint
 from gradtap.updater.replica_origin import ORIGIN, ReplicaOrigin, parse_origin
@@ -111,17 +111,7 @@ def test_a_trainer_resumes_with_two_lines(tmp_path):
     model.load_state_dict(torch.load(snap / "model.pt", weights_only=True))
     optimizer.load_state_dict(torch.load(snap / "optimizer.pt", weights_only=True))
     start = json.loads((snap / "manifest.json").read_text())["iteration"]
-    resumed = TorchStep(j)
-    resumed.model, resumed.params, resumed.optimizer = model, list(model.parameters()), optimizer
-    rng = np.random.default_rng(4)
-    for it in range(start, start + 3):
-        reduced = random_reduced(j, rng)
-        resumed.step(it, reduced)
-        reference.step(it, reduced)
-        replica.apply(it, np.concatenate(reduced))
-    for key, value in reference.arrays().items():
-        assert np.array_equal(resumed.arrays()[key].view(np.uint32), value.view(np.uint32)), key
-    assert_equal_state(replica, reference)
+    train_on_alike(j, model, optimizer, reference, replica, range(start, start + 3), seed=4)
     assert Replica(j, snapshot.load(snap)).iteration == start == 4
 
 

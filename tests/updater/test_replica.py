@@ -49,6 +49,23 @@ def assert_equal_state(replica: Replica, reference: TorchStep):
     assert replica.step == int(reference.optimizer.state[reference.params[0]]["step"])
 
 
+def train_on_alike(j, model, optimizer, reference: TorchStep, replica: Replica, iterations, seed: int) -> None:
+    """A trainer resumed as ``model`` and ``optimizer`` steps ``iterations`` on the same random
+    gradients as ``reference`` (the uninterrupted trainer) and ``replica``: all three end bit
+    for bit equal."""
+    resumed = TorchStep(j)
+    resumed.model, resumed.params, resumed.optimizer = model, list(model.parameters()), optimizer
+    rng = np.random.default_rng(seed)
+    for it in iterations:
+        reduced = random_reduced(j, rng)
+        resumed.step(it, reduced)
+        reference.step(it, reduced)
+        replica.apply(it, np.concatenate(reduced))
+    for key, value in reference.arrays().items():
+        assert np.array_equal(resumed.arrays()[key].view(np.uint32), value.view(np.uint32)), key
+    assert_equal_state(replica, reference)
+
+
 def drive(j, iterations=20, seed=0, shuffle=True, scale_exp=(-12, 1)):
     replica, reference = Replica.from_job(j), TorchStep(j)
     rng = np.random.default_rng(seed)
@@ -102,17 +119,7 @@ def test_state_dicts_load_into_torch_and_train_on_identically():
     model.load_state_dict(sd["model"])
     optimizer.load_state_dict(sd["optimizer"])
     assert optimizer.state_dict()["param_groups"] == reference.optimizer.state_dict()["param_groups"]
-    resumed = TorchStep(j)
-    resumed.model, resumed.params, resumed.optimizer = model, list(model.parameters()), optimizer
-    rng = np.random.default_rng(11)
-    for it in range(5, 8):
-        reduced = random_reduced(j, rng)
-        resumed.step(it, reduced)
-        reference.step(it, reduced)
-        replica.apply(it, np.concatenate(reduced))
-    for key, value in reference.arrays().items():
-        assert np.array_equal(resumed.arrays()[key].view(np.uint32), value.view(np.uint32)), key
-    assert_equal_state(replica, reference)
+    train_on_alike(j, model, optimizer, reference, replica, range(5, 8), seed=11)
 
 
 def test_tied_weights_appear_under_both_names():

@@ -28,7 +28,7 @@ from gradtap.pipeline import Pipeline
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, ReplicaStart, replica_start
-from gradtap.store_tier import store_close_timeout, uploader_for
+from gradtap.store_tier import gradient_log_for, store_close_timeout, uploader_for
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.store.snapshot import Snapshots, SnapshotWriteError
@@ -72,20 +72,26 @@ class Appliance:
         if not isinstance(start, ReplicaStart):
             start = replica_start(job, start, "the start state")
         self.replica = Replica(job, start.checkpoint)
+        origin = ReplicaOrigin.of(self.replica, start.waiting)
         # First: refuses an --out that cannot be written or holds another replica's snapshots.
         self.uploader = uploader_for(job)
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
                                    keep=job.appliance.snapshot_keep,
-                                   origin=ReplicaOrigin.of(self.replica, start.waiting), force=options.force,
+                                   origin=origin, force=options.force,
                                    uploader=self.uploader, close_timeout_s=store_close_timeout(job))
-        self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint)
+        self.gradient_log = gradient_log_for(job, self.replica, None if start.waiting else origin)
+        # The fallback POST carries the control token (the default file is `gradtap run`'s).
+        self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint,
+                                    token_file=job.appliance.control_token_file or self.out / "control.token")
         if self.uploader is not None:
             self.uploader.on_event = self.control.event
+        if self.gradient_log is not None:
+            self.gradient_log.on_event = self.control.event
         self.numbering = Numbering(start, self.replica, self.control)
         self.attestations = Attestations(self.replica, self.control)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests,
-                                attestations=self.attestations)
+                                attestations=self.attestations, gradient_log=self.gradient_log)
         self.pipeline = Pipeline(job, job_plan(job) if job.nccl.resolved else None, list(streams), self.sink,
                                  start.first_iteration,
                                  on_lockon_failed=lambda failure: self.control.event("lockon.failed",
@@ -142,6 +148,10 @@ class Appliance:
                     self.pipeline.round(batches, now)
             with self._lock:
                 self.pipeline.finish()
+            if files and reason == "every source ended" and not any(self.pipeline.locked().values()):
+                # As replay: a file run that applied nothing must not pass as a success in a script.
+                reason, code = ("every source ended, and no stream locked on to the job's traffic "
+                                "(events.jsonl: lockon.failed says why)"), 1
         finally:
             final = (code == 0 and not self.replica.stale and self.replica.open_iteration is None
                      and bool(self.sink.applied))
@@ -212,6 +222,8 @@ class Appliance:
             except CaptureError as exc:
                 log.error("stream %s: %s", name, exc)
         self.pipeline.close()
+        if self.gradient_log is not None:
+            self.gradient_log.close(store_close_timeout(self.job))
         try:
             self.snapshots.close(self.replica if final_snapshot else None)
         except SnapshotWriteError as exc:      # the final snapshot: said, and the rings still closed

@@ -173,3 +173,21 @@ def test_run_reads_an_auto_jobs_era_and_protocol_from_the_wire(tmp_path):
     resolved = [e for e in events if e["event"] == "job.resolved"]
     assert len(resolved) == 1 and "2.29" in resolved[0]["eras"] and set(resolved[0]["protocols"]) == {"LL128"}
     assert verify(tmp_path / "run", tmp_path / "sim" / "truth", job_params(job)).ok
+
+
+@pytest.mark.slow
+def test_run_over_files_that_never_lock_exits_non_zero(tmp_path):
+    """A job spec the traffic contradicts (LL told, Simple sent): nothing locks, nothing is
+    applied, and the run says so with a non-zero exit status, as ``gradtap replay`` does."""
+    job = make_job(3, "Simple", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=2)
+    told = job.model_copy(update={"nccl": job.nccl.model_copy(update={"protocol": "LL"})})
+    streams = {m.name: SourceSpec("pcap", (str(tmp_path / "sim" / "streams" / f"{m.name}.pcap"),), {})
+               for m in job.mirrors}
+    start = torch.load(tmp_path / "sim" / "truth" / "start.pt", weights_only=True)
+    appliance = Appliance(told, streams, tmp_path / "run", start,
+                          RunOptions(ring_slots=4096, slot_size=4352, hugepages="off"))
+    result = appliance.run()
+    assert result.exit_code == 1 and "no stream locked" in result.reason and result.iterations == 0
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    assert sorted(e["stream"] for e in events if e["event"] == "lockon.failed") == sorted(streams)

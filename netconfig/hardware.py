@@ -36,6 +36,9 @@ class SwitchPort(_Model):
     uplink: bool = False
     #: The Linux interface that is this port, for the ``linux`` vendor (tc / pyroute2).
     linux_ifname: str | None = Field(None, pattern=LINUX_IFNAME)
+    #: For a LAG (port-channel, ``ae``, PortChannel, bond, Bridge-Aggregation): its member ports on
+    #: the same switch. A mirror source on a LAG mirrors its members; a LAG is never a destination.
+    lag_members: list[str] = []
 
 
 class LeafSwitch(_Model):

@@ -47,8 +47,11 @@ class PlannedSource(_Model):
     switch: str
     port: str
     speed_gbps: float = Field(gt=0)
-    #: Mirror bandwidth this source needs: speed x 1, or x 2 for ``both``.
+    #: Mirror bandwidth this source needs at its destination: speed x 1, or x 2 for ``both``, times
+    #: ERSPAN's per-frame overhead when encapsulated (:mod:`gradtap.netconfig.encapsulation`).
     load_gbps: float = Field(gt=0)
+    #: When ``port`` is a LAG: the member ports mirrored for it.
+    lag_members: list[str] = []
     cpu_node: str
     cpu_nic: str
     #: The switch port the CPU NIC is cabled to (SPAN destination, or where ERSPAN arrives).
@@ -56,6 +59,8 @@ class PlannedSource(_Model):
     dest_port: str
     encapsulation: Encapsulation
     erspan_dst_ip: str | None = None
+    #: For ERSPAN: the routed path the stream takes and the budget it was checked against.
+    erspan_route: str | None = None
 
 
 class GroupPlan(_Model):
@@ -84,11 +89,34 @@ class SwitchInfo(_Model):
     linux_ifnames: dict[str, str] = {}
 
 
+class CpuPortUse(_Model):
+    nic: str
+    switch: str
+    port: str
+    speed_gbps: float
+    #: Sum of the loads of the sources sent to this port (all sending at line rate at once).
+    load_gbps: float
+    groups: list[str]
+
+
 class CpuNodeUse(_Model):
     name: str
     groups: list[str]
     load_gbps: float
     capacity_gbps: float
+    ports: list[CpuPortUse] = []
+
+
+class FabricUse(_Model):
+    """ERSPAN load on the routed fabric, as the planner budgeted it."""
+
+    spine_load_gbps: float
+    spine_free_gbps: float
+    #: Leaf -> ERSPAN Gbps it sends up / receives down, each of which must fit one uplink's free share.
+    uplink_sent_gbps: dict[str, float] = {}
+    uplink_received_gbps: dict[str, float] = {}
+    #: Leaf -> free share of its smallest uplink, Gbps.
+    uplink_free_gbps: dict[str, float] = {}
 
 
 class Plan(_Model):
@@ -98,6 +126,8 @@ class Plan(_Model):
     switches: list[SwitchInfo]
     groups: list[GroupPlan]
     cpu_nodes: list[CpuNodeUse]
+    #: Null when no source crosses the routed fabric.
+    fabric: FabricUse | None = None
 
     def switch(self, name: str) -> SwitchInfo:
         for sw in self.switches:

@@ -24,11 +24,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ipaddress import ip_address
+
 from gradtap.core.errors import ConfigError
 from gradtap.netconfig import vendors
+from gradtap.netconfig.encapsulation import mirrored_gbps, outer_ip_bytes
 from gradtap.netconfig.hardware import LeafSwitch
 from gradtap.netconfig.layout import DpGroup, Seat, dp_groups
-from gradtap.netconfig.plan import CpuNodeUse, GroupPlan, Plan, PlannedSource, SwitchInfo
+from gradtap.netconfig.plan import CpuNodeUse, CpuPortUse, FabricUse, GroupPlan, Plan, PlannedSource, SwitchInfo
 from gradtap.netconfig.reliability import p_fail_eq2, p_fail_exact
 from gradtap.netconfig.ring import chunk_coverage, stream_hops
 from gradtap.netconfig.topology import Direction, Topology
@@ -36,6 +39,8 @@ from gradtap.netconfig.vendors.base import session_keys, session_limit
 
 _DIRECTION_ORDER = {"egress": 0, "ingress": 1, "both": 2}
 _MAX_REASONS = 6
+#: Gbps below which a shortfall is rounding, not a lack of capacity.
+_EPS = 1e-9
 
 
 @dataclass
@@ -51,14 +56,32 @@ class _CpuPort:
 
 
 @dataclass
+class _Fabric:
+    """ERSPAN load on the routed fabric: per leaf up and down its uplinks, and on the spines."""
+
+    sent: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    received: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    spine: float = 0.0
+
+    def copy(self) -> _Fabric:
+        return _Fabric(defaultdict(float, self.sent), defaultdict(float, self.received), self.spine)
+
+    def add(self, source_leaf: str, dest_leaf: str, gbps: float) -> None:
+        self.sent[source_leaf] += gbps
+        self.received[dest_leaf] += gbps
+        self.spine += gbps
+
+
+@dataclass
 class _State:
-    """What earlier groups have committed: port capacity, node slots, sources per switch."""
+    """What earlier groups have committed: port capacity, node slots, sources per switch, fabric load."""
 
     ports: dict[str, list[_CpuPort]]
     slots: dict[str, int]
     switches: dict[str, LeafSwitch]
     groups_of: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     on_switch: dict[str, list[tuple[str, Direction]]] = field(default_factory=lambda: defaultdict(list))
+    fabric: _Fabric = field(default_factory=_Fabric)
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,7 @@ class _Pick:
     load_gbps: float
     port: _CpuPort
     encapsulation: str
+    route: str | None
 
 
 @dataclass
@@ -90,9 +114,10 @@ class _Infeasible(Exception):
 def plan_topology(topo: Topology) -> Plan:
     """Plan every DP group of ``topo``; raise :class:`ConfigError` explaining any group that cannot be served."""
     speed = {(sw.name, p.name): p.speed_gbps for sw in topo.leaf_switches for p in sw.ports}
+    share = topo.mirror.cpu_port_max_utilization
     state = _State(
         ports={n.name: [_CpuPort(n.name, p.nic, p.switch, p.port, speed[p.switch, p.port],
-                                 str(p.ip) if p.ip else None, speed[p.switch, p.port]) for p in n.ports]
+                                 str(p.ip) if p.ip else None, speed[p.switch, p.port] * share) for p in n.ports]
                for n in topo.cpu_nodes},
         slots={n.name: n.max_dp_groups for n in topo.cpu_nodes},
         switches={sw.name: sw for sw in topo.leaf_switches},
@@ -109,7 +134,7 @@ def plan_topology(topo: Topology) -> Plan:
                           f"{len(problems) + len(groups)} DP groups cannot be mirrored); no plan was made:\n"
                           + "\n".join(f"  - {p}" for p in shown))
     return Plan(topology=topo.name, mirror=topo.mirror, switches=_switch_infos(topo, groups),
-                groups=groups, cpu_nodes=_cpu_uses(state, groups))
+                groups=groups, cpu_nodes=_cpu_uses(state, groups), fabric=_fabric_use(topo, state))
 
 
 def _candidates(topo: Topology, group: DpGroup) -> list[tuple[int, Direction, tuple[int, ...]]]:
@@ -164,6 +189,7 @@ def _select(topo: Topology, group: DpGroup, candidates: list[tuple[int, Directio
             node: str, state: _State) -> _Selection:
     ports = {id(p): _CpuPort(**vars(p)) for p in state.ports[node]}  # tentative copies
     on_switch = {k: list(v) for k, v in state.on_switch.items()}
+    fabric = state.fabric.copy()
     picks: list[_Pick] = []
     reasons: set[str] = set()
     for _ in range(topo.mirror.sources_per_group):
@@ -174,20 +200,21 @@ def _select(topo: Topology, group: DpGroup, candidates: list[tuple[int, Directio
             if position in taken:
                 continue
             seat = group.seats[position]
-            load = seat.speed_gbps * len(hops)
-            placed = _place(topo, state.switches[seat.switch], seat, direction, load, ports.values(), picks,
-                            on_switch, reasons)
+            placed = _place(topo, state.switches[seat.switch], seat, direction, seat.speed_gbps * len(hops),
+                            ports.values(), picks, on_switch, fabric, reasons)
             if placed is None:
                 continue
-            port, encapsulation = placed
+            port, encapsulation, load, route = placed
             score = _score(group, picks, position, direction, hops, load, encapsulation)
             if best_score is None or score > best_score:
-                best, best_score = _Pick(position, direction, hops, seat, load, port, encapsulation), score
+                best, best_score = _Pick(position, direction, hops, seat, load, port, encapsulation, route), score
         if best is None:
             break
         picks.append(best)
         best.port.free_gbps -= best.load_gbps
         best.port.mode = "span" if best.encapsulation == "none" else "erspan"
+        if best.encapsulation != "none":
+            fabric.add(best.seat.switch, best.port.switch, best.load_gbps)
         on_switch.setdefault(best.seat.switch, []).append((_dest_key(best.port, best.encapsulation), best.direction))
     return _Selection(node, picks, reasons)
 
@@ -204,18 +231,20 @@ def _dest_key(port: _CpuPort, encapsulation: str) -> str:
     return port.port if encapsulation == "none" else f"erspan:{port.ip}"
 
 
-def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction, load: float, ports,
-           picks: list[_Pick], on_switch: dict[str, list[tuple[str, Direction]]],
-           reasons: set[str]) -> tuple[_CpuPort, str] | None:
-    """The best port of the node for this source (local first, tightest fit), or None with reasons noted."""
+def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction, line_gbps: float, ports,
+           picks: list[_Pick], on_switch: dict[str, list[tuple[str, Direction]]], fabric: _Fabric,
+           reasons: set[str]) -> tuple[_CpuPort, str, float, str | None] | None:
+    """The best port of the node for this source (local first, tightest fit) with its encapsulation,
+    load (``line_gbps`` plus ERSPAN overhead) and ERSPAN route; or None, with the reasons noted."""
     spec = vendors.spec(switch.vendor)
     limit = session_limit(spec, switch, topo.mirror)
     erspan = f"erspan{topo.mirror.erspan.version}"
     used = {id(p.port) for p in picks}
-    options = []
+    options, short = [], []
     for port in ports:
-        if id(port) in used or port.free_gbps < load:
+        if id(port) in used:
             continue
+        route = None
         if port.switch == seat.switch:
             if port.mode == "erspan":
                 continue
@@ -236,33 +265,106 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
                 reasons.add(f"{seat.switch} has no erspan_source_ip for ERSPAN")
                 continue
             encapsulation = erspan
+        load = mirrored_gbps(line_gbps, topo.mirror.frame_bytes, encapsulation, _ip_version(port.ip))
+        if port.free_gbps < load - _EPS:
+            short.append(f"{port.nic} {port.free_gbps:.4g} of {port.speed_gbps:g}"
+                         + (f" (needs {load:.4g} with {encapsulation.upper()})" if encapsulation != "none" else ""))
+            continue
+        if encapsulation != "none":
+            route = _erspan_route(topo, seat.switch, port, encapsulation, load, fabric, reasons)
+            if route is None:
+                continue
         keys = session_keys(spec, [*on_switch.get(seat.switch, []), (_dest_key(port, encapsulation), direction)])
         if limit is not None and len(keys) > limit:
             reasons.add(f"{seat.switch} ({spec.title}) would exceed its limit of {limit} mirror sessions")
             continue
-        options.append(((encapsulation != "none", port.free_gbps), port, encapsulation))
+        options.append(((encapsulation != "none", port.free_gbps), port, encapsulation, load, route))
+    unused = [p for p in ports if id(p) not in used]
+    if not options and (short or not unused):
+        # Only when capacity is what is missing: a port left out for another reason has said so.
+        utilization = topo.mirror.cpu_port_max_utilization
+        cap = "" if utilization == 1 else f" within mirror.cpu_port_max_utilization {utilization:g}"
+        why = (f"Gbps free: {', '.join(short)}" if short else
+               f"each of the node's {len(used)} ports already carries one of this group's streams")
+        reasons.add(f"no unused port on {seat.switch} (or reachable by ERSPAN) has {line_gbps:g} Gbps free{cap} "
+                    f"to mirror {direction} ({why})")
     if not options:
-        reasons.add(f"no unused port on {seat.switch} (or reachable by ERSPAN) has {load:g} Gbps free "
-                    f"to mirror {direction}")
         return None
-    _, port, encapsulation = min(options, key=lambda o: o[0])
-    return port, encapsulation
+    _, port, encapsulation, load, route = min(options, key=lambda o: o[0])
+    return port, encapsulation, load, route
+
+
+def _ip_version(ip: str | None) -> int:
+    return 4 if ip is None else ip_address(ip).version
+
+
+def _erspan_route(topo: Topology, source_leaf: str, port: _CpuPort, encapsulation: str, load: float,
+                  fabric: _Fabric, reasons: set[str]) -> str | None:
+    """The routed path of an ERSPAN stream from ``source_leaf`` to ``port``, checked against the path MTU,
+    the fabric's routes, the leaves' uplinks and the spine; None (with the reason noted) if it does not fit."""
+    where = f"ERSPAN from {source_leaf} to {port.node} {port.nic} ({port.ip} on {port.switch})"
+    if topo.fabric is None:
+        reasons.add(f"{where} crosses the routed fabric, which the topology does not describe (add fabric: "
+                    "path_mtu, uplink_free_fraction, spine_free_gbps, routes)")
+        return None
+    routes = [(i, r) for i, r in enumerate(topo.fabric.routes) if ip_address(port.ip) in r.prefix]
+    if not routes:
+        reasons.add(f"{where}: no fabric.routes prefix holds {port.ip}, so the switch has no route to it")
+        return None
+    index, route = max(routes, key=lambda ir: ir[1].prefix.prefixlen)  # longest prefix match
+    if route.leaf != port.switch:
+        reasons.add(f"{where}: fabric.routes[{index}] routes {route.prefix} to {route.leaf}, not to {port.switch}")
+        return None
+    version = _ip_version(port.ip)
+    packet = outer_ip_bytes(topo.mirror.frame_bytes, encapsulation, version)
+    if packet > topo.fabric.path_mtu:
+        reasons.add(f"{where}: a {topo.mirror.frame_bytes} B frame in {encapsulation.upper()} over IPv{version} is a "
+                    f"{packet} B packet, over fabric.path_mtu {topo.fabric.path_mtu}")
+        return None
+    for leaf, used, way in ((source_leaf, fabric.sent, "up"), (port.switch, fabric.received, "down")):
+        free = _uplink_free(topo, leaf)
+        if free is None:
+            reasons.add(f"{where}: {leaf} has no uplink port (uplink: true) for ERSPAN to cross the spine")
+            return None
+        # ECMP hashes a GRE flow on its outer addresses: all of a leaf's sessions may share one uplink.
+        if used[leaf] + load > free + _EPS:
+            reasons.add(f"{where}: {used[leaf] + load:.4g} Gbps of ERSPAN {way} {leaf}'s uplinks, over the "
+                        f"{free:.4g} Gbps free on one (ECMP may put every session on the same uplink)")
+            return None
+    if fabric.spine + load > topo.fabric.spine_free_gbps + _EPS:
+        reasons.add(f"{where}: {fabric.spine + load:.4g} Gbps of ERSPAN across the spine, over "
+                    f"fabric.spine_free_gbps {topo.fabric.spine_free_gbps:g}")
+        return None
+    return (f"{source_leaf} uplink -> spine -> {port.switch} {port.port} ({port.ip}, in {route.prefix}: "
+            f"fabric.routes[{index}]); {packet} B IPv{version} packets <= path MTU {topo.fabric.path_mtu}")
+
+
+def _uplink_free(topo: Topology, leaf: str) -> float | None:
+    """Free Gbps of the leaf's smallest uplink (None without uplinks)."""
+    assert topo.fabric is not None
+    speeds = [p.speed_gbps for sw in topo.leaf_switches if sw.name == leaf for p in sw.ports if p.uplink]
+    return min(speeds) * topo.fabric.uplink_free_fraction if speeds else None
 
 
 def _commit(topo: Topology, group: DpGroup, selection: _Selection, state: _State) -> GroupPlan:
     real = {(p.node, p.nic): p for p in state.ports[selection.node]}
+    lags = {(sw.name, p.name): p.lag_members for sw in topo.leaf_switches for p in sw.ports if p.lag_members}
     sources = []
     for index, pick in enumerate(sorted(selection.picks, key=lambda p: p.position)):
         port = real[pick.port.node, pick.port.nic]
         port.free_gbps -= pick.load_gbps
         port.mode = "span" if pick.encapsulation == "none" else "erspan"
+        if pick.encapsulation != "none":
+            state.fabric.add(pick.seat.switch, port.switch, pick.load_gbps)
         state.on_switch[pick.seat.switch].append((_dest_key(port, pick.encapsulation), pick.direction))
         sources.append(PlannedSource(
             name=f"m{index}", group=group.id, position=pick.position, dp_rank=group.dp_ranks[pick.position],
             global_rank=pick.seat.global_rank, node=pick.seat.node, nic=pick.seat.nic, direction=pick.direction,
             switch=pick.seat.switch, port=pick.seat.port, speed_gbps=pick.seat.speed_gbps, load_gbps=pick.load_gbps,
             cpu_node=port.node, cpu_nic=port.nic, dest_switch=port.switch, dest_port=port.port,
-            encapsulation=pick.encapsulation, erspan_dst_ip=None if pick.encapsulation == "none" else port.ip))
+            lag_members=list(lags.get((pick.seat.switch, pick.seat.port), [])),
+            encapsulation=pick.encapsulation, erspan_dst_ip=None if pick.encapsulation == "none" else port.ip,
+            erspan_route=pick.route))
     state.groups_of[selection.node].append(group.id)
     hops = [h for p in selection.picks for h in p.hops]
     mirror = topo.mirror
@@ -292,10 +394,27 @@ def _switch_infos(topo: Topology, groups: list[GroupPlan]) -> list[SwitchInfo]:
 
 
 def _cpu_uses(state: _State, groups: list[GroupPlan]) -> list[CpuNodeUse]:
-    load: dict[str, float] = defaultdict(float)
+    load: dict[tuple[str, str], float] = defaultdict(float)
+    port_groups: dict[tuple[str, str], list[str]] = defaultdict(list)
     for g in groups:
         for s in g.sources:
-            load[s.cpu_node] += s.load_gbps
-    return [CpuNodeUse(name=node, groups=list(gids), load_gbps=load[node],
-                       capacity_gbps=sum(p.speed_gbps for p in state.ports[node]))
-            for node, gids in state.groups_of.items() if gids]
+            load[s.cpu_node, s.cpu_nic] += s.load_gbps
+            port_groups[s.cpu_node, s.cpu_nic].append(g.id)
+    uses = []
+    for node, gids in state.groups_of.items():
+        if not gids:
+            continue
+        ports = [CpuPortUse(nic=p.nic, switch=p.switch, port=p.port, speed_gbps=p.speed_gbps,
+                            load_gbps=load[node, p.nic], groups=port_groups[node, p.nic]) for p in state.ports[node]]
+        uses.append(CpuNodeUse(name=node, groups=list(gids), load_gbps=sum(p.load_gbps for p in ports),
+                               capacity_gbps=sum(p.speed_gbps for p in ports), ports=ports))
+    return uses
+
+
+def _fabric_use(topo: Topology, state: _State) -> FabricUse | None:
+    if topo.fabric is None or not state.fabric.spine:
+        return None
+    leaves = sorted({*state.fabric.sent, *state.fabric.received})
+    return FabricUse(spine_load_gbps=state.fabric.spine, spine_free_gbps=topo.fabric.spine_free_gbps,
+                     uplink_sent_gbps=dict(state.fabric.sent), uplink_received_gbps=dict(state.fabric.received),
+                     uplink_free_gbps={leaf: _uplink_free(topo, leaf) or 0.0 for leaf in leaves})

@@ -4,6 +4,13 @@ One dictionary (:func:`report_dict`, the JSON form) feeds both outputs; the shel
 (``gradtap netconfig plan``) lays it out as tables. "Failure" is an iteration whose gradients cannot be recovered
 from the mirrored streams; the job-level figures are the probability that any DP group
 fails in an iteration, with groups independent.
+
+The planner never loads a CPU port beyond its speed (times ``mirror.cpu_port_max_utilization``),
+counting every source at line rate at once and ERSPAN's overhead. A port that several groups
+share can still run full when their allgathers overlap; then one burst drops mirrored packets of
+all of them, so their failures are not independent. The report warns about each such port. A
+group's own streams are on distinct ports, so its P(fail) is unaffected; the job figure assumes
+independent groups, and with correlated ones the truth stays below the sum of the groups' P(fail).
 """
 
 from __future__ import annotations
@@ -22,6 +29,27 @@ def _iterations(p_fail: float | None) -> float | None:
         return None
     value = iterations_between_failures(p_fail)
     return None if math.isinf(value) else value
+
+
+#: A CPU port shared by several DP groups and loaded to this share of its speed or more is reported.
+FULL_PORT = 0.9
+
+
+def port_warnings(plan: Plan) -> list[str]:
+    """CPU ports that several groups fill to FULL_PORT or more when all send at once: one line per
+    utilization, naming the first such port and how many there are."""
+    full: dict[str, list[str]] = {}
+    for node in plan.cpu_nodes:
+        for port in node.ports:
+            share = port.load_gbps / port.speed_gbps
+            groups = list(dict.fromkeys(port.groups))
+            if len(groups) > 1 and share >= FULL_PORT:
+                full.setdefault(f"{share:.0%}", []).append(
+                    f"{node.name} {port.nic} ({port.load_gbps:.4g} of {port.speed_gbps:g} Gbps, {', '.join(groups)})")
+    return [f"{len(ports)} CPU port(s) shared by several DP groups run at {share} when their allgathers overlap, "
+            f"e.g. {ports[0]}: a burst beyond that drops mirrored packets of all of them at once, so their failures "
+            f"are correlated (the job P(fail) assumes independent groups; the sum of the groups' P(fail) still bounds "
+            f"it); lower mirror.cpu_port_max_utilization to keep headroom" for share, ports in full.items()]
 
 
 def report_dict(plan: Plan) -> dict:
@@ -52,7 +80,14 @@ def report_dict(plan: Plan) -> dict:
         "packets_per_iteration": mirror.packets_per_iteration,
         "sources_per_group": mirror.sources_per_group, "groups": groups, "switches": switches,
         "cpu_nodes": [{"name": n.name, "groups": n.groups, "load_gbps": n.load_gbps,
-                       "capacity_gbps": n.capacity_gbps} for n in plan.cpu_nodes],
+                       "capacity_gbps": n.capacity_gbps,
+                       "max_port_utilization": max((p.load_gbps / p.speed_gbps for p in n.ports), default=0.0)}
+                      for n in plan.cpu_nodes],
+        "cpu_port_max_utilization": mirror.cpu_port_max_utilization,
+        "fabric": None if plan.fabric is None else plan.fabric.model_dump(),
+        "erspan_routes": [f"{g.id} {s.name}: {s.erspan_route}" for g in plan.groups for s in g.sources
+                          if s.erspan_route],
+        "warnings": port_warnings(plan),
         "job": {"dp_groups": len(plan.groups), "p_fail_exact": p_job, "p_fail_eq2": p_job_eq2,
                 "iterations_between_failures": _iterations(p_job)},
         "cost": {"cpu_nodes": len(plan.cpu_nodes), "price_per_hour": price, "currency": mirror.currency,

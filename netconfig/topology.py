@@ -13,7 +13,9 @@ from a compact ``rail_fabric`` section for rail-optimised clusters (see
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from ipaddress import IPv4Network
 from pathlib import Path
 from typing import Literal
 
@@ -72,8 +74,34 @@ class MirrorPolicy(_Model):
     erspan: ErspanPolicy = ErspanPolicy()
     #: Per-vendor session limits replacing the built-in defaults (a switch's own limit wins).
     session_limits: dict[Vendor, int] = {}
+    #: The largest mirrored frame, FCS included: RoCEv2 at RoCE MTU 4096 with VLAN tag, IPv6, UDP,
+    #: BTH, RETH, ImmDt and ICRC is 14+4+40+8+12+16+4+4096+4+4 = 4202 bytes. ERSPAN budgets use it.
+    frame_bytes: int = Field(4202, ge=64, le=9216)
+    #: The share of a CPU-facing port's speed that mirrored streams may fill. 1 allows a port to
+    #: run full when every source sends at line rate at once; lower it to keep headroom.
+    cpu_port_max_utilization: float = Field(1.0, gt=0, le=1)
     cpu_node_price_per_hour: float = Field(0.0, ge=0)
     currency: str = Field("USD", min_length=1, max_length=8)
+
+
+class Route(_Model):
+    """The routed fabric carries ``prefix`` to leaf ``leaf`` (where the CPU ports of that prefix are)."""
+
+    prefix: IPv4Network
+    leaf: str
+
+
+class Fabric(_Model):
+    """The routed path ERSPAN crosses between leaves (leaf uplinks, spines): what it can carry."""
+
+    #: The smallest IP MTU of any routed hop between two leaves (bytes of IP packet).
+    path_mtu: int = Field(ge=1280, le=9216)
+    #: The share of each leaf uplink that the training's own traffic leaves free for mirroring.
+    uplink_free_fraction: float = Field(gt=0, le=1)
+    #: Bandwidth the spine layer as a whole has free for mirror streams, Gbps.
+    spine_free_gbps: float = Field(gt=0)
+    #: Prefixes the fabric routes to each leaf: every ERSPAN destination must be in one.
+    routes: list[Route] = Field(min_length=1)
 
 
 class Topology(_Model):
@@ -86,6 +114,8 @@ class Topology(_Model):
     cpu_nodes: list[CpuNode] = []
     #: Compact description of a rail-optimised cluster; expands into the three lists above.
     rail_fabric: RailFabric | None = None
+    #: The routed fabric between leaves; required when a plan sends ERSPAN across it.
+    fabric: Fabric | None = None
 
 
 def read_text(path: Path, what: str, example: str) -> str:
@@ -155,6 +185,8 @@ def check_references(topo: Topology, source: str) -> list[str]:
                 problems.append(issue(source, ("leaf_switches", i, "ports", j, "linux_ifname"),
                                       f"{port.linux_ifname!r} names two ports of switch {sw.name!r}"))
 
+    vendor_of = {sw.name: sw.vendor for sw in topo.leaf_switches}
+    lag_of = _check_lags(topo, source, problems)
     cabled: dict[tuple[str, str], str] = {}
 
     def cable(loc: tuple, switch: str, port: str, owner: str) -> None:
@@ -170,6 +202,10 @@ def check_references(topo: Topology, source: str) -> list[str]:
         elif (switch, port) in cabled:
             problems.append(issue(source, (*loc, "port"),
                                   f"{switch} {port} is already cabled to {cabled[switch, port]}"))
+        elif (switch, port) in lag_of:
+            problems.append(issue(source, (*loc, "port"),
+                                  f"{switch} {port} is a member of LAG {lag_of[switch, port]}; cable {owner} to "
+                                  f"{lag_of[switch, port]} or take {port} out of its lag_members"))
         else:
             cabled[switch, port] = owner
 
@@ -184,6 +220,13 @@ def check_references(topo: Topology, source: str) -> list[str]:
             problems.append(issue(source, ("cpu_nodes", i, "name"), f"{node.name!r} is used twice"))
         for j, port in enumerate(node.ports):
             cable(("cpu_nodes", i, "ports", j), port.switch, port.port, f"{node.name} {port.nic}")
+            lag = ports.get(port.switch, {}).get(port.port)
+            if lag is not None and lag.lag_members:
+                problems.append(issue(source, ("cpu_nodes", i, "ports", j, "port"),
+                                      f"{port.switch} {port.port} is a LAG, and a mirror destination must be one "
+                                      f"physical port: {LAG_DESTINATION_RULE.get(vendor_of[port.switch], _NO_LAG_DEST)}; "
+                                      f"gradtap also needs each stream on one link, whose losses are its own; "
+                                      f"cable {node.name} {port.nic} to a port outside any LAG"))
 
     layout = topo.layout
     world = layout.dp * layout.tp * layout.pp
@@ -204,6 +247,60 @@ def check_references(topo: Topology, source: str) -> list[str]:
                                   f"not allowed (must list each DP rank 0..{layout.dp - 1} once)"))
     if not topo.cpu_nodes:
         problems.append(issue(source, ("cpu_nodes",), "no CPU mirror node is listed"))
+    if topo.fabric is not None:
+        for i, route in enumerate(topo.fabric.routes):
+            if route.leaf not in ports:
+                problems.append(issue(source, ("fabric", "routes", i, "leaf"), f"{route.leaf!r} is not a leaf "
+                                      f"switch of this topology (known: {', '.join(sorted(ports)) or 'none'})"))
     return problems
+
+
+#: A port name that is a link aggregate on some platform: SONiC PortChannel0010, EOS Port-Channel10,
+#: NX-OS port-channel10 / Po10, Junos ae0, Comware Bridge-Aggregation1 / Route-Aggregation1,
+#: Huawei Eth-Trunk1, Linux and Cumulus bond0.
+LAG_NAME = re.compile(r"(port-?channel|po|ae|bond|bridge-aggregation|route-aggregation|eth-trunk)\d+",
+                      re.IGNORECASE)
+#: Why each platform cannot take a LAG as mirror destination, as far as its sources say.
+LAG_DESTINATION_RULE = {
+    "sonic": "SONiC's `config mirror_session span add` refuses it ('Destination Interface ... is not "
+             "supported', sonic-utilities config/main.py) and sonic-mirror-session.yang's dst_port is a leafref "
+             "to PORT",
+    "linux": "tc mirred to a bond sends each copy out of one slave, chosen by the bond's mode and hash",
+}
+_NO_LAG_DEST = "gradtap renders no LAG destination for this platform (not confirmed in its documentation)"
+
+
+def _check_lags(topo: Topology, source: str, problems: list[str]) -> dict[tuple[str, str], str]:
+    """LAG members exist, belong to one LAG, add up to its speed; LAG-like names declare members.
+    Returns (switch, member port) -> LAG name."""
+    lag_of: dict[tuple[str, str], str] = {}
+    for i, sw in enumerate(topo.leaf_switches):
+        by_name = {p.name: p for p in sw.ports}
+        for j, port in enumerate(sw.ports):
+            loc = ("leaf_switches", i, "ports", j)
+            if not port.lag_members:
+                if LAG_NAME.fullmatch(port.name):
+                    problems.append(issue(source, (*loc, "name"), f"{port.name!r} names a LAG (port-channel, "
+                                          f"ae, PortChannel, bond, ...); list its member ports in lag_members so "
+                                          f"that gradtap knows which links it mirrors"))
+                continue
+            speed = 0.0
+            for k, member in enumerate(port.lag_members):
+                where = (*loc, "lag_members", k)
+                found = by_name.get(member)
+                if found is None:
+                    problems.append(issue(source, where, f"{member!r} is not a port of leaf switch {sw.name!r}"))
+                elif found.lag_members or member == port.name:
+                    problems.append(issue(source, where, f"{member!r} is a LAG itself; list physical ports"))
+                elif (sw.name, member) in lag_of:
+                    problems.append(issue(source, where, f"{member!r} is already a member of "
+                                          f"{lag_of[sw.name, member]}"))
+                else:
+                    lag_of[sw.name, member] = port.name
+                    speed += found.speed_gbps
+            if speed and abs(speed - port.speed_gbps) > 1e-9:
+                problems.append(issue(source, (*loc, "speed_gbps"), f"{port.speed_gbps:g} is not allowed (the "
+                                      f"members of {port.name} add up to {speed:g} Gbps)"))
+    return lag_of
 
 

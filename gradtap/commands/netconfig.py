@@ -89,6 +89,13 @@ def print_plan_report(report: dict, console: Console) -> None:
         nodes.add_row(n["name"], ", ".join(n["groups"]), f"{n['load_gbps']:g}", f"{n['capacity_gbps']:g}")
     for t in (groups, sources, switches, nodes):
         console.print(t)
+    for route in report["erspan_routes"]:
+        console.print(f"ERSPAN route: {route}")
+    if report["fabric"]:
+        fabric = report["fabric"]
+        console.print(f"spine: {fabric['spine_load_gbps']:.4g} of {fabric['spine_free_gbps']:g} Gbps free taken by ERSPAN")
+    for warning in report["warnings"]:
+        console.print(f"warning: {warning}")
     job, cost = report["job"], report["cost"]
     console.print(f"job: {job['dp_groups']} DP groups, P(any group fails per iteration) = "
                   f"{_sci(job['p_fail_exact'])} exact, {_sci(job['p_fail_eq2'])} Eq. 2; expected iterations "

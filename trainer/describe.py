@@ -174,6 +174,14 @@ def ddp_param_names(ddp_model: torch.nn.parallel.DistributedDataParallel) -> lis
     if ignored:
         raise ConfigError(f"ddp: parameters {ignored} are ignored by DDP (_ddp_params_and_buffers_to_ignore or "
                           "delay_all_reduce_named_params): their gradients are not in the buckets gradtap reads")
+    if ddp_model.will_sync_module_buffers():
+        buffers = sorted(ddp_model.named_module_buffers)
+        shown = ", ".join(buffers[:5]) + (f" and {len(buffers) - 5} more" if len(buffers) > 5 else "")
+        raise ConfigError(f"ddp: broadcast_buffers=True and the model has buffers ({shown}): DDP broadcasts them "
+                          "from rank 0 before every forward over the gradients' NCCL communicator, and those "
+                          "Broadcast calls share the ring's connections, which gradtap's wire plan does not model "
+                          "(lock-on would fail); construct DDP with broadcast_buffers=False when the buffers are "
+                          "equal on every rank or need no syncing (constant masks, positions)")
     return [n for n, p in ddp_model.module.named_parameters() if p.requires_grad]
 
 

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from gradtap.core.errors import ConfigError
-from gradtap.trainer.describe import describe_to, nccl_section, nccl_version, optimizer_section
+from gradtap.trainer.describe import ddp_param_names, describe_to, nccl_section, nccl_version, optimizer_section
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.schedule import lr_factor
 from gradtap.workload.spec import Schedule, dump_job, load_job, parse_job
@@ -112,6 +112,10 @@ def test_ddp_states_describe_refuses_by_name(run):
     assert "has not rebuilt its buckets yet" in seen["step1_error"] and "second training step" in seen["step1_error"]
     assert "the comm hook 'tests.gradtap.test_describe._worker.<locals>.record' is not one gradtap knows" \
         in seen["hook_error"] and "grad_dtype=" in seen["hook_error"]
+    # DDP's buffer broadcast shares the communicator: refused, naming the buffer and the fix.
+    assert "broadcast_buffers=True and the model has buffers (mask)" in seen["buffers_error"] \
+        and "broadcast_buffers=False" in seen["buffers_error"]
+    assert seen["buffers_quiet"] == [p["name"] for p in seen["step3"]["model"]["params"]]
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
@@ -132,6 +136,11 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         kinds = ("recorded", "plain", "fp16")
         models = {k: build(FACTORY, KWARGS, seed=0) for k in kinds}
         ddps = {k: DDP(m, bucket_cap_mb=CAP_MB) for k, m in models.items()}
+        # A model with a buffer: DDP broadcasts it before every forward unless told not to.
+        buffered = build(FACTORY, KWARGS, seed=0)
+        buffered.register_buffer("mask", torch.ones(4))
+        broadcasting, quiet = DDP(buffered, bucket_cap_mb=CAP_MB), DDP(buffered, bucket_cap_mb=CAP_MB,
+                                                                       broadcast_buffers=False)
         names = {id(p): n for n, p in models["recorded"].named_parameters()}
         recorded: list[list[list[str]]] = []
 
@@ -185,6 +194,11 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             seen["fp16"] = describe(ddps["fp16"], optimizers["fp16"], schedulers["fp16"], name="gpt-tiny",
                                     environ=ENV)
             describe_to(f"{tmp}/job.yaml", ddps["plain"], optimizers["plain"], schedulers["plain"], environ=ENV)
+            for ddp, key in ((broadcasting, "buffers_error"), (quiet, "buffers_quiet")):
+                try:
+                    seen[key] = ddp_param_names(ddp)
+                except ConfigError as exc:
+                    seen[key] = str(exc)
             with open(f"{tmp}/seen.json", "w") as f:
                 json.dump(seen, f)
     finally:

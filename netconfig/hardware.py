@@ -51,6 +51,10 @@ class LeafSwitch(_Model):
     session_id_base: int | None = Field(None, ge=0)
     #: Source address of ERSPAN packets this switch originates.
     erspan_source_ip: IPv4Address | None = None
+    #: The routed uplink ERSPAN packets leave by, for platforms that name it (H3C Comware: the
+    #: monitor port of a mirroring group in encapsulation parameter mode, whose address is
+    #: ``erspan_source_ip``). Must be one of this switch's ``uplink`` ports.
+    erspan_monitor_port: str | None = None
     #: Junos only: the switch runs Enhanced Layer 2 Software (``forwarding-options analyzer``:
     #: QFX, EX4300 and later). False for a non-ELS EX switch (EX2200/3300/4200/4500/6200/8200),
     #: which has ``ethernet-switching-options analyzer`` and a single analyzer.

@@ -81,6 +81,7 @@ class SwitchInfo(_Model):
     max_mirror_sessions: int | None = None
     session_id_base: int | None = None
     erspan_source_ip: str | None = None
+    erspan_monitor_port: str | None = None
     #: Junos: Enhanced Layer 2 Software (see :class:`~gradtap.netconfig.hardware.LeafSwitch`).
     junos_els: bool = True
     ports_total: int

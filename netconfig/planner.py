@@ -35,7 +35,7 @@ from gradtap.netconfig.plan import CpuNodeUse, CpuPortUse, FabricUse, GroupPlan,
 from gradtap.netconfig.reliability import p_fail_eq2, p_fail_exact
 from gradtap.netconfig.ring import chunk_coverage, stream_hops
 from gradtap.netconfig.topology import Direction, Topology
-from gradtap.netconfig.vendors.base import session_keys, session_limit
+from gradtap.netconfig.vendors.base import SWITCH_DIRECTION, session_keys, session_limit
 
 _DIRECTION_ORDER = {"egress": 0, "ingress": 1, "both": 2}
 _MAX_REASONS = 6
@@ -264,6 +264,20 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
             if switch.erspan_source_ip is None:
                 reasons.add(f"{seat.switch} has no erspan_source_ip for ERSPAN")
                 continue
+            if SWITCH_DIRECTION[direction] not in spec.erspan_directions:
+                reasons.add(f"{seat.switch} runs {spec.title}, whose ERSPAN takes only "
+                            f"{'/'.join(sorted(spec.erspan_directions))} sources (switch-port view), not {direction}")
+                continue
+            if spec.erspan_monitor_port and switch.erspan_monitor_port is None:
+                reasons.add(f"{seat.switch} runs {spec.title}, whose ERSPAN leaves by a named port: set "
+                            f"erspan_monitor_port to one of its uplinks")
+                continue
+            erspan_sessions = {k for k, _ in on_switch.get(seat.switch, []) if k.startswith("erspan:")}
+            if (spec.max_erspan_sessions is not None and _dest_key(port, erspan) not in erspan_sessions
+                    and len(erspan_sessions) >= spec.max_erspan_sessions):
+                reasons.add(f"{seat.switch} ({spec.title}) already sends ERSPAN to "
+                            f"{len(erspan_sessions)} destination(s), its limit (one monitor port per group)")
+                continue
             encapsulation = erspan
         load = mirrored_gbps(line_gbps, topo.mirror.frame_bytes, encapsulation, _ip_version(port.ip))
         if port.free_gbps < load - _EPS:
@@ -385,6 +399,7 @@ def _switch_infos(topo: Topology, groups: list[GroupPlan]) -> list[SwitchInfo]:
     return [SwitchInfo(name=sw.name, vendor=sw.vendor, max_mirror_sessions=sw.max_mirror_sessions,
                        session_id_base=sw.session_id_base,
                        erspan_source_ip=str(sw.erspan_source_ip) if sw.erspan_source_ip else None,
+                       erspan_monitor_port=sw.erspan_monitor_port,
                        junos_els=sw.junos_els,
                        ports_total=len(sw.ports),
                        ports_free=sum((sw.name, p.name) not in cabled and not p.uplink for p in sw.ports),

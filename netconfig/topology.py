@@ -179,6 +179,11 @@ def check_references(topo: Topology, source: str) -> list[str]:
                 problems.append(issue(source, ("leaf_switches", i, "ports", j, "name"),
                                       f"{port.name!r} is used twice on switch {sw.name!r}"))
             ports[sw.name][port.name] = port
+        if sw.erspan_monitor_port is not None and not any(p.uplink and p.name == sw.erspan_monitor_port
+                                                          for p in sw.ports):
+            problems.append(issue(source, ("leaf_switches", i, "erspan_monitor_port"),
+                                  f"{sw.erspan_monitor_port!r} is not an uplink port of {sw.name!r} (ERSPAN leaves "
+                                  f"by a routed uplink; list it in ports with uplink: true)"))
         ifnames = Counter(p.linux_ifname for p in sw.ports if p.linux_ifname)
         for j, port in enumerate(sw.ports):
             if port.linux_ifname and ifnames[port.linux_ifname] > 1:

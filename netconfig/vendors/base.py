@@ -44,6 +44,14 @@ class VendorSpec:
     direction_per_session: bool
     #: False: the platform has no "both" keyword, a "both" source needs an RX and a TX session.
     has_both: bool
+    #: Switch-port directions an ERSPAN session may mirror.
+    erspan_directions: frozenset[str] = frozenset({"rx", "tx", "both"})
+    #: ERSPAN sessions leave by a port the config names (``erspan_monitor_port``).
+    erspan_monitor_port: bool = False
+    #: ERSPAN destinations per switch (None: only the session limit counts).
+    max_erspan_sessions: int | None = None
+    #: A LAG source is configured as the LAG itself; False: as its member ports.
+    lag_source: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,11 @@ def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSo
             raise ConfigError(f"{spec.title} on {switch.name}: source {src.group}/{src.name} ({src.port}) needs "
                               f"{src.encapsulation} because CPU node {src.cpu_node} is cabled to "
                               f"{src.dest_switch}, not {src.switch}; {spec.title} renders {', '.join(can)}")
+    for src in sources:
+        if src.encapsulation != "none" and SWITCH_DIRECTION[src.direction] not in spec.erspan_directions:
+            raise ConfigError(f"{spec.title} on {switch.name}: source {src.group}/{src.name} ({src.port}) is mirrored "
+                              f"{SWITCH_DIRECTION[src.direction]} through ERSPAN, but {spec.title}'s ERSPAN takes "
+                              f"only {'/'.join(sorted(spec.erspan_directions))} sources")
     keys = session_keys(spec, ((destination_key(s), s.direction) for s in sources))
     limit = session_limit(spec, switch, policy)
     if limit is not None and len(keys) > limit:
@@ -138,7 +151,8 @@ def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSo
     sessions = []
     for index, key in enumerate(keys):
         dest, shared = key
-        members = tuple(Member(s.port, leg, s) for s in sources if destination_key(s) == dest
+        members = tuple(Member(port, leg, s) for s in sources if destination_key(s) == dest
+                        for port in source_ports(spec, s)
                         for leg in _legs(spec, s.direction) if shared in (None, leg))
         first = members[0].source
         target = None if first.encapsulation == "none" else ErspanTarget(
@@ -147,6 +161,12 @@ def build_sessions(spec: VendorSpec, switch: SwitchInfo, sources: list[PlannedSo
         sessions.append(Session(index, _session_id(spec, switch, index),
                                 first.dest_port if target is None else None, target, shared, members))
     return sessions
+
+
+def source_ports(spec: VendorSpec, source: PlannedSource) -> list[str]:
+    """The ports a source is configured as: itself, or a LAG's members where the platform takes
+    no LAG as mirror source."""
+    return source.lag_members if source.lag_members and not spec.lag_source else [source.port]
 
 
 def _erspan_source(spec: VendorSpec, switch: SwitchInfo) -> str:

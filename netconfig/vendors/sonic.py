@@ -32,6 +32,8 @@ SPEC = VendorSpec(
     name="sonic", title="SONiC", max_sessions=4, session_numbers=None,
     name_pattern=r"[a-zA-Z0-9][-a-zA-Z0-9_]{0,31}", encapsulations=frozenset({"none", "erspan2"}),
     direction_per_session=True, has_both=True,
+    # sonic-mirror-session.yang, src_port: "Supports both port and port-channel as arguments".
+    lag_source=True,
 )
 #: GRE protocol type of ERSPAN type II, the YANG model's default ``gre_type``.
 GRE_TYPE_ERSPAN2 = "0x88be"

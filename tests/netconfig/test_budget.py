@@ -85,6 +85,7 @@ def test_one_erspan_stream_must_fit_one_uplink_and_the_spine():
     doc = erspan_doc()
     for leaf in doc["leaf_switches"]:
         leaf["ports"] = [p for p in leaf["ports"] if not p.get("uplink")]
+        leaf.pop("erspan_monitor_port", None)
     assert "leaf-a has no uplink port (uplink: true) for ERSPAN to cross the spine" in infeasible(doc)
 
 

@@ -109,8 +109,20 @@ def test_erspan_needs_a_capable_vendor_and_a_source_address():
     plan_doc = yaml.safe_load((EXAMPLES / "erspan-two-leaf.yaml").read_text())
     no_ip = edited(plan_doc, **{"leaf_switches.0.erspan_source_ip": None})
     assert "leaf-a has no erspan_source_ip for ERSPAN" in infeasible(no_ip)
-    comware = edited(plan_doc, **{"leaf_switches.0.vendor": "comware"})
-    assert "leaf-a runs H3C Comware, which gradtap cannot configure for erspan2" in infeasible(comware)
+    junos = edited(plan_doc, **{"leaf_switches.0.vendor": "junos"})
+    assert "leaf-a runs Juniper Junos, which gradtap cannot configure for erspan2" in infeasible(junos)
+
+
+def test_comware_erspan_needs_its_monitor_port_and_inbound_sources():
+    plan_doc = edited(yaml.safe_load((EXAMPLES / "erspan-two-leaf.yaml").read_text()),
+                      **{"leaf_switches.0.vendor": "comware"})
+    assert [s.encapsulation for s in plan_of(plan_doc).groups[0].sources] == ["erspan2", "none", "none"]
+    no_port = edited(plan_doc, **{"leaf_switches.0.erspan_monitor_port": None})
+    assert ("leaf-a runs H3C Comware, whose ERSPAN leaves by a named port: set erspan_monitor_port to one of "
+            "its uplinks") in infeasible(no_port)
+    ingress = edited(plan_doc, **{"mirror.directions": ["ingress"]})
+    assert ("leaf-a runs H3C Comware, whose ERSPAN takes only rx sources (switch-port view), not ingress"
+            in infeasible(ingress))
 
 
 def test_hops_inside_a_server_cannot_be_mirrored():

@@ -320,3 +320,22 @@ def test_nvue_renders_erspan_and_says_which_policy_values_it_cannot_set():
     result = vendor_rules.check("nvue", config.apply, config.teardown, ports_of("erspan-two-leaf", "leaf-a", "nvue"))
     assert not result.problems, result.problems
     assert {m.destination for m in result.mirrors} == {"erspan:10.0.1.12"}
+
+
+@pytest.mark.parametrize("old,new,why", [
+    ("Ethernet0 inbound", "Ethernet0 outbound", "takes inbound sources only"),
+    ("Ethernet0 inbound", "Bridge-Aggregation1 inbound", "is an aggregate interface; mirror its member ports"),
+    ("dscp 8", "dscp 64", "dscp must be 0..63"),
+    ("source-ip 10.0.0.1", "source-ip 10.0.0", "must be IPv4 addresses"),
+    ("monitor-port Ethernet112", "monitor-port Ethernet0", "ERSPAN monitor port Ethernet0 is also a mirror source"),
+])
+def test_comware_erspan_is_checked_against_h3cs_encapsulation_parameter_mode(old, new, why):
+    config = one_config("comware", switch="leaf-a")
+    result = vendor_rules.check("comware", {"cfg": config.apply["cfg"]}, config.teardown,
+                                ports_of("erspan-two-leaf", "leaf-a", "comware"))
+    assert not result.problems and result.erspan == {"erspan:10.0.1.12": (None, 8)}
+    assert result.mirrors == {Mirror("Ethernet0", "rx", "erspan:10.0.1.12")}
+    broken = {"cfg": config.apply["cfg"].replace(old, new)}
+    found = vendor_rules.check("comware", broken, config.teardown, ports_of("erspan-two-leaf", "leaf-a", "comware")
+                               | {"Bridge-Aggregation1"}).problems
+    assert any(why in p for p in found), found

@@ -39,7 +39,9 @@ GRAMMAR = {
              r"  destination interface \S+", r"  no shut", r"no monitor session ([1-9]|[12]\d|3[0-2])"],
     "comware": [r"system-view", r"return", r"mirroring-group \d+ local",
                 r"mirroring-group \d+ mirroring-port \S+ (inbound|outbound|both)",
-                r"mirroring-group \d+ monitor-port \S+", r"undo mirroring-group \d+"],
+                r"mirroring-group \d+ monitor-port \S+",
+                r"mirroring-group \d+ monitor-port \S+ destination-ip [\d.]+ source-ip [\d.]+ dscp \d+",
+                r"undo mirroring-group \d+"],
     "junos": [r"set groups gradtap interfaces \S+ unit 0 family ethernet-switching",
               r"set groups gradtap (forwarding-options|ethernet-switching-options) analyzer \S+ input (ingress|egress) "
               r"interface \S+\.\d+",

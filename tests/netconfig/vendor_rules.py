@@ -645,6 +645,12 @@ def check_junos(files: dict[str, str], teardown: dict[str, str], ports: set[str]
 # -- H3C Comware ----------------------------------------------------------------------------------
 
 COMWARE_WAY = {"inbound": "rx", "outbound": "tx", "both": "both"}
+#: ``mirroring-group ID monitor-port IF [destination-ip D source-ip S [dscp N | vlan V | vrf-instance NAME]*]``
+#: (H3C "Configuring port mirroring", ERSPAN in encapsulation parameter mode).
+COMWARE_MONITOR = re.compile(r"mirroring-group (\d+) monitor-port (\S+)(?: destination-ip (\S+) source-ip (\S+)"
+                             r"(?: dscp (\d+)| vlan (\d+)| vrf-instance (\S+))*)?")
+#: "A Layer 2 or Layer 3 aggregate interface ... cannot be configured as a source port" nor as a monitor port.
+COMWARE_AGGREGATE = re.compile(r"(Bridge|Route)-Aggregation\d+", re.IGNORECASE)
 
 
 def check_comware(files: dict[str, str], teardown: dict[str, str], ports: set[str],
@@ -667,22 +673,46 @@ def check_comware(files: dict[str, str], teardown: dict[str, str], ports: set[st
                 result.bad(f"{line!r}: group {m.group(1)} does not exist yet")
                 continue
             groups[int(m.group(1))]["sources"].append((m.group(2), COMWARE_WAY[m.group(3)]))
-        elif m := re.fullmatch(r"mirroring-group (\d+) monitor-port (\S+)", line):
-            if int(m.group(1)) not in groups:
-                result.bad(f"{line!r}: group {m.group(1)} does not exist yet")
+        elif m := COMWARE_MONITOR.fullmatch(line):
+            number, port, dst, src, dscp, vlan, _ = m.groups()
+            if int(number) not in groups:
+                result.bad(f"{line!r}: group {number} does not exist yet")
                 continue
-            groups[int(m.group(1))]["monitor"].append(m.group(2))
+            if COMWARE_AGGREGATE.fullmatch(port):
+                result.bad(f"{line!r}: an aggregate interface cannot be a monitor port")
+            groups[int(number)]["monitor"].append(port)
+            if dst is not None:
+                if not (_ipv4(dst) and _ipv4(src)):
+                    result.bad(f"{line!r}: destination-ip and source-ip must be IPv4 addresses")
+                if (dscp and not 0 <= int(dscp) <= 63) or (vlan and not 1 <= int(vlan) <= 4094):
+                    result.bad(f"{line!r}: dscp must be 0..63 and vlan 1..4094")
+                groups[int(number)]["erspan"] = dst
+                groups[int(number)]["erspan_port"] = port
+                result.erspan[f"erspan:{dst}"] = (None, int(dscp) if dscp else None)
         else:
             result.bad(f"{line!r}: not a Comware mirroring-group command")
     sources, destinations = {}, defaultdict(list)
+    erspan_ports = {g["erspan_port"] for g in groups.values() if "erspan_port" in g}
     for number, g in groups.items():
         if len(g["monitor"]) != 1:
             result.bad(f"group {number}: monitor ports {g['monitor']}, expected one")
             continue
-        destinations[g["monitor"][0]].append(number)
+        destination = f"erspan:{g['erspan']}" if "erspan" in g else g["monitor"][0]
+        destinations[destination].append(number)
+        if "erspan" not in g and g["monitor"][0] in erspan_ports:
+            result.bad(f"group {number}: {g['monitor'][0]} is both a SPAN monitor port and ERSPAN's egress port")
         sources[number] = {p for p, _ in g["sources"]}
         for port, direction in g["sources"]:
-            result.add(port, direction, g["monitor"][0])
+            if COMWARE_AGGREGATE.fullmatch(port):
+                result.bad(f"group {number}: {port} is an aggregate interface; mirror its member ports")
+            if "erspan" in g and direction != "rx":
+                result.bad(f"group {number}: ERSPAN in encapsulation parameter mode takes inbound sources only")
+            result.add(port, direction, destination)
+    for port in erspan_ports:
+        if port not in ports:
+            result.bad(f"ERSPAN monitor port {port!r} is not a port of this switch")
+        if any(port in members for members in sources.values()):
+            result.bad(f"ERSPAN monitor port {port} is also a mirror source")
     _common(result, ports, sources, destinations, session_limit)
     result.sessions = [str(n) for n in groups]
     undo = _lines(teardown["cfg"], ("#",))

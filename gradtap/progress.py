@@ -31,3 +31,12 @@ def replay_progress(console: Console, pcaps: dict[str, Path]) -> Iterator[Callab
     with Progress(*columns, console=console, transient=True) as bar:
         tasks = {n: bar.add_task(n, total=p.stat().st_size) for n, p in pcaps.items()}
         yield lambda stream, done, total: bar.update(tasks[stream], completed=done)
+
+
+@contextmanager
+def records_progress(console: Console, what: str) -> Iterator[Callable[[int, int], None]]:
+    """For a replay of the gradient log (``rebuild(progress=...)``): records applied of the total."""
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)

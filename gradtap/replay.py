@@ -31,8 +31,8 @@ from gradtap.parser.lockon import LockFailure
 from gradtap.parser.resolve import Resolution
 from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
 from gradtap.replica_sink import ReplicaSink
-from gradtap.start import Numbering, replica_start
-from gradtap.store_tier import store_close_timeout, uploader_for
+from gradtap.start import Numbering, ReplicaStart, replica_start
+from gradtap.store_tier import gradient_log_for, store_close_timeout, uploader_for
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.store.snapshot import Snapshots
@@ -175,7 +175,7 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
                         pipeline.timings(), pipeline.locked())
 
 
-def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, digests: bool = True,
+def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | ReplicaStart, *, digests: bool = True,
                batch_frames: int = 65536, progress: Progress = _no_progress,
                resync: list[dict] | None = None, force: bool = False,
                start_source: str = "the start state",
@@ -189,22 +189,27 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
     written, or holds the snapshots of another replica (another job or start state), is
     refused before anything in it changes; ``force`` clears the other replica's snapshots.
     ``gradients``: a directory for each recovered iteration's reduced gradient
-    (``gradtap/gradient_dump.py``)."""
-    begin = replica_start(job, start, start_source)
+    (``gradtap/gradient_dump.py``). ``start`` may also be a :class:`ReplicaStart` (``--start-from-store``)."""
+    begin = start if isinstance(start, ReplicaStart) else replica_start(job, start, start_source)
     replica = Replica(job, begin.checkpoint)
+    origin = ReplicaOrigin.of(replica, begin.waiting)
     uploader = uploader_for(job)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                          keep=job.appliance.snapshot_keep, origin=ReplicaOrigin.of(replica), force=force,
+                          keep=job.appliance.snapshot_keep, origin=origin, force=force,
                           uploader=uploader, close_timeout_s=store_close_timeout(job))
+    gradient_log = gradient_log_for(job, replica, None if begin.waiting else origin)
     for stale in ("iterations.jsonl", "events.jsonl"):
         (out / stale).unlink(missing_ok=True)
     control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
     if uploader is not None:
         uploader.on_event = control.event
+    if gradient_log is not None:
+        gradient_log.on_event = control.event
     numbering = Numbering(begin, replica, control)
     for checkpoint in resync or []:
         replica.offer(checkpoint)
-    sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests)
+    sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests,
+                       gradient_log=gradient_log)
     plan = job_plan(job) if job.nccl.resolved else None      # else read from the wire (parser/resolve.py)
     finished = False
     try:
@@ -215,11 +220,14 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, *, 
                         on_resolved=lambda r: control.event("job.resolved", **r.as_event()))
         finished = replica.open_iteration is None and bool(sink.applied)
     finally:
+        if gradient_log is not None:
+            gradient_log.close(store_close_timeout(job))
         snapshots.close(replica if finished else None)   # a clean end writes a final snapshot
     (out / "replay.json").write_text(json.dumps({
         "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": result.wall_s,
         "frames": result.frames, "bytes": result.bytes, "events": result.counters,
         "iterations": sink.lines, "stale": replica.stale, "locked": result.locked,
         "store": None if uploader is None else uploader.counts(),
+        "gradient_log": None if gradient_log is None else gradient_log.counts(),
         "timings": [t.__dict__ for t in result.timings]}, indent=1))
     return result, sink

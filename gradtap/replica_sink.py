@@ -16,6 +16,9 @@ a ``snapshot.failed`` event (once per run of failures, and again if the reason c
 and the next snapshot due is tried again; the first that succeeds is a ``snapshot.resumed``
 event. Report lines that cannot be appended wait in memory and are appended, in order,
 once they can be.
+
+With a gradient log (``store/gradient_log.py``) every bucket applied is also copied to it, and
+every iteration applied is handed over whole; a resync begins a new chain of records.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from gradtap.control import ControlPlane
 from gradtap.digest import replica_digest
 from gradtap.merger.merger import IterationReport
 from gradtap.updater.replica import Begin, Replica
+from gradtap.store.gradient_log import GradientLog
 from gradtap.store.snapshot import Snapshots, SnapshotWriteError
 
 log = logging.getLogger(__name__)
@@ -42,8 +46,9 @@ class ReplicaSink:
 
     def __init__(self, replica: Replica, control: ControlPlane, *, snapshots: Snapshots | None = None,
                  report_path: Path | None = None, digests: bool = False,
-                 attestations: Attestations | None = None):
+                 attestations: Attestations | None = None, gradient_log: GradientLog | None = None):
         self.replica, self.control = replica, control
+        self.gradient_log = gradient_log
         self.attestations = attestations
         self.snapshots = snapshots
         self.report_path, self.digests = report_path, digests
@@ -60,12 +65,16 @@ class ReplicaSink:
             outcome = r.begin(iteration)
             if outcome is Begin.RESYNCED:
                 self.control.resynced(iteration, "trainer checkpoint")
+                if self.gradient_log is not None:
+                    self.gradient_log.chain_break()
             elif outcome is Begin.MISSED:
                 self._fallback(iteration, f"the streams delivered iteration {iteration} but the replica needs "
                                           f"{needed}: the appliance missed iterations")
             if not outcome.opened:
                 return
         r.apply_bucket(bucket, data)
+        if self.gradient_log is not None:
+            self.gradient_log.bucket(iteration, bucket, data)
 
     def iteration_done(self, iteration: int, report: IterationReport) -> None:
         r = self.replica
@@ -84,12 +93,16 @@ class ReplicaSink:
         elif not r.stale and r.open_iteration == iteration:
             r.end()
             self.applied.append(iteration)
+            if self.gradient_log is not None:
+                self.gradient_log.applied(iteration, r.step)
             if self.attestations is not None:
                 self.attestations.reached()       # before the snapshot: a diverged replica writes none
             if self.digests:
                 line["digest"] = replica_digest(r)
             if self.snapshots is not None and not r.stale and self.snapshots.due(r.iteration):
                 self._snapshot(line)
+        if self.gradient_log is not None and self.applied[-1:] != [iteration]:
+            self.gradient_log.discard(iteration)
         line["stale"] = r.stale
         self.lines.append(line)
         if self.report_path is not None:

@@ -36,6 +36,7 @@ class ReplicaStart:
     first_iteration: int | None      # declared: the capture's first iteration; None: anchored or waiting
     anchor: Anchor | None            # anchored: where the start state falls
     source: str                      # where the start state came from, for messages
+    fallback: tuple[int, str] | None = None   # waiting because the named start failed: (iteration, why)
 
     @property
     def waiting(self) -> bool:
@@ -70,6 +71,8 @@ class Numbering:
             control.event("replica.waiting", reason="no start state: the replica waits for the trainer's checkpoint "
                                                     "with time_ns (POST /resync, gradtap resync)")
             log.warning("no start state: the replica is stale until the trainer offers a checkpoint with time_ns")
+            if start.fallback is not None:      # it was to start from a state that is not there: ask for one
+                control.fallback(*start.fallback)
 
     def attach(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline

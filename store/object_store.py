@@ -154,6 +154,11 @@ class SnapshotStore:
                 pass
             raise
 
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Write ``data`` as the object ``key`` (a path under the store's URL), whole or not at
+        all (the gradient log's records and entries, ``store/gradient_log.py``)."""
+        self._put(None, data, key)
+
     def put_snapshot(self, directory: str | Path) -> str:
         """Upload the local snapshot ``directory`` (``store/snapshot.py``): its objects, each
         only when the store lacks it, then its manifest. The files are hashed as they are read

@@ -318,6 +318,26 @@ class StoreSpec(_Strict):
     retry_max_s: float = Field(30.0, gt=0, description="longest wait between upload attempts")
     close_timeout_s: float = Field(60.0, ge=0, description="how long a clean shutdown waits for the last "
                                    "upload to finish")
+    gradient_log: bool = Field(False, description="also append every applied iteration's merged gradient to the "
+                               "store, so any iteration since a snapshot can be rebuilt (gradtap restore --at)")
+    gradient_log_queue: int = Field(3, description="gradients the log holds in memory (one being copied, the rest "
+                                    "waiting for the store); each takes the gradient's wire size")
+
+    @field_validator("gradient_log", mode="before")
+    @classmethod
+    def _gradient_log(cls, v: Any) -> bool:
+        if not isinstance(v, bool):
+            raise ValueError(f"gradient_log is {v!r}; give true (log every iteration's gradient to the store) "
+                             "or false")
+        return v
+
+    @field_validator("gradient_log_queue", mode="before")
+    @classmethod
+    def _gradient_log_queue(cls, v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not 2 <= v <= 64:
+            raise ValueError(f"gradient_log_queue is {v!r}; give a whole number of gradients from 2 (one being "
+                             "copied, one being written) to 64")
+        return v
 
     @field_validator("url")
     @classmethod

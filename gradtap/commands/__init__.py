@@ -9,7 +9,8 @@ runs, so that ``gradtap --help`` and argument errors answer at once.
 
 from importlib import import_module
 
-COMMAND_MODULES = ("demo", "simulate", "inspect", "discover", "replay", "verify", "run", "resync", "export", "netconfig")
+COMMAND_MODULES = ("demo", "simulate", "inspect", "discover", "replay", "verify", "run", "resync", "export", "restore",
+                   "netconfig")
 
 for _name in COMMAND_MODULES:
     import_module(f"gradtap.commands.{_name}")

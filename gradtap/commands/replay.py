@@ -23,8 +23,9 @@ from gradtap.core.errors import CaptureError
               help="durable store the snapshots are also uploaded to, in the background: file:///DIR or "
                    "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/store.md, Storage tiers)")
 @click.option("--start-from-store", is_flag=True,
-              help="start from the newest READY snapshot in the store that verifies (a restarted appliance "
-                   "whose local snapshots are lost); like --start with that snapshot")
+              help="start from the newest READY snapshot in the store that verifies and the gradient log after "
+                   "it (a restarted appliance whose local snapshots are lost); nothing usable: wait for the "
+                   "trainer's checkpoint (fallback)")
 @click.option("--digests/--no-digests", default=True,
               help="record a digest of the replica after every iteration (for verify)")
 @click.option("--resync", multiple=True, type=click.Path(path_type=Path), metavar="CKPT",
@@ -46,7 +47,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from gradtap.replay import match_streams, run_replay
     from gradtap.tables import events_table, iteration_table
     from gradtap.job_file import open_job
-    from gradtap.store_tier import store_checkpoint, with_store
+    from gradtap.store_tier import store_start, with_store
 
     console = Console()
     job = with_store(open_job(job_path), store)
@@ -60,7 +61,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     checkpoints = [load_checkpoint(path) for path in resync]
     with replay_progress(console, streams) as progress:
         result, sink = run_replay(job, streams, out,
-                                  store_checkpoint(job) if start_from_store else start_checkpoint(job, start),
+                                  store_start(job) if start_from_store else start_checkpoint(job, start),
                                   digests=digests, progress=progress, resync=checkpoints, force=force,
                                   gradients=gradients,
                                   start_source=f"--start {start}" if start else

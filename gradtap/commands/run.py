@@ -61,8 +61,9 @@ def _cpus(text: str, what: str) -> list[int]:
               help="durable store the snapshots are also uploaded to, in the background: file:///DIR or "
                    "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/store.md, Storage tiers)")
 @click.option("--start-from-store", is_flag=True,
-              help="start from the newest READY snapshot in the store that verifies (a restarted appliance "
-                   "whose local snapshots are lost); like --start with that snapshot, which carries no time_ns: "
+              help="start from the newest READY snapshot in the store that verifies, and the gradient log after "
+                   "it (a restarted appliance whose local snapshots are lost; nothing usable: wait for the "
+                   "trainer's checkpoint, with a fallback); like --start with that state, which carries no time_ns: "
                    "it is declared to be the trainer's state when the capture begins. A job that went on while "
                    "the appliance was down has moved past it: start without a state instead and let the trainer "
                    "offer its checkpoint")
@@ -111,7 +112,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.control_server import ControlServer, ControlSettings
     from gradtap.job_file import open_job
     from gradtap.start import replica_start
-    from gradtap.store_tier import store_checkpoint, with_store
+    from gradtap.store_tier import store_start, with_store
     from gradtap.tables import status_table
 
     console = Console(stderr=True)
@@ -124,11 +125,13 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
                          force=force)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
-    start_source = f"--start {start}" if start else f"the store {job.appliance.store.url}" if start_from_store \
-        else f"initial_state.checkpoint {job.initial_state.checkpoint}"
-    checkpoint = store_checkpoint(job) if start_from_store else \
-        start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
-    appliance = Appliance(job, specs, out, replica_start(job, checkpoint, start_source), options)
+    if start_from_store:
+        begin = store_start(job)
+    else:
+        start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
+        checkpoint = start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
+        begin = replica_start(job, checkpoint, start_source)
+    appliance = Appliance(job, specs, out, begin, options)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:
         metrics.serve(appliance.status, metrics_port, metrics_address)

@@ -118,7 +118,8 @@ def helps(columns: int = 80) -> dict[str, str]:
 
 def test_help_lists_the_commands_in_the_order_of_the_data_flow():
     text = helps()[""]
-    order = ("demo", "simulate", "inspect", "discover", "replay", "verify", "run", "resync", "export", "netconfig")
+    order = ("demo", "simulate", "inspect", "discover", "replay", "verify", "run", "resync", "export", "restore",
+             "netconfig")
     assert COMMAND_MODULES == order
     listed = re.findall(r"^\W+(\w+)\s{2,}\w", text[text.index("Commands"):], re.M)
     assert tuple(listed) == order, text
@@ -145,7 +146,7 @@ def test_help_texts_fit_80_columns_and_flags_show_no_value_type():
                 assert re.search(rf"^  {re.escape(spelled)}  +{re.escape(param.help.split()[0])}", texts[name],
                                  re.M), (name, spelled, texts[name])
                 flags += 1
-    assert flags == 13      # --keep, --force (four times), --json (twice), --digests/--no-digests, --no-status,
+    assert flags == 14      # --keep, --force (five times), --json (twice), --digests/--no-digests, --no-status,
     #                         --linux (twice), --start-from-store (twice)
 
 

@@ -394,7 +394,7 @@ def _commit(topo: Topology, group: DpGroup, selection: _Selection, state: _State
 def _switch_infos(topo: Topology, groups: list[GroupPlan]) -> list[SwitchInfo]:
     cabled = {(g.switch, g.port) for n in topo.gpu_nodes for g in n.gpus}
     cabled |= {(p.switch, p.port) for n in topo.cpu_nodes for p in n.ports}
-    used = {(s.switch, s.port) for g in groups for s in g.sources}
+    used = {(s.switch, port) for g in groups for s in g.sources for port in [s.port, *s.lag_members]}
     used |= {(s.dest_switch, s.dest_port) for g in groups for s in g.sources}
     return [SwitchInfo(name=sw.name, vendor=sw.vendor, max_mirror_sessions=sw.max_mirror_sessions,
                        session_id_base=sw.session_id_base,

@@ -11,9 +11,18 @@ gradtap's filters are the ones at tc priorities :data:`gradtap.netconfig.vendors
 (one per hook); nothing else is touched. That makes both verbs idempotent:
 
 - ``apply`` leaves a correct filter alone, replaces one at our priority that mirrors
-  elsewhere, and adds missing ones; applying twice equals applying once;
-- ``teardown`` deletes our priorities on the planned hooks (absent ones are fine), then
-  deletes the clsact qdisc of an interface only if no filter at all is left on it.
+  elsewhere, and adds missing ones; applying twice equals applying once. When a step fails,
+  it undoes what it did before raising: filters it added are deleted, filters it replaced
+  point where they did, clsact qdiscs it added are deleted;
+- ``teardown`` deletes our priorities on the given hooks (absent ones are fine), then deletes
+  a clsact qdisc only if gradtap added it and no filter at all is left on it: a clsact that
+  was there before (even an empty one) stays.
+
+What was applied is recorded per host (:class:`MirrorRecord`, a JSON file written atomically:
+temporary file, fsync, rename, directory fsync). :func:`apply_recorded` applies a plan's
+mirrors, removes those of the previous record that the plan no longer has, and records the
+result; :func:`teardown_recorded` removes what the record holds, so a teardown after
+re-planning removes the mirrors that are running, not the ones a new plan names.
 
 Kernel errors keep their errno (:class:`gradtap.core.errors.NetlinkError`) and name the interface.
 """
@@ -21,9 +30,14 @@ Kernel errors keep their errno (:class:`gradtap.core.errors.NetlinkError`) and n
 from __future__ import annotations
 
 import errno
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from socket import htons
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pyroute2 import IPRoute, NetNS, netns as namespaces, protocols
 from pyroute2.netlink.exceptions import NetlinkError as PyrouteNetlinkError
@@ -49,8 +63,14 @@ class ApplyResult:
     created: list[TcMirror] = field(default_factory=list)
     replaced: list[TcMirror] = field(default_factory=list)
     unchanged: list[TcMirror] = field(default_factory=list)
+    #: Interfaces whose clsact qdisc this apply added.
+    qdiscs_added: list[str] = field(default_factory=list)
     #: "matchall" or "u32": the classifier new filters were created with (None if none were).
     classifier: str | None = None
+    #: Mirrors of the previous record that the new plan no longer has, removed (apply_recorded).
+    stale_removed: list[TcMirror] = field(default_factory=list)
+    #: For each replaced mirror, the interface indexes its filter mirrored to before.
+    previous_targets: dict[TcMirror, set[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +78,8 @@ class TeardownResult:
     removed: list[TcMirror] = field(default_factory=list)
     absent: list[TcMirror] = field(default_factory=list)
     qdiscs_removed: list[str] = field(default_factory=list)
+    #: clsact qdiscs left in place because gradtap did not add them.
+    qdiscs_kept: list[str] = field(default_factory=list)
 
 
 def plan_mirrors(plan: Plan, switch: str | None = None) -> tuple[str, list[TcMirror]]:
@@ -152,8 +174,10 @@ def _delete_ours(link: _Link, mirror: TcMirror) -> bool:
     return True
 
 
-def _add(link: _Link, mirror: TcMirror, result: ApplyResult) -> None:
-    action = {"kind": "mirred", "direction": "egress", "action": "mirror", "ifindex": link.index(mirror.dest_ifname)}
+def _add(link: _Link, mirror: TcMirror, result: ApplyResult, dest_index: int | None = None) -> None:
+    """Add our filter for ``mirror`` (to ``dest_index`` instead of its destination, when given)."""
+    dest = link.index(mirror.dest_ifname) if dest_index is None else dest_index
+    action = {"kind": "mirred", "direction": "egress", "action": "mirror", "ifindex": dest}
     common = {"parent": PARENT[mirror.hook], "prio": PRIORITY[mirror.hook], "protocol": protocols.ETH_P_ALL,
               "action": action}
     index = link.index(mirror.ifname)
@@ -173,18 +197,16 @@ def _add(link: _Link, mirror: TcMirror, result: ApplyResult) -> None:
 
 
 def apply_mirrors(mirrors: list[TcMirror], netns: str | None = None) -> ApplyResult:
-    """Make the kernel hold exactly these mirror filters at gradtap's priorities (idempotent)."""
+    """Make the kernel hold these mirror filters at gradtap's priorities (idempotent); on failure,
+    undo this call's changes and raise the first error, saying what was rolled back."""
     result = ApplyResult()
     link = _Link(netns)
     try:
-        for ifname in dict.fromkeys(m.ifname for m in mirrors):
-            kind = link.clsact_kind(ifname)
-            if kind is None:
-                link.call("adding a clsact qdisc", ifname, "tc", "add", "clsact", link.index(ifname))
-            elif kind != "clsact":
-                raise NetlinkError(f"interface {ifname!r}{link.where} has a {kind!r} qdisc where clsact must go; "
-                                   f"remove it first (tc qdisc del dev {ifname} {kind})", errno=errno.EEXIST)
+        checked: set[str] = set()
         for mirror in mirrors:
+            if mirror.ifname not in checked:
+                _ensure_clsact(link, mirror.ifname, result)
+                checked.add(mirror.ifname)
             existing = _ours(link, mirror)
             targets = set().union(*(_mirred_targets(m) for m in existing)) if existing else set()
             if targets == {link.index(mirror.dest_ifname)}:
@@ -193,16 +215,53 @@ def apply_mirrors(mirrors: list[TcMirror], netns: str | None = None) -> ApplyRes
             if existing:
                 _delete_ours(link, mirror)
                 result.replaced.append(mirror)
+                result.previous_targets[mirror] = targets
             else:
                 result.created.append(mirror)
             _add(link, mirror, result)
+    except NetlinkError as exc:
+        undone = _roll_back(link, result)
+        raise NetlinkError(f"{exc}; {undone}", errno=exc.errno) from exc
     finally:
         link.close()
     return result
 
 
-def teardown_mirrors(mirrors: list[TcMirror], netns: str | None = None) -> TeardownResult:
-    """Remove gradtap's filters on these hooks, and clsact qdiscs left without any filter."""
+def _ensure_clsact(link: _Link, ifname: str, result: ApplyResult) -> None:
+    kind = link.clsact_kind(ifname)
+    if kind is None:
+        link.call("adding a clsact qdisc", ifname, "tc", "add", "clsact", link.index(ifname))
+        result.qdiscs_added.append(ifname)
+    elif kind != "clsact":
+        raise NetlinkError(f"interface {ifname!r}{link.where} has a {kind!r} qdisc where clsact must go; "
+                           f"remove it first (tc qdisc del dev {ifname} {kind})", errno=errno.EEXIST)
+
+
+def _roll_back(link: _Link, result: ApplyResult) -> str:
+    """Undo a failed apply's changes, newest first; say what was undone and what could not be."""
+    failed = []
+    # The mirror being added when the error came may have been deleted (replaced) but not re-added.
+    for mirror in reversed(result.created + result.replaced):
+        try:
+            _delete_ours(link, mirror)
+            for target in sorted(result.previous_targets.get(mirror, ())):
+                _add(link, mirror, ApplyResult(classifier=result.classifier), dest_index=target)
+        except NetlinkError as exc:
+            failed.append(str(exc))
+    for ifname in reversed(result.qdiscs_added):
+        try:
+            link.call("deleting the clsact qdisc", ifname, "tc", "del", "clsact", link.index(ifname))
+        except NetlinkError as exc:
+            failed.append(str(exc))
+    done = (f"rolled back: {len(result.created)} added and {len(result.replaced)} replaced mirror filters, "
+            f"{len(result.qdiscs_added)} added clsact qdiscs")
+    return done + (f"; rollback FAILED for: {'; '.join(failed)}" if failed else "")
+
+
+def teardown_mirrors(mirrors: list[TcMirror], netns: str | None = None,
+                     qdiscs_added: set[str] = frozenset()) -> TeardownResult:
+    """Remove gradtap's filters on these hooks, then the clsact qdiscs of ``qdiscs_added``
+    (those gradtap created) that are left without any filter; other clsact qdiscs stay."""
     result = TeardownResult()
     link = _Link(netns)
     try:
@@ -213,9 +272,99 @@ def teardown_mirrors(mirrors: list[TcMirror], netns: str | None = None) -> Teard
             removed = has_clsact[mirror.ifname] and _delete_ours(link, mirror)
             (result.removed if removed else result.absent).append(mirror)
         for ifname, present in has_clsact.items():
-            if present and not link.filters(ifname, "ingress") and not link.filters(ifname, "egress"):
+            if not present:
+                continue
+            if ifname not in qdiscs_added:
+                result.qdiscs_kept.append(ifname)
+            elif not link.filters(ifname, "ingress") and not link.filters(ifname, "egress"):
                 link.call("deleting the clsact qdisc", ifname, "tc", "del", "clsact", link.index(ifname))
                 result.qdiscs_removed.append(ifname)
     finally:
         link.close()
     return result
+
+
+class MirrorRecord(BaseModel):
+    """What ``apply --linux`` installed on this host: its mirrors and the clsact qdiscs it added."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    format: Literal["gradtap-linux-mirrors/1"] = "gradtap-linux-mirrors/1"
+    switch: str
+    netns: str | None = None
+    mirrors: list[TcMirror] = []
+    qdiscs_added: list[str] = []
+
+
+#: Where records live unless ``--state`` names a file: one per (switch, namespace) on this host.
+STATE_DIR = Path("/var/lib/gradtap/netconfig")
+
+
+def default_state_path(switch: str, netns: str | None) -> Path:
+    return STATE_DIR / (f"{switch}@{netns}.json" if netns else f"{switch}.json")
+
+
+def load_record(path: Path) -> MirrorRecord | None:
+    """The record at ``path``, or None if there is none."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the record of applied mirrors: {exc.strerror}") from None
+    try:
+        return MirrorRecord.model_validate(json.loads(text))
+    except (json.JSONDecodeError, ValidationError) as exc:
+        raise ConfigError(f"{path}: not a record of applied mirrors ({exc}); it is written by `gradtap netconfig "
+                          f"apply --linux`: move it away only once the mirrors it names are gone") from None
+
+
+def save_record(record: MirrorRecord, path: Path) -> None:
+    """Write ``record`` atomically: a reader sees the old record or the new one, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(record.model_dump_json(indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def apply_recorded(switch: str, mirrors: list[TcMirror], state: Path, netns: str | None = None) -> ApplyResult:
+    """Apply ``mirrors``, remove the previously recorded mirrors the new set lacks, and record the
+    result at ``state``. A failed apply is rolled back and leaves the record as it was."""
+    previous = load_record(state)
+    if previous is not None and (previous.switch, previous.netns) != (switch, netns):
+        raise ConfigError(f"{state} records mirrors of switch {previous.switch!r}"
+                          f"{f' in netns {previous.netns!r}' if previous.netns else ''}, not {switch!r}"
+                          f"{f' in netns {netns!r}' if netns else ''}; pass another --state")
+    result = apply_mirrors(mirrors, netns)
+    owned = set(previous.qdiscs_added if previous else ()) | set(result.qdiscs_added)
+    hooks = {(m.ifname, m.hook) for m in mirrors}
+    stale = [m for m in (previous.mirrors if previous else []) if (m.ifname, m.hook) not in hooks]
+    if stale:
+        # qdiscs of interfaces the new plan still uses keep their filters, so they stay.
+        removed = teardown_mirrors(stale, netns, owned)
+        result.stale_removed = removed.removed
+        owned -= set(removed.qdiscs_removed)
+    save_record(MirrorRecord(switch=switch, netns=netns, mirrors=mirrors, qdiscs_added=sorted(owned)), state)
+    return result
+
+
+def teardown_recorded(state: Path) -> tuple[MirrorRecord, TeardownResult]:
+    """Remove what the record at ``state`` holds, then the record."""
+    record = load_record(state)
+    if record is None:
+        raise ConfigError(f"{state}: no record of applied mirrors here, so nothing gradtap applied on this host is "
+                          f"known; pass the --state the apply used")
+    result = teardown_mirrors(record.mirrors, record.netns, set(record.qdiscs_added))
+    state.unlink()
+    return record, result

@@ -33,7 +33,10 @@ _plan_argument = _plan_file("PLAN", "plan.json from `gradtap netconfig plan`")
 
 
 def _switch_and_netns(command):
-    """``--switch`` and ``--netns``, as ``apply`` and ``teardown`` both take them."""
+    """``--switch``, ``--netns`` and ``--state``, as ``apply`` and ``teardown`` both take them."""
+    command = click.option("--state", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+                           help="record of what apply installed (default: "
+                                "/var/lib/gradtap/netconfig/SWITCH[@NS].json)")(command)
     command = click.option("--netns", metavar="NS", help="network namespace holding the switch's interfaces")(command)
     return click.option("--switch", metavar="SWITCH",
                         help="the plan's switch this host is (if several mirror)")(command)
@@ -168,35 +171,49 @@ def _print_mirrors(console: Console, title: str, rows: list[tuple[str, list]]) -
 @_plan_argument
 @click.option("--linux", is_flag=True, help="apply with tc through netlink on this host")
 @_switch_and_netns
-def apply_command(plan: Path, linux: bool, switch: str | None, netns: str | None) -> None:
-    """Install the plan's mirroring on Linux interfaces (idempotent)."""
+def apply_command(plan: Path, linux: bool, switch: str | None, netns: str | None, state: Path | None) -> None:
+    """Install the plan's mirroring on Linux interfaces and record it (idempotent; rolled back on
+    failure; mirrors of the previous record that the plan lacks are removed)."""
     _require_linux(linux)
     from rich.console import Console
 
-    from gradtap.netconfig.linux_mirror import apply_mirrors, plan_mirrors
+    from gradtap.netconfig.linux_mirror import apply_recorded, default_state_path, plan_mirrors
     from gradtap.netconfig.plan import load_plan
 
     name, mirrors = plan_mirrors(load_plan(plan), switch)
-    result = apply_mirrors(mirrors, netns)
-    _print_mirrors(Console(), f"{name}: mirror filters (classifier: {result.classifier or 'unchanged'})",
-                   [("created", result.created), ("replaced", result.replaced), ("already in place", result.unchanged)])
+    record = state or default_state_path(name, netns)
+    result = apply_recorded(name, mirrors, record, netns)
+    console = Console()
+    _print_mirrors(console, f"{name}: mirror filters (classifier: {result.classifier or 'unchanged'})",
+                   [("created", result.created), ("replaced", result.replaced), ("already in place", result.unchanged),
+                    ("removed (no longer planned)", result.stale_removed)])
+    console.print(f"recorded in {record}")
 
 
 @netconfig_app.command("teardown")
-@_plan_argument
+@click.argument("plan", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="[PLAN]")
 @click.option("--linux", is_flag=True, help="remove the tc mirroring through netlink on this host")
 @_switch_and_netns
-def teardown_command(plan: Path, linux: bool, switch: str | None, netns: str | None) -> None:
-    """Remove exactly the mirroring `apply` installs (idempotent)."""
+def teardown_command(plan: Path | None, linux: bool, switch: str | None, netns: str | None,
+                     state: Path | None) -> None:
+    """Remove the mirroring `apply` recorded on this host (idempotent). PLAN only names the
+    switch: what is removed is what the record holds."""
     _require_linux(linux)
     from rich.console import Console
 
-    from gradtap.netconfig.linux_mirror import plan_mirrors, teardown_mirrors
+    from gradtap.netconfig.linux_mirror import default_state_path, plan_mirrors, teardown_recorded
     from gradtap.netconfig.plan import load_plan
 
-    name, mirrors = plan_mirrors(load_plan(plan), switch)
-    result = teardown_mirrors(mirrors, netns)
+    if state is None:
+        if switch is None and plan is None:
+            raise ConfigError("name the switch whose mirrors to remove: --switch SWITCH, a PLAN, or --state FILE")
+        state = default_state_path(switch or plan_mirrors(load_plan(plan), None)[0], netns)
+    record, result = teardown_recorded(state)
     console = Console()
-    _print_mirrors(console, f"{name}: mirror filters", [("removed", result.removed), ("was not there", result.absent)])
+    _print_mirrors(console, f"{record.switch}: mirror filters",
+                   [("removed", result.removed), ("was not there", result.absent)])
     if result.qdiscs_removed:
-        console.print(f"removed the now-empty clsact qdisc of {', '.join(result.qdiscs_removed)}")
+        console.print(f"removed the clsact qdisc gradtap had added to {', '.join(result.qdiscs_removed)}")
+    if result.qdiscs_kept:
+        console.print(f"kept the clsact qdisc of {', '.join(result.qdiscs_kept)}: it was there before gradtap")
+    console.print(f"removed the record {state}")

@@ -73,13 +73,15 @@ def test_apply_and_teardown_from_the_command_line(tmp_path):
         assert gradtap("netconfig", "plan", str(topology), "--out", str(tmp_path)).exit_code == 0
         plan = str(tmp_path / "plan.json")
         untouched = lab.tc_state()
-        first = gradtap("netconfig", "apply", plan, "--linux", "--netns", lab.sw)
+        state = str(tmp_path / "state" / "sw0.json")
+        first = gradtap("netconfig", "apply", plan, "--linux", "--netns", lab.sw, "--state", state)
         assert first.exit_code == 0
         assert first.stdout.count("created") == 3
-        again = gradtap("netconfig", "apply", plan, "--linux", "--netns", lab.sw)
+        again = gradtap("netconfig", "apply", plan, "--linux", "--netns", lab.sw, "--state", state)
         assert again.stdout.count("already in place") == 3
-        down = gradtap("netconfig", "teardown", plan, "--linux", "--netns", lab.sw)
+        down = gradtap("netconfig", "teardown", "--linux", "--state", state)
         assert down.exit_code == 0 and down.stdout.count("removed") >= 3
         assert lab.tc_state() == untouched
+        assert not (tmp_path / "state" / "sw0.json").exists()
     finally:
         lab.destroy()

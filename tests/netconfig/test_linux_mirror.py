@@ -20,8 +20,9 @@ from collections import Counter
 import pytest
 from pyroute2 import NetNS, netns, protocols
 
-from gradtap.core.errors import NetlinkError
-from gradtap.netconfig.linux_mirror import PARENT, _Link, apply_mirrors, plan_mirrors, teardown_mirrors
+from gradtap.core.errors import ConfigError, NetlinkError
+from gradtap.netconfig.linux_mirror import (PARENT, _Link, _mirred_targets, _ours, apply_mirrors, apply_recorded,
+                                            load_record, plan_mirrors, teardown_mirrors, teardown_recorded)
 from gradtap.netconfig.planner import plan_topology
 from gradtap.netconfig.topology import parse_topology
 from gradtap.netconfig.vendors.linux import TcMirror
@@ -173,7 +174,7 @@ def test_planned_ports_and_directions_arrive_and_nothing_else(lab, direction, cp
     assert counts == expected_counts(plan)
     assert all(counts.values())  # every mirror interface got something
 
-    teardown = teardown_mirrors(mirrors, netns=lab.sw)
+    teardown = teardown_mirrors(mirrors, netns=lab.sw, qdiscs_added=set(result.qdiscs_added))
     assert sorted(teardown.removed) == sorted(mirrors)
     assert lab.tc_state() == untouched
     assert all(not c for c in lab.send_and_capture().values())
@@ -183,14 +184,14 @@ def test_apply_and_teardown_are_idempotent(lab):
     plan = plan_topology(parse_topology(lab.topology(["egress"])))
     _, mirrors = plan_mirrors(plan)
     untouched = lab.tc_state()
-    apply_mirrors(mirrors, netns=lab.sw)
+    added = set(apply_mirrors(mirrors, netns=lab.sw).qdiscs_added)
     once = lab.tc_state()
     again = apply_mirrors(mirrors, netns=lab.sw)
-    assert (again.created, again.replaced, sorted(again.unchanged)) == ([], [], sorted(mirrors))
+    assert (again.created, again.replaced, sorted(again.unchanged), again.qdiscs_added) == ([], [], sorted(mirrors), [])
     assert lab.tc_state() == once
     assert lab.send_and_capture() == expected_counts(plan)
-    teardown_mirrors(mirrors, netns=lab.sw)
-    second = teardown_mirrors(mirrors, netns=lab.sw)
+    teardown_mirrors(mirrors, netns=lab.sw, qdiscs_added=added)
+    second = teardown_mirrors(mirrors, netns=lab.sw, qdiscs_added=added)
     assert (second.removed, sorted(second.absent), second.qdiscs_removed) == ([], sorted(mirrors), [])
     assert lab.tc_state() == untouched
 
@@ -215,8 +216,9 @@ def test_teardown_keeps_filters_it_did_not_create(lab):
               target=0, keys=["0x0/0x0+0"],
               action={"kind": "mirred", "direction": "egress", "action": "mirror", "ifindex": m2})
     foreign = lab.tc_state()
-    apply_mirrors(mirrors, netns=lab.sw)
-    teardown = teardown_mirrors(mirrors, netns=lab.sw)
+    added = apply_mirrors(mirrors, netns=lab.sw).qdiscs_added
+    assert mirrors[0].ifname not in added
+    teardown = teardown_mirrors(mirrors, netns=lab.sw, qdiscs_added=set(added))
     assert mirrors[0].ifname not in teardown.qdiscs_removed
     assert lab.tc_state() == foreign
 
@@ -256,3 +258,100 @@ def test_errors_keep_the_errno_and_name_the_interface(lab):
         apply_mirrors([TcMirror("p0", "ingress", "m0")], netns=f"{PREFIX}-absent")
     assert absent.value.errno == errno.ENOENT
     assert f"{PREFIX}-absent" not in netns.listnetns()
+
+
+# -- rollback, the record of what was applied, and clsact qdiscs gradtap did not add ---------------
+
+def add_empty_clsact(lab, ifname: str) -> None:
+    with NetNS(lab.sw) as sw:
+        sw.tc("add", "clsact", sw.link_lookup(ifname=ifname)[0])
+
+
+def targets(lab, mirror: TcMirror) -> set[int]:
+    link = _Link(lab.sw)
+    try:
+        return set().union(*(_mirred_targets(m) for m in _ours(link, mirror)))
+    finally:
+        link.close()
+
+
+def ifindex(lab, ifname: str) -> int:
+    with NetNS(lab.sw) as sw:
+        return sw.link_lookup(ifname=ifname)[0]
+
+
+@pytest.mark.parametrize("broken", [TcMirror(f"{PREFIX[:8]}x0", "ingress", "m1"), TcMirror("p1", "ingress", "nope0")],
+                         ids=["missing-interface", "missing-destination"])
+def test_a_failed_apply_rolls_back_what_it_installed(lab, broken):
+    """Fault injection: the 2nd of 3 mirrors names a device that does not exist."""
+    good = [TcMirror("p0", "ingress", "m0"), TcMirror("p2", "ingress", "m2")]
+    add_empty_clsact(lab, "p2")     # someone else's, empty: must survive the rollback
+    before = lab.tc_state()
+    with pytest.raises(NetlinkError) as err:
+        apply_mirrors([good[0], broken, good[1]], netns=lab.sw)
+    assert err.value.errno == errno.ENODEV
+    added = 2 if broken.ifname == "p1" else 1      # p0's clsact, and p1's when p1 is the broken one
+    assert f"rolled back: 1 added and 0 replaced mirror filters, {added} added clsact qdiscs" in str(err.value)
+    assert "FAILED" not in str(err.value)
+    assert lab.tc_state() == before
+    assert all(not c for c in lab.send_and_capture().values())  # nothing half-installed is mirroring
+
+
+def test_a_failed_apply_points_a_replaced_filter_back_where_it_mirrored(lab):
+    old = TcMirror("p0", "ingress", "m2")
+    apply_mirrors([old], netns=lab.sw)
+    with pytest.raises(NetlinkError, match="rolled back: 0 added and 1 replaced"):
+        apply_mirrors([TcMirror("p0", "ingress", "m0"), TcMirror("p1", "ingress", "nope0")], netns=lab.sw)
+    assert targets(lab, old) == {ifindex(lab, "m2")}
+
+
+def test_teardown_after_replanning_removes_what_is_running(lab, tmp_path):
+    state = tmp_path / "var" / "sw0.json"
+    untouched = lab.tc_state()
+    _, egress = plan_mirrors(plan_topology(parse_topology(lab.topology(["egress"]))))
+    _, ingress = plan_mirrors(plan_topology(parse_topology(lab.topology(["ingress"]))))
+    apply_recorded("sw0", egress, state, netns=lab.sw)
+    assert load_record(state).mirrors == egress
+    # Re-planned: the new apply removes the mirrors the old plan had and the new one lacks.
+    result = apply_recorded("sw0", ingress, state, netns=lab.sw)
+    assert sorted(result.stale_removed) == sorted(egress)
+    assert load_record(state).mirrors == ingress
+    assert lab.send_and_capture() == expected_counts(plan_topology(parse_topology(lab.topology(["ingress"]))))
+    record, teardown = teardown_recorded(state)
+    assert sorted(teardown.removed) == sorted(ingress) and teardown.absent == []
+    assert not state.exists() and list(state.parent.iterdir()) == []   # no temporary file left either
+    assert lab.tc_state() == untouched
+
+
+def test_a_clsact_that_was_there_before_is_kept(lab, tmp_path):
+    state = tmp_path / "sw0.json"
+    _, mirrors = plan_mirrors(plan_topology(parse_topology(lab.topology(["egress"]))))
+    add_empty_clsact(lab, mirrors[0].ifname)
+    before = lab.tc_state()
+    result = apply_recorded("sw0", mirrors, state, netns=lab.sw)
+    assert mirrors[0].ifname not in result.qdiscs_added
+    assert mirrors[0].ifname not in load_record(state).qdiscs_added
+    _, teardown = teardown_recorded(state)
+    assert teardown.qdiscs_kept == [mirrors[0].ifname]
+    assert lab.tc_state() == before       # its clsact, empty as it was, is still there
+
+
+def test_a_failed_apply_leaves_the_record_as_it_was(lab, tmp_path):
+    state = tmp_path / "sw0.json"
+    first = [TcMirror("p0", "ingress", "m0")]
+    apply_recorded("sw0", first, state, netns=lab.sw)
+    text = state.read_text()
+    with pytest.raises(NetlinkError):
+        apply_recorded("sw0", [TcMirror("p1", "ingress", "m1"), TcMirror("p2", "ingress", "nope0")], state,
+                       netns=lab.sw)
+    assert state.read_text() == text
+    assert targets(lab, first[0]) == {ifindex(lab, "m0")}
+    teardown_recorded(state)
+
+
+def test_teardown_without_a_record_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="no record of applied mirrors here"):
+        teardown_recorded(tmp_path / "none.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not a record of applied mirrors"):
+        load_record(tmp_path / "bad.json")

@@ -13,8 +13,10 @@ ingress or both are allowed, where mirroring both ends of one link would waste a
 A source is placed on an unused port of the group's CPU node: on the source's own leaf
 (SPAN) when possible, else through ERSPAN when the policy, the vendor and the addresses
 allow. A port takes several sources only if they belong to different groups (a group's
-streams must be lost independently) and their total bandwidth fits; a port is either a
-SPAN destination or an ERSPAN receiver, never both. Switch session limits are counted
+streams must be lost independently) and their total bandwidth fits (every source at line rate,
+ERSPAN's per-frame overhead included, within ``mirror.cpu_port_max_utilization``); a port is
+either a SPAN destination or an ERSPAN receiver, never both. An ERSPAN stream must also fit the
+routed fabric: the path MTU, a route to its destination, one uplink at each end, the spine. Switch session limits are counted
 with each vendor's own session grouping. A group that cannot be served makes the whole
 topology infeasible: the error lists what is missing, and no partial plan is returned.
 """

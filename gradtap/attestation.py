@@ -3,9 +3,11 @@
 A fingerprint of the trainer's state at iteration k (after the step of k - 1) is held until
 the replica's state is that of k (it has ended iteration k - 1 and not begun k), then the
 replica's own fingerprint, taken the same way from its flat arrays, is compared with it.
-Equal: counted (``attested``). Different: an ``attest.diverged`` event naming the first
-parameter and kind of tensor (or the step) that differs, and a ``fallback``: the replica is
-stale until the trainer's checkpoint resyncs it, and no snapshot is written from it.
+Equal: counted (``attested``). Different: an ``integrity.mismatch`` event naming the first
+tensor that differs (``tensor``: the parameter, ``state``: ``param``, ``exp_avg`` or
+``exp_avg_sq``; or the step), then a ``fallback`` that asks the trainer for a checkpoint
+(``gradtap.trainer.fallback``): the replica is stale until that checkpoint resyncs it, and
+no snapshot is written from it.
 
 One fingerprint is held at a time (a newer one replaces it). A fingerprint of a state the
 replica has passed, or sent while the replica is stale, cannot be checked: it is refused
@@ -70,12 +72,14 @@ class Attestations:
         mine = self.fingerprint()
         differs = None
         if mine["step"] != fp["step"]:
-            differs = {"what": "step", "trainer": fp["step"], "replica": mine["step"]}
+            differs = {"what": "step", "tensor": "step", "state": "step", "trainer": fp["step"],
+                       "replica": mine["step"]}
         else:
             for name in self.names:
                 for kind in KINDS:
                     if mine["params"][name][kind] != fp["params"][name][kind]:
-                        differs = {"what": f"{kind} of {name}", "trainer": fp["params"][name][kind],
+                        differs = {"what": f"{kind} of {name}", "tensor": name, "state": kind,
+                                   "trainer": fp["params"][name][kind],
                                    "replica": mine["params"][name][kind]}
                         break
                 if differs:
@@ -84,7 +88,7 @@ class Attestations:
             self.attested += 1
             return
         self.diverged += 1
-        self.control.event("attest.diverged", iteration=fp["iteration"], **differs)
+        self.control.event("integrity.mismatch", iteration=fp["iteration"], **differs)
         log.error("the replica differs from the trainer at iteration %d: %s", fp["iteration"], differs["what"])
         r.stale = True
         self.control.fallback(fp["iteration"], f"the trainer's fingerprint differs from the replica's: "

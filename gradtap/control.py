@@ -5,7 +5,9 @@ replica can no longer follow the trainer. The appliance then
 
 1. appends a ``fallback`` event to the event log (one JSON object per line, fsynced);
 2. POSTs the same JSON to the trainer's control endpoint when the job configures one,
-   asking for a regular checkpoint (bounded timeout; a failure is logged, never raised);
+   asking for a regular checkpoint (bounded timeout; a failure is logged, never raised),
+   with the control token as ``Authorization: Bearer`` when a token file is given (the
+   trainer's handler, ``gradtap.trainer.fallback``, refuses a request without it);
 3. marks the replica stale: no snapshot is written until a resync from a trainer
    checkpoint (``gradtap resync`` or a POST to the appliance) clears it. The last snapshot
    written before stays valid: it is the last iteration the replica got right.
@@ -35,11 +37,12 @@ log = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    def __init__(self, event_log: Path, endpoint: str | None = None, timeout_s: float = 2.0):
+    def __init__(self, event_log: Path, endpoint: str | None = None, timeout_s: float = 2.0,
+                 token_file: Path | None = None):
         self.event_log = Path(event_log)
         self.event_log.parent.mkdir(parents=True, exist_ok=True)
         self.event_log.touch()
-        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self.endpoint, self.timeout_s, self.token_file = endpoint, timeout_s, token_file
         self.stale = False
         self._lock = threading.Lock()
 
@@ -81,12 +84,14 @@ class ControlPlane:
 
     def _post(self, record: dict) -> None:
         body = json.dumps(record).encode()
-        request = urllib.request.Request(self.endpoint, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
         try:
+            if self.token_file is not None:     # read at each post: the server creates the file after us
+                headers["Authorization"] = f"Bearer {read_token(self.token_file).decode()}"
+            request = urllib.request.Request(self.endpoint, data=body, method="POST", headers=headers)
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 response.read()
-        except OSError as exc:   # URLError, timeouts, refused connections
+        except (OSError, ConfigError) as exc:   # URLError, HTTP errors, timeouts, refused connections, no token
             log.warning("control endpoint %s did not take the fallback event: %s", self.endpoint, exc)
             self.event("fallback_post_failed", endpoint=self.endpoint, error=str(exc))
 

@@ -13,8 +13,8 @@ twice and nothing can drift:
 - ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``,
   ``gradtap_replica_numbered`` (0 while waiting for the trainer's checkpoint with ``time_ns``);
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating;
-- ``gradtap_attestations_total{result}``: the trainer's fingerprints the replica ``matched`` or
-  ``diverged`` from (``gradtap/attestation.py``);
+- ``gradtap_attestations_total{result}``: the trainer's fingerprints the replica ``matched``, and
+  those that were a ``mismatch`` (each an ``integrity.mismatch`` event: ``gradtap/attestation.py``);
 - ``gradtap_store_snapshots_total{result}``: snapshots the durable tier ``uploaded``, ``skipped``
   (replaced by a newer one while the store was slow) and upload attempts that ``failed``
   (``store/uploader.py``); absent without a store.
@@ -60,7 +60,7 @@ class ApplianceCollector:
         attestations = CounterMetricFamily("gradtap_attestations", "the trainer's fingerprints checked",
                                            labels=["result"])
         attestations.add_metric(["matched"], s.attested)
-        attestations.add_metric(["diverged"], s.diverged)
+        attestations.add_metric(["mismatch"], s.diverged)
         yield from (frames, nbytes, drops, events, iterations, stages, attestations)
         if s.store is not None:
             store = CounterMetricFamily("gradtap_store_snapshots", "snapshots sent to the durable store",

@@ -17,6 +17,7 @@ import torch
 from gradtap.control_server import ControlServer, ControlSettings
 from gradtap.control_token import read_token
 from gradtap.core.errors import ConfigError
+from gradtap.metrics import ApplianceCollector
 from gradtap.simulator.run import resume
 from gradtap.trainer.attest import Attestor, fingerprint, fingerprint_of, positions
 from gradtap.verify import verify
@@ -65,7 +66,7 @@ def test_the_replica_matches_the_trainers_fingerprint(sim, tmp_path):
     app.run()
     status = app.status()
     assert status.attested == 1 and status.diverged == 0 and not app.replica.stale
-    assert not [e for e in events(tmp_path / "run") if e["event"] in ("attest.diverged", "fallback")]
+    assert not [e for e in events(tmp_path / "run") if e["event"] in ("integrity.mismatch", "fallback")]
 
 
 @pytest.mark.parametrize("change", ["exp_avg", "step"])
@@ -82,11 +83,20 @@ def test_a_trainer_that_differs_makes_the_replica_stale_with_an_event(sim, tmp_p
     app.attest(wrong)
     app.run()
     got = events(tmp_path / "run")
-    diverged = [e for e in got if e["event"] == "attest.diverged"]
-    assert len(diverged) == 1 and diverged[0]["iteration"] == 3
-    assert diverged[0]["what"] == ("step" if change == "step" else "exp_avg of layers.2.bias")
+    mismatch = [e for e in got if e["event"] == "integrity.mismatch"]
+    assert len(mismatch) == 1 and mismatch[0]["iteration"] == 3
+    assert mismatch[0]["what"] == ("step" if change == "step" else "exp_avg of layers.2.bias")
+    assert (mismatch[0]["tensor"], mismatch[0]["state"]) == (("step", "step") if change == "step" else
+                                                            ("layers.2.bias", "exp_avg"))
+    # The mismatch comes first, then the fallback that asks the trainer for a checkpoint.
+    kinds = [e["event"] for e in got if e["event"] in ("integrity.mismatch", "fallback")]
+    assert kinds == ["integrity.mismatch", "fallback"]
     assert [e["iteration"] for e in got if e["event"] == "fallback"] == [3]
+    assert [e["request"] for e in got if e["event"] == "fallback"] == ["regular_checkpoint"]
     assert app.status().diverged == 1 and app.replica.stale
+    metrics = {(m.name, tuple(x.labels.items())): x.value for m in ApplianceCollector(app.status).collect()
+               for x in m.samples}
+    assert metrics[("gradtap_attestations", (("result", "mismatch"),))] == 1
     # Iterations 1 and 2 were applied and are the trainer's (digests); the replica went stale
     # as it reached the state of iteration 3, and nothing was snapshotted from then on.
     v = verify(tmp_path / "run", root / "truth", job_params(job))

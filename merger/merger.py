@@ -64,6 +64,7 @@ class IterationReport:
     contradicted_blocks: dict[int, int] = field(default_factory=dict)  # bucket -> applied blocks later contradicted
     mismatches: list[BlockMismatch] = field(default_factory=list)
     coverage: dict[str, float] = field(default_factory=dict)          # stream -> fraction of blocks covered
+    lost_peers: dict[int, str] = field(default_factory=dict)          # mirror group: peer rank -> why it is gone
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""The mirror group's link: the appliances of one DP group, talking over ``torch.distributed``'s gloo.
+
+The nodes of a group rendezvous once (``tcp://HOST:PORT``, rank 0 hosting the store, or
+``file:///PATH`` on a shared file system) and then exchange byte strings pairwise: gloo's
+``send``/``recv`` over TCP, the engine PyTorch itself uses, so gradtap writes no transport.
+Every message is a length (``int64[1]``) followed by its bytes, each pair of nodes in
+lockstep, so an exchange is one round in which every node sends one message to every peer
+(maybe empty) and receives one from each.
+
+**Never a hang.** Every wait has the group's ``timeout``. A peer whose process died closes
+its TCP connections and gloo fails the wait at once; one that hangs fails it at the
+timeout. Either way the exchange raises :class:`PeerGone` naming the peers (ranks) whose
+receive or send failed, with gloo's reason. A link that raised is finished: gloo's pairs
+are broken, so every later exchange raises the same error without waiting.
+
+torch.distributed is imported here and in the modules that use this one, never by the
+command line's ``--help``.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from gradtap.core.errors import ConfigError, GradtapError
+
+SIZE_TAG, DATA_TAG = 1, 2
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """Where this node stands in its mirror group.
+
+    ``rendezvous``: ``tcp://HOST:PORT`` (rank 0 listens there) or ``file:///PATH`` (a file
+    every node can reach, absent or empty before the group starts). ``interface``: the
+    network interface gloo's own connections use (e.g. a dedicated veth); empty: the one
+    ``hostname`` resolves to, or 127.0.0.1 for a ``tcp://127.0.0.1`` rendezvous.
+    ``timeout_s``: how long any one wait may take, rendezvous included.
+    """
+
+    rank: int
+    world_size: int
+    rendezvous: str
+    timeout_s: float = 60.0
+    interface: str = ""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"mirror group: world_size is {self.world_size}; expected 1 or more nodes")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"mirror group: rank is {self.rank}; expected 0..{self.world_size - 1} "
+                              f"(world_size {self.world_size})")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"mirror group: timeout_s is {self.timeout_s}; expected seconds > 0")
+        url = urlparse(self.rendezvous)
+        if url.scheme == "tcp":
+            if not url.hostname or url.port is None:
+                raise ConfigError(f"mirror group: rendezvous {self.rendezvous!r} needs a host and port "
+                                  "(tcp://HOST:PORT)")
+        elif url.scheme == "file":
+            if not url.path:
+                raise ConfigError(f"mirror group: rendezvous {self.rendezvous!r} needs a path (file:///PATH)")
+        else:
+            raise ConfigError(f"mirror group: rendezvous {self.rendezvous!r} is neither tcp://HOST:PORT "
+                              "nor file:///PATH")
+
+
+class GroupBroken(GradtapError):
+    """The mirror group cannot go on: ``peers`` maps each peer's rank to what went wrong with
+    it, ``during`` names the round."""
+
+    verb = "cannot go on with"
+
+    def __init__(self, peers: dict[int, str], during: str):
+        self.peers, self.during = dict(peers), during
+        names = ", ".join(f"rank {p} ({why})" for p, why in sorted(peers.items()))
+        super().__init__(f"mirror group {self.verb} {names} during {during}")
+
+
+class PeerGone(GroupBroken):
+    """Peers of the mirror group did not answer within the timeout, or their connection closed."""
+
+    verb = "lost"
+
+
+class GroupLink:
+    """Pairwise byte messages between the nodes of one mirror group (see the module docstring)."""
+
+    def __init__(self, cfg: GroupConfig):
+        self.cfg = cfg
+        self.rank, self.world = cfg.rank, cfg.world_size
+        self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        self.sent_bytes = 0           # payload bytes sent to peers, lengths included
+        self.received_bytes = 0
+        self._gone: PeerGone | None = None
+        self._pg = None
+        if self.world > 1:
+            self._pg = self._connect()
+
+    def _connect(self):
+        cfg = self.cfg
+        url = urlparse(cfg.rendezvous)
+        if url.scheme == "tcp":
+            store = dist.TCPStore(url.hostname, url.port, cfg.world_size, cfg.rank == 0, timeout=self.timeout,
+                                  wait_for_workers=False)
+            host = url.hostname if url.hostname in ("127.0.0.1", "localhost") else ""
+        else:
+            store = dist.FileStore(str(Path(url.path)), cfg.world_size)
+            store.set_timeout(self.timeout)
+            host = ""
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(interface=cfg.interface) if cfg.interface
+                            else dist.ProcessGroupGloo.create_device(hostname=host)
+                            if host else dist.ProcessGroupGloo.create_default_device()]
+        try:
+            return dist.ProcessGroupGloo(store, cfg.rank, cfg.world_size, options)
+        except RuntimeError as exc:
+            raise PeerGone({p: _first_line(exc) for p in range(cfg.world_size) if p != cfg.rank},
+                           f"rendezvous at {cfg.rendezvous} (rank {cfg.rank})") from exc
+
+    @property
+    def peers(self) -> list[int]:
+        return [p for p in range(self.world) if p != self.rank]
+
+    def exchange(self, messages: dict[int, bytes], during: str, peers: list[int] | None = None) -> dict[int, bytes]:
+        """Send ``messages[p]`` (absent: empty) to every peer p of ``peers`` (default: all) and
+        return what each sent this node in the same round; both ends of a pair must name each
+        other. ``during`` names the round in a :class:`PeerGone`."""
+        if self._gone is not None:
+            raise self._gone
+        if self._pg is None:
+            return {}
+        peers = self.peers if peers is None else peers
+        sizes = {p: torch.tensor([len(messages.get(p, b""))], dtype=torch.int64) for p in peers}
+        theirs = {p: torch.zeros(1, dtype=torch.int64) for p in peers}
+        self._round(sizes, theirs, SIZE_TAG, during)
+        out = {p: torch.frombuffer(bytearray(messages[p]), dtype=torch.uint8) for p in peers if messages.get(p)}
+        into = {p: torch.empty(int(theirs[p].item()), dtype=torch.uint8) for p in peers
+                if int(theirs[p].item()) > 0}
+        self._round(out, into, DATA_TAG, during)
+        self.sent_bytes += sum(8 + len(messages.get(p, b"")) for p in peers)
+        self.received_bytes += sum(8 + t.numel() for t in into.values())
+        return {p: into[p].numpy().tobytes() if p in into else b"" for p in peers}
+
+    def all_gather(self, message: bytes, during: str) -> list[bytes]:
+        """Every node's ``message``, by rank (this node's own included)."""
+        got = self.exchange({p: message for p in self.peers}, during)
+        return [message if p == self.rank else got[p] for p in range(self.world)]
+
+    def _round(self, send: dict[int, torch.Tensor], recv: dict[int, torch.Tensor], tag: int, during: str) -> None:
+        """Post every send and receive, then wait for each; the peers whose work failed are gone."""
+        failed: dict[int, str] = {}
+        works = []
+        try:
+            for p, t in recv.items():
+                works.append((p, self._pg.recv([t], p, tag)))
+            for p, t in send.items():
+                works.append((p, self._pg.send([t], p, tag)))
+        except RuntimeError as exc:       # a broken pair refuses new work at once: which one is not said
+            failed = {p: _first_line(exc) for p in recv.keys() | send.keys()}
+            works = []
+        for p, work in works:
+            if p in failed:
+                continue
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                failed[p] = _first_line(exc)
+        if failed:
+            self._gone = PeerGone(failed, f"{during} (rank {self.rank})")
+            self.close()
+            raise self._gone
+
+    def close(self) -> None:
+        """Let go of the gloo pairs (after a failure, or at the end)."""
+        pg, self._pg = self._pg, None
+        if pg is not None:
+            try:
+                if self._gone is not None:
+                    pg.abort()
+                else:
+                    pg.shutdown()
+            except RuntimeError:
+                pass      # the group is gone already; nothing is left to release
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

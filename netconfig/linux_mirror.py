@@ -265,8 +265,14 @@ def teardown_mirrors(mirrors: list[TcMirror], netns: str | None = None,
     result = TeardownResult()
     link = _Link(netns)
     try:
-        ifnames = dict.fromkeys(m.ifname for m in mirrors)
-        has_clsact = {ifname: link.clsact_kind(ifname) == "clsact" for ifname in ifnames}
+        has_clsact = {}
+        for ifname in dict.fromkeys(m.ifname for m in mirrors):
+            try:
+                has_clsact[ifname] = link.clsact_kind(ifname) == "clsact"
+            except NetlinkError as exc:
+                if exc.errno != errno.ENODEV:
+                    raise
+                has_clsact[ifname] = False   # the interface is gone, and its qdiscs and filters with it
         for mirror in mirrors:
             # Without a clsact qdisc the hooks hold no filters (and the kernel rejects the delete).
             removed = has_clsact[mirror.ifname] and _delete_ours(link, mirror)
@@ -351,6 +357,9 @@ def apply_recorded(switch: str, mirrors: list[TcMirror], state: Path, netns: str
     hooks = {(m.ifname, m.hook) for m in mirrors}
     stale = [m for m in (previous.mirrors if previous else []) if (m.ifname, m.hook) not in hooks]
     if stale:
+        # Recorded first, so that a failure below leaves every mirror that may be live on record.
+        save_record(MirrorRecord(switch=switch, netns=netns, mirrors=mirrors + stale, qdiscs_added=sorted(owned)),
+                    state)
         # qdiscs of interfaces the new plan still uses keep their filters, so they stay.
         removed = teardown_mirrors(stale, netns, owned)
         result.stale_removed = removed.removed

@@ -271,6 +271,8 @@ LAG_DESTINATION_RULE = {
              "supported', sonic-utilities config/main.py) and sonic-mirror-session.yang's dst_port is a leafref "
              "to PORT",
     "linux": "tc mirred to a bond sends each copy out of one slave, chosen by the bond's mode and hash",
+    "comware": "H3C's mirroring guide: 'A Layer 2 or Layer 3 aggregate interface cannot be configured as the "
+               "monitor port of a local mirroring group', nor can an aggregate member",
 }
 _NO_LAG_DEST = "gradtap renders no LAG destination for this platform (not confirmed in its documentation)"
 

@@ -54,6 +54,10 @@ def test_a_lag_destination_is_refused_with_the_platforms_rule_and_the_fix():
     eos["gpu_nodes"][0]["gpus"][0]["port"] = "Ethernet0"
     eos["cpu_nodes"][0]["ports"][0]["port"] = "Port-Channel10"
     assert "gradtap renders no LAG destination for this platform (not confirmed in its documentation)" in refused(eos)
+    comware = lag_doc("comware")
+    comware["gpu_nodes"][0]["gpus"][0]["port"] = "Ethernet0"
+    comware["cpu_nodes"][0]["ports"][0]["port"] = "Bridge-Aggregation10"
+    assert "aggregate interface cannot be configured as the monitor port" in refused(comware)
 
 
 def test_a_lag_member_is_not_cabled_by_itself():

@@ -355,3 +355,15 @@ def test_teardown_without_a_record_says_so(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="not a record of applied mirrors"):
         load_record(tmp_path / "bad.json")
+
+
+def test_a_recorded_interface_that_is_gone_is_nothing_to_remove(lab, tmp_path):
+    state = tmp_path / "sw0.json"
+    apply_recorded("sw0", [TcMirror("p3", "ingress", "m0")], state, netns=lab.sw)
+    with NetNS(lab.sw) as sw:
+        sw.link("del", index=sw.link_lookup(ifname="p3")[0])
+    new = [TcMirror("p0", "ingress", "m1")]
+    result = apply_recorded("sw0", new, state, netns=lab.sw)
+    assert result.stale_removed == [] and load_record(state).mirrors == new
+    _, teardown = teardown_recorded(state)
+    assert teardown.removed == new

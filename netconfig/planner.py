@@ -249,10 +249,12 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
         route = None
         if port.switch == seat.switch:
             if port.mode == "erspan":
+                reasons.add(f"{port.node} {port.nic} receives ERSPAN already, so it is no SPAN destination")
                 continue
             encapsulation = "none"
         else:
             if port.mode == "span":
+                reasons.add(f"{port.node} {port.nic} is a SPAN destination already, so it receives no ERSPAN")
                 continue
             if port.ip is None:
                 reasons.add(f"{port.node} {port.nic} (on {port.switch}) has no ip to receive ERSPAN")

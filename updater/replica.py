@@ -188,7 +188,7 @@ class Replica:
             return Begin.MISSED
         lr = learning_rate(self.cfg, iteration)
         self._open = _Iteration(iteration, lr, len(self.layout.buckets),
-                                GradNorms(len(self.layout.params)) if self.cfg.clip_grad_norm else None)
+                                self._new_norms() if self.cfg.clip_grad_norm else None)
         return outcome
 
     def apply_bucket(self, bucket: int, grad: np.ndarray) -> None:
@@ -222,13 +222,13 @@ class Replica:
     def end(self) -> None:
         """Complete the open iteration: every bucket must have arrived."""
         it = self._require_open()
-        missing = [b for b, ok in enumerate(it.arrived) if not ok]
+        missing = [b for b in self.stepped_buckets() if not it.arrived[b]]
         if missing:
             raise GradtapError(f"end(): iteration {it.iteration} lacks buckets {missing[:8]}; a partial "
                                "gradient is never applied (abort() the iteration instead)")
         if it.norms is not None:
             c = self._constants(it, clip=it.norms.coefficient(self.cfg.clip_grad_norm), summed=False)
-            for b in range(len(self.layout.buckets)):
+            for b in self.stepped_buckets():
                 sl = self.layout.bucket(b)
                 kernels.adam_step(self.cfg.implementation, self.state.param[sl], self._grad32[sl],
                                   self.state.exp_avg[sl], self.state.exp_avg_sq[sl],
@@ -301,6 +301,15 @@ class Replica:
         return {"model": model_state_dict(self._keys, self.layout, state.param),
                 "optimizer": optimizer_state_dict(self.cfg, self.layout, state),
                 "iteration": state.iteration}
+
+    def stepped_buckets(self) -> list[int]:
+        """The buckets this replica steps: every one (a shard of a mirror group steps its own,
+        ``updater/shard.py``)."""
+        return list(range(len(self.layout.buckets)))
+
+    def _new_norms(self) -> GradNorms:
+        """Where a clipped iteration's per-parameter norms are kept."""
+        return GradNorms(len(self.layout.params))
 
     def _require_open(self) -> "_Iteration":
         if self._open is None:

@@ -155,13 +155,14 @@ class FallbackHandler:
             answer = self._resync(path)
         except (OSError, RuntimeError) as exc:
             return self._failed(request, iteration, exc)
+        finally:
+            self._prune()
         log.info("fallback of iteration %s (%s): checkpoint of iteration %d handed back, %s", request["iteration"],
                  request.get("reason"), iteration, answer.get("note", "accepted"))
         with self._lock:
             self._pending, self._tries = None, 0
             self.counts.handed_back += 1
             self.counts.checkpoints.append(path)
-        self._prune()
         return path
 
     def close(self) -> None:
@@ -237,7 +238,7 @@ class FallbackHandler:
         return None
 
     def _prune(self) -> None:
-        """Keep the newest ``keep`` fallback checkpoints (and no temporary file) in the directory."""
+        """Keep the newest ``keep`` fallback checkpoints in the directory (handed back or not)."""
         mine = sorted(p for p in Path(self.settings.checkpoint_dir).glob(f"{PREFIX}*.pt"))
         for old in mine[:-self.settings.keep]:
             old.unlink(missing_ok=True)

@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         handler = attestor = None
         if lead:
             handler = FallbackHandler(FallbackSettings(args.appliance, work / "control.token", work / "resync"))
-            (work / f"trainer-{args.tag}.json").write_text(json.dumps({"endpoint": handler.endpoint}))
+            endpoint = json.dumps({"endpoint": handler.endpoint}).encode()
+            _publish(work / f"trainer-{args.tag}.json", lambda f: f.write(endpoint))
             if args.resume:
                 attestor = Attestor(args.appliance, work / "control.token", timeout_s=120)
         log = (work / f"attest-{args.tag}.jsonl").open("a") if lead else None
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             if it == DESCRIBE_AT and not args.resume:
                 describe_to(work / "job.yaml", ddp, optimizer, factory=FACTORY, kwargs=KWARGS, environ=ENV)
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": it + 1},
-                           work / f"start-{args.tag}.pt")
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": it + 1}
+                _publish(work / f"start-{args.tag}.pt", lambda f: torch.save(state, f))
                 _wait_for(work / f"go-{args.tag}")
                 attestor = Attestor(args.appliance, work / "control.token", timeout_s=120)
             if attestor is not None:
@@ -97,6 +98,14 @@ def main(argv: list[str] | None = None) -> None:
             handler.close()
     finally:
         dist.destroy_process_group()
+
+
+def _publish(path: Path, write) -> None:
+    """Write ``path`` whole or not at all: the test starts reading it as soon as it exists."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    tmp.rename(path)
 
 
 def _wait_for(path: Path) -> None:

@@ -78,41 +78,70 @@ def _add(acc: np.ndarray, own: np.ndarray, out: np.ndarray) -> None:
         out[...] = _f32_to_bf16(_bf16_to_f32(acc) + _bf16_to_f32(own))
 
 
-def ring_partials(inputs: np.ndarray, chunk_of: np.ndarray) -> np.ndarray:
+# Elements per block of the reduction: all n rows of a block (n inputs read, n rows
+# written) stay in the L2 cache, so each byte crosses the memory bus once instead of once
+# per hop (a whole-run hop streams two rows of the bucket through memory and writes a third).
+BLOCK_ELEMENTS = 16384
+
+
+def ring_partials(inputs, chunk_of: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """The values the ring puts on the wire during the reduce-scatter, for every element.
 
     Parameters
-        inputs: ``[n, count]``, row ``p`` is the bucket buffer of ring position ``p`` in the
-            wire representation (float32, float16, or uint16 bf16 bit patterns).
+        inputs: ``[n, count]`` array, or a sequence of ``n`` 1-D arrays of ``count`` elements
+            (no stacked copy is made); row ``p`` is the bucket buffer of ring position ``p`` in
+            the wire representation (float32, float16, or uint16 bf16 bit patterns).
         chunk_of: ``[count]`` integer ring chunk (``0..n-1``) of each element, e.g. from
             :func:`chunk_index`.
+        out: optional ``[n, count]`` array of the inputs' dtype to write into (a buffer reused
+            across buckets: its pages are not faulted in again for every bucket).
 
-    Returns ``[n, count]`` of the same dtype: row ``s < n-1`` is the partial sum sent at
-    reduce-scatter step ``s``; row ``n-1`` is the fully reduced value (sent at step ``n-1``
-    and forwarded by every allgather step). Vectorised: ``n-1`` slice additions per
-    run of consecutive elements of one chunk.
+    Returns ``[n, count]`` of the same dtype (``out`` if given): row ``s < n-1`` is the
+    partial sum sent at reduce-scatter step ``s``; row ``n-1`` is the fully reduced value
+    (sent at step ``n-1`` and forwarded by every allgather step). Vectorised: ``n-1`` slice
+    additions per block of :data:`BLOCK_ELEMENTS` consecutive elements of one chunk.
     """
-    wire_dtype_of(inputs)
-    if inputs.ndim != 2 or inputs.shape[0] < 2:
-        raise ValueError(f"inputs must be [n >= 2, count], got shape {inputs.shape}")
-    n, count = inputs.shape
+    rows = _input_rows(inputs)
+    n, count = len(rows), len(rows[0])
     chunk_of = np.asarray(chunk_of)
     if chunk_of.shape != (count,) or not np.issubdtype(chunk_of.dtype, np.integer):
         raise ValueError(f"chunk_of must be an integer array of shape ({count},), got "
                          f"{chunk_of.dtype} {chunk_of.shape}")
     if count and (chunk_of.min() < 0 or chunk_of.max() >= n):
         raise ValueError(f"chunk_of holds chunks outside 0..{n - 1}")
-    out = np.empty_like(inputs)
-    # A plan's chunks are runs of thousands of elements: one slice addition per hop and run.
+    if out is None:
+        out = np.empty((n, count), rows[0].dtype)
+    elif out.shape != (n, count) or out.dtype != rows[0].dtype:
+        raise ValueError(f"out must be {rows[0].dtype} of shape ({n}, {count}), got {out.dtype} {out.shape}")
+    # A plan's chunks are runs of thousands of elements: one slice addition per hop and block.
     edges = np.flatnonzero(np.diff(chunk_of)) + 1
-    for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), count]):
-        if lo == hi:
-            continue
-        first = (int(chunk_of[lo]) + 1) % n       # the position that sends the run at step 0
-        out[0, lo:hi] = inputs[first, lo:hi]
-        for s in range(1, n):
-            _add(out[s - 1, lo:hi], inputs[(first + s) % n, lo:hi], out[s, lo:hi])
+    for lo_run, hi_run in zip([0, *edges.tolist()], [*edges.tolist(), count]):
+        first = (int(chunk_of[lo_run]) + 1) % n       # the position that sends the run at step 0
+        order = [rows[(first + s) % n] for s in range(n)]
+        for lo in range(lo_run, hi_run, BLOCK_ELEMENTS):
+            hi = min(lo + BLOCK_ELEMENTS, hi_run)
+            out[0, lo:hi] = order[0][lo:hi]
+            for s in range(1, n):
+                _add(out[s - 1, lo:hi], order[s][lo:hi], out[s, lo:hi])
     return out
+
+
+def _input_rows(inputs) -> list[np.ndarray]:
+    """The ``n`` rows of ``inputs`` (a 2-D array or a sequence of 1-D arrays), checked."""
+    if isinstance(inputs, np.ndarray):
+        if inputs.ndim != 2 or inputs.shape[0] < 2:
+            raise ValueError(f"inputs must be [n >= 2, count], got shape {inputs.shape}")
+        wire_dtype_of(inputs)
+        return list(inputs)
+    rows = [np.asarray(r) for r in inputs]
+    if len(rows) < 2 or any(r.ndim != 1 for r in rows):
+        raise ValueError(f"inputs must be n >= 2 rows of 1-D arrays, got {len(rows)} rows of "
+                         f"shapes {[r.shape for r in rows[:3]]}")
+    if any(r.shape != rows[0].shape or r.dtype != rows[0].dtype for r in rows):
+        raise ValueError("inputs: every row must have the same length and dtype, got "
+                         f"{sorted({(r.shape, str(r.dtype)) for r in rows})}")
+    wire_dtype_of(rows[0])
+    return rows
 
 
 def chunk_index(plan: WirePlan, bucket: int) -> np.ndarray:
@@ -149,6 +178,6 @@ def plan_allreduce(plan: WirePlan) -> Callable[[Sequence[np.ndarray], object], n
         index = bucket.index
         if index not in cache:
             cache[index] = chunk_index(plan, index)
-        return ring_partials(np.stack(contributions), cache[index])[-1]
+        return ring_partials(contributions, cache[index])[-1]
 
     return allreduce

@@ -134,6 +134,18 @@ class Simulation:
         captured_buckets = {b: i for i, b in enumerate(buckets)}
         clock = {"t": EPOCH_NS, "encode_s": 0.0, "capturing": False}
 
+        scratch: dict[np.dtype, np.ndarray] = {}
+
+        def partials_buffer(dtype, count):
+            """``[n, count]`` rows for one bucket's partial sums, in one buffer reused by every
+            bucket (grown to the largest), so its pages fault in once per run, not per bucket.
+            A bucket's rows are dead once its frames are written (the payloads are copied
+            into the traffic's arena) and its reduced row copied out."""
+            buf = scratch.get(dtype)
+            if buf is None or buf.shape[1] < count:
+                buf = scratch[dtype] = np.empty((n, count), dtype)
+            return buf[:, :count]
+
         def allreduce(per_rank, bucket):
             """Reduce one bucket in ring order and, while capturing, put it on the wire."""
             i = captured_buckets.get(bucket)
@@ -142,7 +154,7 @@ class Simulation:
             # 'auto', the tuner's for its size).
             chunks = (chunk_of[i] if i is not None else
                       chunk_index(build_plan(tuned(one_call, [bucket.numel]), [bucket.numel]), 0))
-            rows = ring_partials(np.stack(per_rank), chunks)
+            rows = ring_partials(per_rank, chunks, out=partials_buffer(per_rank[0].dtype, len(chunks)))
             if clock["capturing"]:
                 started = time.perf_counter()
                 traffic = builder.build(i, rows, state, clock["t"])

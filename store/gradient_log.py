@@ -443,10 +443,6 @@ class GradientLog:
             try:
                 prev = last[1] if record.follows and last is not None and last[0] == record.iteration - 1 else None
                 last = (record.iteration, self._write(record, prev))
-                since_retain += 1
-                if since_retain >= RETAIN_EVERY:
-                    self.log.retain()
-                    since_retain = 0
             except Exception as exc:          # the store's errors are many (OSError, botocore's, ...)
                 failures += 1
                 with self._cond:
@@ -469,6 +465,13 @@ class GradientLog:
                 self.counters.logged += 1
                 self.counters.last_logged = record.iteration
                 self._cond.notify_all()
+            since_retain += 1
+            if since_retain >= RETAIN_EVERY:
+                since_retain = 0
+                try:
+                    self.log.retain()
+                except Exception as exc:      # the records are written; the next pass tries again
+                    log.warning("%s: gradient log retention failed (%s)", self.log.url, exc)
 
     def _write(self, record: _Record, prev: str | None) -> str:
         raw = record.buffer

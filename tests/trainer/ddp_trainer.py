@@ -9,8 +9,9 @@ operator's file), saves that state as ``DIR/start-<tag>.pt`` and waits for ``DIR
 (the appliance is up).
 From then on, after every optimizer step, rank 0 attests its state and calls the fallback
 handler's step boundary; each answer or refusal of the appliance is a line of
-``DIR/attest-<tag>.jsonl``. ``--resume`` restores every rank from the appliance's snapshots
-first. The last state goes to ``DIR/final-<tag>.pt``.
+``DIR/attest-<tag>.jsonl``; fallback checkpoints go to ``DIR/resync/<tag>/``. ``--resume``
+restores every rank first (from the appliance's snapshots, or a checkpoint file). The last
+state goes to ``DIR/final-<tag>.pt``.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         lead = rank == 0
         handler = attestor = None
         if lead:
-            handler = FallbackHandler(FallbackSettings(args.appliance, work / "control.token", work / "resync"))
+            (work / "resync" / args.tag).mkdir(parents=True, exist_ok=True)
+            handler = FallbackHandler(FallbackSettings(args.appliance, work / "control.token",
+                                                       work / "resync" / args.tag))
             endpoint = json.dumps({"endpoint": handler.endpoint}).encode()
             _publish(work / f"trainer-{args.tag}.json", lambda f: f.write(endpoint))
             if args.resume:

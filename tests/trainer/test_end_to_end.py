@@ -23,10 +23,15 @@ applied with the next one: at the first attestation the next iteration's frames 
    rank from the appliance's snapshots (``gradtap.trainer.restore``) and trains to the end.
    Every tensor (parameters, ``exp_avg``, ``exp_avg_sq``, ``step``) equals the reference's
    bit for bit, and so does the replica.
+3. The right spec, with rank 1's allgather sends of one iteration lost on the mirror: the
+   replica goes stale and asks for a checkpoint, the trainer's handler hands back the state of
+   its next boundary, the appliance places it by its ``time_ns`` and resyncs, and the replica
+   ends equal to the reference.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -56,7 +61,7 @@ from tests.trainer import ddp_trainer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
-ITERATIONS = 7           # the trainer's iterations 0..6; the capture holds 2..6
+ITERATIONS = 8           # the trainer's iterations 0..7; the capture holds 2..7
 KILL_AFTER = 4           # the trainer is killed once the appliance has checked the state of iteration 4
 PROCESS_TIMEOUT_S = 300
 OPERATOR = {"ring": {"ranks": [{"ip": "198.18.0.1", "mac": "02:00:00:00:0e:01"},
@@ -111,7 +116,8 @@ class Network:
     """The simulated capture, handed to an in-process appliance one iteration at a time: the
     frames of iteration k when the trainer attests the state of k + 1 (after its step k)."""
 
-    def __init__(self, sim: Path, job, out: Path, start: dict, token_file: Path, endpoint: str):
+    def __init__(self, sim: Path, job, out: Path, start: dict, token_file: Path, endpoint: str,
+                 lose: int | None = None):
         appliance = job.appliance.model_copy(update={"control_endpoint": endpoint, "control_token_file": token_file,
                                                      "snapshot_keep": ITERATIONS})
         job = job.model_copy(update={"appliance": appliance})
@@ -122,6 +128,9 @@ class Network:
         spans = {int(k): v for k, v in json.loads((sim / "truth" / "manifest.json").read_text())["span_ns"].items()}
         whole = {m.name: read_pcap(sim / "streams" / f"{m.name}.pcap") for m in job.mirrors}
         self.frames = {k: {name: _cut(b, *span) for name, b in whole.items()} for k, span in spans.items()}
+        if lose is not None:
+            rank1 = ipaddress.ip_address(job.ring.ranks[1].ip).packed
+            self.frames[lose] = {name: _without_second_half(b, rank1) for name, b in self.frames[lose].items()}
         self.clock = 0
         self.lock = threading.Lock()
         self.fed: list[int] = []
@@ -143,7 +152,7 @@ class Network:
                 finally:
                     if isinstance(k, int) and k - 1 in self.frames and k - 1 not in self.fed:
                         self._feed(k - 1)
-                        if self.app.replica.iteration < k and k in self.frames:
+                        if len(self.fed) == 1 and k in self.frames:
                             self._feed(k)        # lock-on: the streams lock on at the next iteration
         finally:
             if k == self.hold:
@@ -188,6 +197,14 @@ class Endpoint:
 def _cut(b: FrameBatch, lo: int, hi: int) -> FrameBatch:
     sel = np.flatnonzero((b.ts_ns >= lo) & (b.ts_ns < hi))
     return FrameBatch(b.data, b.offsets[sel], b.caplens[sel], b.wirelens[sel], b.ts_ns[sel], b.linktype)
+
+
+def _without_second_half(b: FrameBatch, source: bytes) -> FrameBatch:
+    """``b`` without the second half of the UDP frames that IPv4 ``source`` sent (its allgather
+    sends, which only a stream that sees ``source``'s egress carries): lost on the mirror."""
+    sent = np.flatnonzero([b.data[o + 23] == 17 and bytes(b.data[o + 26:o + 30]) == source for o in b.offsets])
+    keep = np.setdiff1d(np.arange(len(b.offsets)), sent[len(sent) // 2:])
+    return FrameBatch(b.data, b.offsets[keep], b.caplens[keep], b.wirelens[keep], b.ts_ns[keep], b.linktype)
 
 
 def _retimed(b: FrameBatch, shift: int) -> FrameBatch:
@@ -291,7 +308,7 @@ def test_a_wrong_learning_rate_is_caught_at_the_first_attested_step(work, refere
     log = (work / "rank0-reference.log").read_text()
     assert f"the checkpoint of iteration {start + 1} was not handed back" in log
     assert "lr is 0.001 but the job's schedule gives 0.01" in log
-    assert sorted(p.name for p in (work / "resync").glob("fallback-*.pt")) == \
+    assert sorted(p.name for p in (work / "resync" / "reference").glob("fallback-*.pt")) == \
         [f"fallback-{k:08d}.pt" for k in (start + 2, start + 3)]          # the newest two are kept
 
 
@@ -332,3 +349,38 @@ def test_a_killed_trainer_restored_from_the_replica_continues_bit_identically(wo
     assert_same_state(got, final, "the resumed trainer")
     assert got["fallback"]["requests"] == 0
     assert_same_state(snapshot.load(snapshot.named_latest(snapshots)), final, "the replica")
+
+
+def test_an_unrecoverable_iteration_is_healed_by_the_trainers_fallback_checkpoint(work, reference):
+    """Rank 1's allgather sends of iteration LOST never reach the appliance: when the next
+    iteration shows it incomplete, the replica goes stale and asks for a checkpoint; the
+    trainer's handler hands back the state of its next boundary, placed by its time_ns, and
+    the replica resynchronises from it and follows the trainer to the end."""
+    job, _, final = reference
+    lost = ITERATIONS - 3
+    endpoint = Endpoint(work)
+    network = Network(work / "sim", job, work / "healed", start_state(work, "reference"), work / "control.token",
+                      "http://127.0.0.1:9/not-yet", lose=lost)
+    endpoint.network = network
+    trainer = Trainer(work, "healed", endpoint.url, resume=work / "start-reference.pt")
+    try:
+        network.app.control.endpoint = endpoint_of(work, "healed", trainer)
+        trainer.wait()
+    finally:
+        trainer.kill()
+        endpoint.close()
+    got = events(work / "healed")
+    fallback = next(e for e in got if e["event"] == "fallback")
+    assert fallback["iteration"] == lost and "fallback_post_failed" not in [e["event"] for e in got], got
+    handed = f"fallback-{lost + 2:08d}.pt"          # asked while the trainer was at lost + 2
+    # Placed by its time_ns at the first captured iteration to begin after it, and resynced from.
+    assert [(e["iteration"], Path(e["source"].split()[-1]).name) for e in got if e["event"] == "anchor.placed"] == \
+        [(lost + 2, handed)]
+    assert [e["iteration"] for e in got if e["event"] == "resync"] == [lost + 2]
+    counts = torch.load(work / "final-healed.pt", weights_only=True)["fallback"]
+    assert (counts["requests"], counts["handed_back"], counts["failed"]) == (1, 1, 0)
+    assert [Path(p).name for p in counts["checkpoints"]] == [handed]
+    said = answers(work, "healed")
+    assert [a["iteration"] for a in said if "refused" in a["answer"]] == [lost + 3]     # sent while stale
+    assert not network.app.replica.stale and network.app.status().diverged == 0
+    assert_same_state(snapshot.load(snapshot.named_latest(work / "healed" / "snapshots")), final, "the healed replica")

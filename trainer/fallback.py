@@ -34,6 +34,7 @@ import http.server
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -120,7 +121,13 @@ class FallbackHandler:
         self._lock = threading.Lock()
         self._pending: dict | None = None      # the request waiting for a boundary
         self._tries = 0                        # boundaries the pending request failed at
-        self._server = http.server.HTTPServer((settings.address, settings.port), _handler_class(self))
+        family = socket.AF_INET6 if ":" in settings.address else socket.AF_INET
+        server_class = type("FallbackServer", (http.server.HTTPServer,), {"address_family": family})
+        try:
+            self._server = server_class((settings.address, settings.port), _handler_class(self))
+        except (OSError, OverflowError) as exc:
+            raise ConfigError(f"fallback endpoint {settings.address}:{settings.port}: cannot listen "
+                              f"({getattr(exc, 'strerror', None) or exc}); choose another port or address") from None
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="gradtap-fallback", daemon=True)
         self._thread.start()
@@ -129,7 +136,9 @@ class FallbackHandler:
     def endpoint(self) -> str:
         """The URL the appliance POSTs to: the job's ``appliance.control_endpoint``."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}{self.settings.path}"
+        if host in ("0.0.0.0", "::"):         # every interface: the name other hosts reach this one by
+            host = socket.getfqdn()
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}{self.settings.path}"
 
     @property
     def pending(self) -> dict | None:

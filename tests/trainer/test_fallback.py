@@ -160,3 +160,10 @@ def test_a_token_file_that_holds_no_token_is_refused(tmp_path):
     (tmp_path / "t").write_text("short\n")
     with pytest.raises(ConfigError, match="control token file .*: not a token"):
         FallbackHandler(FallbackSettings("http://127.0.0.1:9", tmp_path / "t", tmp_path))
+
+
+def test_a_port_in_use_is_refused_by_name(plane, tmp_path):
+    _, _, handler, _ = plane
+    port = int(handler.endpoint.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(ConfigError, match=f"fallback endpoint 127.0.0.1:{port}: cannot listen"):
+        FallbackHandler(FallbackSettings("http://127.0.0.1:9", tmp_path / "control.token", tmp_path, port=port))

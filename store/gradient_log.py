@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -53,6 +54,7 @@ import numpy as np
 
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.store.object_store import SnapshotStore
+from gradtap.store.uploader import NICE
 from gradtap.updater.replica import WIRE_NUMPY, Replica
 from gradtap.updater.replica_origin import JOB_SECTIONS, ReplicaOrigin
 from gradtap.workload.spec import JobSpec
@@ -432,6 +434,10 @@ class GradientLog:
     # -- the writer thread --
 
     def _loop(self) -> None:
+        try:            # as the uploader's: the update path wins the cores it shares with us
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        except (OSError, AttributeError):
+            pass
         last: tuple[int, str] | None = None            # (iteration, object sha256) last written
         failures, delay, since_retain = 0, self.retry_min_s, 0
         while True:

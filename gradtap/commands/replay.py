@@ -43,7 +43,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from rich.console import Console
 
     from gradtap.checkpoints import load_checkpoint, start_checkpoint
-    from gradtap.progress import replay_progress
+    from gradtap.progress import records_progress, replay_progress
     from gradtap.replay import match_streams, run_replay
     from gradtap.tables import events_table, iteration_table
     from gradtap.job_file import open_job
@@ -59,14 +59,15 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
                       "survive single mirror-link losses; expect unrecoverable iterations "
                       "(see `gradtap netconfig plan` for the probability)")
     checkpoints = [load_checkpoint(path) for path in resync]
+    if start_from_store:
+        with records_progress(console, "replaying the store's gradient log") as progress:
+            begin = store_start(job, progress)
+    else:
+        begin = start_checkpoint(job, start)
     with replay_progress(console, streams) as progress:
-        result, sink = run_replay(job, streams, out,
-                                  store_start(job) if start_from_store else start_checkpoint(job, start),
-                                  digests=digests, progress=progress, resync=checkpoints, force=force,
+        result, sink = run_replay(job, streams, out, begin, digests=digests, progress=progress, resync=checkpoints, force=force,
                                   gradients=gradients,
-                                  start_source=f"--start {start}" if start else
-                                  f"the store {job.appliance.store.url}" if start_from_store else
-                                  f"initial_state of {job_path}")
+                                  start_source=f"--start {start}" if start else f"initial_state of {job_path}")
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
     state = "[red]stale[/]" if sink.replica.stale else "current" if sink.applied else \

@@ -112,6 +112,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.control_server import ControlServer, ControlSettings
     from gradtap.job_file import open_job
     from gradtap.start import replica_start
+    from gradtap.progress import records_progress
     from gradtap.store_tier import store_start, with_store
     from gradtap.tables import status_table
 
@@ -126,7 +127,8 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                          force=force)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
     if start_from_store:
-        begin = store_start(job)
+        with records_progress(console, "replaying the store's gradient log") as progress:
+            begin = store_start(job, progress)
     else:
         start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
         checkpoint = start_checkpoint(job, start) if start or job.initial_state.checkpoint else None

@@ -36,7 +36,9 @@ ITERATIONS = 7            # captured iterations 1..7; snapshots ready for 3, 6 a
 
 def logged_job(url: str):
     job = with_store(make_job(3, "LL", 2, "fp32"), url)
-    store = job.appliance.store.model_copy(update={"keep_last": 10, "gradient_log": True})
+    # Offline, the replay runs faster than the log thread on a loaded machine: room for every record.
+    store = job.appliance.store.model_copy(update={"keep_last": 10, "gradient_log": True,
+                                                   "gradient_log_queue": ITERATIONS + 1})
     return job.model_copy(update={"appliance": job.appliance.model_copy(update={"snapshot_every": 3,
                                                                                 "store": store})})
 

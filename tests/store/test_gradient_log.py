@@ -69,9 +69,10 @@ def truth_grad(truth, iteration) -> np.ndarray:
     return np.load(iteration_dir(truth, iteration) / "grad.npy").view(np.uint8).reshape(-1)
 
 
-def feed(job, truth, store, local, *, queue=3, until=ITERATIONS) -> tuple[Replica, GradientLog]:
+def feed(job, truth, store, local, *, queue=ITERATIONS + 1, until=ITERATIONS) -> tuple[Replica, GradientLog]:
     """A replica started from the truth's start state steps through the true gradients of
-    iterations 1..``until``, logging each and snapshotting every ``EVERY`` (uploaded)."""
+    iterations 1..``until``, logging each and snapshotting every ``EVERY`` (uploaded). The log
+    holds every gradient (``queue``) so that a loaded machine makes no gap here."""
     replica = Replica(job, start_of(truth))
     origin = ReplicaOrigin.of(replica)
     uploader = Uploader(store)

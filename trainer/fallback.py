@@ -152,9 +152,9 @@ class FallbackHandler:
         The checkpoint handed back, or ``None`` (nothing pending, or the hand-back failed:
         logged, counted, tried again at the next boundary). ``model`` may be the DDP wrapper."""
         with self._lock:
-            if self._pending is None:
-                return None
-            request = dict(self._pending)
+            request = self._pending      # a request that comes while this one is handled stays pending
+        if request is None:
+            return None
         time_ns = time.time_ns()         # the state is the trainer's from here until the next step
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         path = Path(self.settings.checkpoint_dir).resolve() / f"{PREFIX}{iteration:08d}.pt"
@@ -169,7 +169,8 @@ class FallbackHandler:
         log.info("fallback of iteration %s (%s): checkpoint of iteration %d handed back, %s", request["iteration"],
                  request.get("reason"), iteration, answer.get("note", "accepted"))
         with self._lock:
-            self._pending, self._tries = None, 0
+            if self._pending is request:
+                self._pending, self._tries = None, 0
             self.counts.handed_back += 1
             self.counts.checkpoints.append(path)
         return path
@@ -192,7 +193,7 @@ class FallbackHandler:
         """Record a fallback event; whether it coalesced into one already pending."""
         with self._lock:
             coalesced = self._pending is not None
-            self._pending = event
+            self._pending, self._tries = event, 0
             self.counts.requests += 1
             self.counts.coalesced += coalesced
         log.warning("the appliance asks for a checkpoint (fallback of iteration %s: %s); saved at the next step "
@@ -232,8 +233,7 @@ class FallbackHandler:
         with self._lock:
             self.counts.failed += 1
             self._tries += 1
-            give_up = self._tries >= self.settings.attempts and self._pending is not None \
-                and self._pending["iteration"] == request["iteration"]
+            give_up = self._tries >= self.settings.attempts and self._pending is request
             if give_up:
                 self._pending, self._tries = None, 0
                 self.counts.abandoned += 1

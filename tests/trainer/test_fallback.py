@@ -27,9 +27,11 @@ class Appliance:
     def __init__(self):
         self.offers: list[dict] = []
         self.refuse: str | None = None
+        self.meanwhile = lambda: None        # what happens while an offer is read
 
     def offer(self, checkpoint: dict, source: str) -> list[int]:
         del source
+        self.meanwhile()
         if self.refuse:
             raise ConfigError(self.refuse)
         self.offers.append(checkpoint)
@@ -91,6 +93,18 @@ def test_repeated_requests_coalesce_into_one_checkpoint(plane):
     assert (handler.counts.requests, handler.counts.coalesced) == (2, 1)
     handler.step_boundary(model, optimizer, 7)
     assert len(appliance.offers) == 1 and handler.step_boundary(model, optimizer, 8) is None
+
+
+def test_a_request_that_comes_during_the_hand_back_stays_pending(plane):
+    appliance, _, handler, control = plane
+    model, optimizer = trained()
+    control.fallback(5, "a hole")
+    appliance.meanwhile = lambda: control.fallback(6, "another hole, found while the checkpoint was read")
+    assert handler.step_boundary(model, optimizer, 6) is not None
+    assert handler.pending["iteration"] == 6          # answered at the next boundary, not lost
+    appliance.meanwhile = lambda: None
+    assert handler.step_boundary(model, optimizer, 7) is not None and handler.pending is None
+    assert handler.counts.handed_back == 2
 
 
 def _post(url: str, body: bytes, headers: dict) -> tuple[int, dict]:

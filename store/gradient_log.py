@@ -536,22 +536,22 @@ def rebuild(job: JobSpec, store: SnapshotStore, at: int | None = None,
 
 
 def _check_reachable(k: int, at: int, logged: set[int], ready: list[int], url: str) -> None:
-    missing = [j for j in range(k, at) if j not in logged]
-    if not missing:
+    first = k                   # the first iteration from k on without a record (``at``: none is missing)
+    while first < at and first in logged:
+        first += 1
+    if first == at:
         return
     newest = max(logged, default=None)
-    if newest is None or missing[0] > newest:
+    if newest is None or first > newest:
         reach = newest + 1 if newest is not None and newest >= k else k
         raise GradtapError(f"restore --at {at}: past the newest logged iteration ({newest if newest is not None else 'none'}"
                            f" in {url}); from the snapshot of iteration {k} the log rebuilds up to --at {reach}")
-    end = missing[0]
-    while end + 1 < at and end + 1 not in logged:
-        end += 1
+    end = min(i for i in logged if i > first) - 1          # the gap: first..end
     after = [r for r in ready if r > end]
     hint = f"; the first READY snapshot after it is iteration {after[0]}" if after else ""
-    raise GradtapError(f"restore --at {at}: the gradient log has a gap: iteration{'s' if end > missing[0] else ''} "
-                       f"{missing[0]}{f'..{end}' if end > missing[0] else ''} not logged, so from the snapshot of "
-                       f"iteration {k} it rebuilds up to --at {missing[0]} only{hint}")
+    raise GradtapError(f"restore --at {at}: the gradient log has a gap: iteration{'s' if end > first else ''} "
+                       f"{first}{f'..{end}' if end > first else ''} not logged, so from the snapshot of "
+                       f"iteration {k} it rebuilds up to --at {first} only{hint}")
 
 
 def _replay(job: JobSpec, logstore: LogStore, checkpoint: dict, k: int, at: int | None, logged: set[int],

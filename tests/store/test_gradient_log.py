@@ -138,6 +138,8 @@ def test_restore_at_every_iteration_between_snapshots_equals_the_truth(sim, tmp_
         rebuild(job, store, 2)
     with pytest.raises(GradtapError, match=r"--at 10: past the newest logged iteration \(7 .* up to --at 8"):
         rebuild(job, store, 10)
+    with pytest.raises(GradtapError, match=r"past the newest logged iteration \(7 .* up to --at 8"):
+        rebuild(job, store, 10 ** 15)                # answered at once, nothing sized by it
 
 
 @pytest.mark.slow

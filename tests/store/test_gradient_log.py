@@ -239,6 +239,41 @@ def test_a_slow_store_drops_records_as_counted_gaps_and_never_blocks_the_update_
 
 
 @pytest.mark.slow
+def test_a_failing_store_is_retried_and_a_resync_begins_a_new_chain(sim, tmp_path, monkeypatch):
+    job, truth = sim
+    store = store_of("file", tmp_path, None, job)
+    write, failures = LogStore.write, [OSError("store down"), OSError("store down")]
+
+    def flaky(self, entry, blob):
+        if entry.iteration == 2 and failures:
+            raise failures.pop()
+        write(self, entry, blob)
+
+    monkeypatch.setattr(LogStore, "write", flaky)
+    replica = Replica(job, start_of(truth))
+    gradlog = GradientLog.for_replica(store, replica, ReplicaOrigin.of(replica), queue=4, retry_min_s=0.01,
+                                      retry_max_s=0.02)
+    events = []
+    gradlog.on_event = lambda kind, **fields: events.append((kind, fields.get("attempt")))
+    for i in (1, 2, 3):
+        apply(replica, gradlog, i, truth_grad(truth, i))
+    gradlog.chain_break()                        # what ReplicaSink does when the replica resyncs
+    apply(replica, gradlog, 4, truth_grad(truth, 4))
+    assert gradlog.wait_idle(30)
+    gradlog.close(10)
+    assert gradlog.counts() == {"logged": 4, "dropped": 0, "failed": 2, "last_logged": 4}
+    assert events == [("gradlog.failed", 1), ("gradlog.failed", 2)]
+    log = LogStore(store)
+    assert log.entry(1).base is not None and log.entry(2).prev == log.entry(1).sha256   # retried, still chained
+    assert log.entry(4).prev is None and log.entry(4).base is None
+    with pytest.raises(GradtapError, match="no READY snapshot of job"):
+        rebuild(job, store, 3)
+    store.put_bytes("snapshots/000001/MANIFEST", b"")           # a manifest that is none: nothing verifies
+    with pytest.raises(GradtapError, match="no READY snapshot .* at or before iteration 3 verifies"):
+        rebuild(job, store, 3)
+
+
+@pytest.mark.slow
 def test_retention_deletes_records_before_the_oldest_ready_snapshot(sim, tmp_path):
     job, truth = sim
     store = store_of("file", tmp_path, None, job)

@@ -61,6 +61,8 @@ class IterationTiming:
 
 
 AnchorOutcome = Callable[[Anchor, "int | None", "str | None"], None]   # anchor, ordinal placed at, or why refused
+# The merger a pipeline builds once it has a plan: Merger, or a mirror group's (merger/group.py).
+MergerFactory = Callable[[WirePlan, list, Sink, "int | None", int], Merger]
 HOLD_BYTES = 1 << 30      # frames held per stream while the job's era and protocols are read from the wire
 
 
@@ -70,13 +72,15 @@ class Pipeline:
     holds in flight, and hands what is complete to the sink, numbered by the trainer's
     iteration from ``first_iteration`` (that of the capture's first iteration), or, when that
     is None, from where an :meth:`anchor` falls (``merger/numbering.py``); ``on_anchor`` hears
-    where each anchor fell, or why it could not be placed."""
+    where each anchor fell, or why it could not be placed. ``merger`` builds the merger from
+    the plan, the streams, the sink, the first iteration and the settle time."""
 
     def __init__(self, job: JobSpec, plan: WirePlan | None, streams: list[str], sink: Sink,
                  first_iteration: int | None = 0, on_lockon_failed: Callable[[LockFailure], None] | None = None,
                  on_anchor: AnchorOutcome | None = None, on_resolved: Callable[[Resolution], None] | None = None,
-                 hold_bytes: int = HOLD_BYTES):
+                 hold_bytes: int = HOLD_BYTES, merger: MergerFactory = Merger):
         gap = job.appliance.iteration_gap_ns
+        self._make_merger = merger
         self.job, self.streams, self.gap_ns = job, list(streams), gap
         self._on_lockon_failed = on_lockon_failed
         self._on_anchor = on_anchor
@@ -104,7 +108,7 @@ class Pipeline:
     def _build(self, job: JobSpec, plan: WirePlan) -> None:
         self.job = job
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns) for name in self.streams}
-        self.merger = Merger(plan, self.streams, self._sink, self._first_iteration, settle_ns=self.gap_ns)
+        self.merger = self._make_merger(plan, self.streams, self._sink, self._first_iteration, self.gap_ns)
 
     @property
     def resolved(self) -> bool:

@@ -26,10 +26,10 @@ from gradtap.capture.pcap import PcapReader
 from gradtap.control import ControlPlane
 from gradtap.core.errors import ConfigError
 from gradtap.gradient_dump import GradientDump
-from gradtap.merger.merger import IterationReport, Sink
+from gradtap.merger.merger import IterationReport, Merger, Sink
 from gradtap.parser.lockon import LockFailure
 from gradtap.parser.resolve import Resolution
-from gradtap.pipeline import IterationTiming, Pipeline, StageTimes
+from gradtap.pipeline import IterationTiming, MergerFactory, Pipeline, StageTimes
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, ReplicaStart, replica_start
 from gradtap.store_tier import gradient_log_for, store_close_timeout, uploader_for
@@ -142,15 +142,18 @@ def match_streams(job: JobSpec, pcaps: list[str]) -> dict[str, Path]:
 def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Sink, *, batch_frames: int = 65536,
            progress: Progress = _no_progress, first_iteration: int = 0,
            on_lockon_failed: Callable[[LockFailure], None] | None = None,
-           numbering: Numbering | None = None, on_resolved: Callable[[Resolution], None] | None = None) -> ReplayResult:
+           numbering: Numbering | None = None, on_resolved: Callable[[Resolution], None] | None = None,
+           merger: MergerFactory = Merger) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``, numbering iterations from
     ``first_iteration`` (the trainer's iteration of the captures' first one), or as ``numbering``
     says (``gradtap/start.py``); never hangs (ends at EOF). ``plan`` None: the job's ``auto``
-    fields are read from the wire first (``on_resolved`` hears what they are)."""
+    fields are read from the wire first (``on_resolved`` hears what they are). ``merger``: the
+    pipeline's merger (a mirror group's, ``gradtap/group.py``)."""
     if numbering is not None:
         first_iteration = numbering.start.first_iteration
     pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration, on_lockon_failed,
-                        on_anchor=None if numbering is None else numbering.placed, on_resolved=on_resolved)
+                        on_anchor=None if numbering is None else numbering.placed, on_resolved=on_resolved,
+                        merger=merger)
     if numbering is not None:
         numbering.attach(pipeline)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}

@@ -1,8 +1,8 @@
 """The mirror group's link: the appliances of one DP group, talking over ``torch.distributed``'s gloo.
 
-The nodes of a group rendezvous once (``tcp://HOST:PORT``, rank 0 hosting the store, or
-``file:///PATH`` on a shared file system) and then exchange byte strings pairwise: gloo's
-``send``/``recv`` over TCP, the engine PyTorch itself uses, so gradtap writes no transport.
+The nodes of a group rendezvous once (``MirrorGroupSpec.rendezvous``: ``tcp://HOST:PORT``,
+rank 0 hosting the store, or ``file:///PATH`` on a shared file system) and then exchange
+byte strings pairwise: gloo's ``send``/``recv`` over TCP, the engine PyTorch itself uses, so gradtap writes no transport.
 Every message is a length (``int64[1]``) followed by its bytes, each pair of nodes in
 lockstep, so an exchange is one round in which every node sends one message to every peer
 (maybe empty) and receives one from each.
@@ -20,54 +20,16 @@ command line's ``--help``.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
-from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.core.errors import GradtapError
+from gradtap.workload.spec import MirrorGroupSpec
 
 SIZE_TAG, DATA_TAG = 1, 2
-
-
-@dataclass(frozen=True)
-class GroupConfig:
-    """Where this node stands in its mirror group.
-
-    ``rendezvous``: ``tcp://HOST:PORT`` (rank 0 listens there) or ``file:///PATH`` (a file
-    every node can reach, absent or empty before the group starts). ``interface``: the
-    network interface gloo's own connections use (e.g. a dedicated veth); empty: the one
-    ``hostname`` resolves to, or 127.0.0.1 for a ``tcp://127.0.0.1`` rendezvous.
-    ``timeout_s``: how long any one wait may take, rendezvous included.
-    """
-
-    rank: int
-    world_size: int
-    rendezvous: str
-    timeout_s: float = 60.0
-    interface: str = ""
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ConfigError(f"mirror group: world_size is {self.world_size}; expected 1 or more nodes")
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"mirror group: rank is {self.rank}; expected 0..{self.world_size - 1} "
-                              f"(world_size {self.world_size})")
-        if not self.timeout_s > 0:
-            raise ConfigError(f"mirror group: timeout_s is {self.timeout_s}; expected seconds > 0")
-        url = urlparse(self.rendezvous)
-        if url.scheme == "tcp":
-            if not url.hostname or url.port is None:
-                raise ConfigError(f"mirror group: rendezvous {self.rendezvous!r} needs a host and port "
-                                  "(tcp://HOST:PORT)")
-        elif url.scheme == "file":
-            if not url.path:
-                raise ConfigError(f"mirror group: rendezvous {self.rendezvous!r} needs a path (file:///PATH)")
-        else:
-            raise ConfigError(f"mirror group: rendezvous {self.rendezvous!r} is neither tcp://HOST:PORT "
-                              "nor file:///PATH")
 
 
 class GroupBroken(GradtapError):
@@ -91,7 +53,7 @@ class PeerGone(GroupBroken):
 class GroupLink:
     """Pairwise byte messages between the nodes of one mirror group (see the module docstring)."""
 
-    def __init__(self, cfg: GroupConfig):
+    def __init__(self, cfg: MirrorGroupSpec):
         self.cfg = cfg
         self.rank, self.world = cfg.rank, cfg.world_size
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
@@ -105,20 +67,23 @@ class GroupLink:
     def _connect(self):
         cfg = self.cfg
         url = urlparse(cfg.rendezvous)
-        if url.scheme == "tcp":
-            store = dist.TCPStore(url.hostname, url.port, cfg.world_size, cfg.rank == 0, timeout=self.timeout,
-                                  wait_for_workers=False)
-            host = url.hostname if url.hostname in ("127.0.0.1", "localhost") else ""
-        else:
-            store = dist.FileStore(str(Path(url.path)), cfg.world_size)
-            store.set_timeout(self.timeout)
-            host = ""
+        host = url.hostname if url.scheme == "tcp" and url.hostname in ("127.0.0.1", "localhost") else ""
         options = dist.ProcessGroupGloo._Options()
         options._timeout = self.timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(interface=cfg.interface) if cfg.interface
-                            else dist.ProcessGroupGloo.create_device(hostname=host)
-                            if host else dist.ProcessGroupGloo.create_default_device()]
+        if cfg.interface:
+            device = dist.ProcessGroupGloo.create_device(interface=cfg.interface)
+        elif host:
+            device = dist.ProcessGroupGloo.create_device(hostname=host)
+        else:
+            device = dist.ProcessGroupGloo.create_default_device()
+        options._devices = [device]
         try:
+            if url.scheme == "tcp":
+                store = dist.TCPStore(url.hostname, url.port, cfg.world_size, cfg.rank == 0, timeout=self.timeout,
+                                      wait_for_workers=False)
+            else:
+                store = dist.FileStore(str(Path(url.path)), cfg.world_size)
+                store.set_timeout(self.timeout)
             return dist.ProcessGroupGloo(store, cfg.rank, cfg.world_size, options)
         except RuntimeError as exc:
             raise PeerGone({p: _first_line(exc) for p in range(cfg.world_size) if p != cfg.rank},

@@ -358,6 +358,42 @@ class StoreSpec(_Strict):
         return self
 
 
+class MirrorGroupSpec(_Strict):
+    """This appliance's place among the CPU nodes its DP group's mirror streams arrive at: they
+    merge over torch.distributed's gloo and each steps a shard of the replica (merger/group.py,
+    docs/group.md). ``gradtap netconfig plan`` writes one per group and node."""
+
+    rank: int = Field(..., ge=0, description="this node's rank in the group, 0..world_size-1")
+    world_size: int = Field(..., ge=1, description="the group's CPU nodes")
+    rendezvous: str = Field(..., description="tcp://HOST:PORT (rank 0 listens there) or file:///PATH (a file every "
+                            "node reaches, absent before the group starts)")
+    timeout_s: float = Field(60.0, gt=0, description="longest wait for a peer, rendezvous included; a peer silent "
+                             "this long is reported gone")
+    interface: str = Field("", description="network interface for the group's own traffic (unset: the one the "
+                           "host name resolves to)")
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _rendezvous(cls, v: str) -> str:
+        if not re.fullmatch(r"tcp://[^\s/:]+:\d{1,5}|tcp://\[[0-9a-fA-F:.]+\]:\d{1,5}|file:///\S+", v):
+            raise ValueError(f"{v!r} is neither tcp://HOST:PORT nor file:///PATH")
+        return v
+
+    @model_validator(mode="after")
+    def _rank_in_group(self) -> "MirrorGroupSpec":
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside the group (ranks 0..{self.world_size - 1})")
+        return self
+
+
+def parse_mirror_group(data: dict[str, Any], source: str) -> MirrorGroupSpec:
+    """A mirror group from flags (``source`` names them in errors)."""
+    try:
+        return MirrorGroupSpec.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(source, err).replace("invalid job spec", "invalid mirror group")) from None
+
+
 class ApplianceSpec(_Strict):
     """How the appliance runs this job (capture, parse, merge, update, snapshot)."""
 
@@ -375,6 +411,8 @@ class ApplianceSpec(_Strict):
                                           "checkpoints from")
     store: StoreSpec | None = Field(None, description="durable store tier the snapshots are uploaded to "
                                     "(unset: the local directory only)")
+    mirror_group: MirrorGroupSpec | None = Field(None, description="the CPU nodes this job's streams arrive at, "
+                                                 "when not all at this one (unset: every stream comes here)")
 
     @field_validator("control_endpoint")
     @classmethod

@@ -89,12 +89,13 @@ class Recorder:
 def node(rank, world, rendezvous, streams, group_only, die_at, out):
     """One appliance of the group: merge its streams, put what it handed and reported on ``out``."""
     from gradtap.merger.group import GroupMerger
-    from gradtap.merger.group_link import GroupConfig, GroupLink
+    from gradtap.merger.group_link import GroupLink
+    from gradtap.workload.spec import MirrorGroupSpec
 
     plan = job_plan(group_job())
     data = scenario(plan, group_only)
     sink = Recorder(die_at)
-    link = GroupLink(GroupConfig(rank, world, rendezvous, timeout_s=30))
+    link = GroupLink(MirrorGroupSpec(rank=rank, world_size=world, rendezvous=rendezvous, timeout_s=30))
     merger = GroupMerger(plan, streams, sink, link, Shards.balanced(plan.bucket_numels, world), STREAMS,
                          first_iteration=10)
     for s in streams:

@@ -86,13 +86,14 @@ def test_norm_messages_keep_the_float32_bits():
 def shard_coefficient(rank, world, rendezvous, max_norm, out):
     """One node: the norms of its parameters, all-gathered over gloo, then the total and the
     coefficient as every node computes them."""
-    from gradtap.merger.group_link import GroupConfig, GroupLink
+    from gradtap.merger.group_link import GroupLink
+    from gradtap.workload.spec import MirrorGroupSpec
 
     gs = grads(5)
     mine = [i for i in range(len(gs)) if i % world == rank]
     norms = ShardNorms(len(gs))
     norms.add(mine, [gs[i] for i in mine])
-    link = GroupLink(GroupConfig(rank, world, rendezvous, timeout_s=30))
+    link = GroupLink(MirrorGroupSpec(rank=rank, world_size=world, rendezvous=rendezvous, timeout_s=30))
     messages = link.all_gather(encode_norms(norms.own()), "norms")
     link.close()
     for r, m in enumerate(messages):

@@ -1,0 +1,136 @@
+"""One node of a mirror group: its streams merged with the group's (``merger/group.py``), its
+shard of the replica stepped (``updater/shard.py``), what happened reported.
+
+:class:`GroupSink` is the :class:`~gradtap.replica_sink.ReplicaSink` of a shard. Before a
+clipped iteration ends it all-gathers the shards' gradient norms, every node for every
+iteration the group recovered, so that the rounds stay in step: a node whose shard cannot
+step sends none, and then no shard steps (the clip coefficient needs every norm). An
+iteration the group could not finish because a peer is gone is a fallback naming the peers
+(``group.peer_gone`` on the control plane, then ``fallback``), and the replica is stale.
+
+:func:`run_group_replay` is ``gradtap replay --group``: :func:`gradtap.replay.replay` with
+the group's merger and this sink, into one output directory per node.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from gradtap.control import ControlPlane
+from gradtap.core.errors import ConfigError
+from gradtap.merger.group import GroupMerger
+from gradtap.merger.group_link import GroupBroken, GroupLink
+from gradtap.merger.merger import IterationReport, Sink
+from gradtap.replay import Progress, ReplayResult, replay
+from gradtap.replica_sink import ReplicaSink
+from gradtap.start import Numbering, replica_start
+from gradtap.updater.shard import ShardReplica
+from gradtap.workload.layout import job_buckets, job_plan
+from gradtap.workload.shards import Shards
+from gradtap.workload.spec import JobSpec, MirrorGroupSpec
+from gradtap.workload.wire_plan import WirePlan
+
+
+class GroupSink(ReplicaSink):
+    """Applies this node's buckets to its shard ``replica``; gathers the shards' norms over ``link``."""
+
+    def __init__(self, replica: ShardReplica, control: ControlPlane, link: GroupLink, *,
+                 report_path: Path | None = None):
+        super().__init__(replica, control, report_path=report_path)
+        self.link = link
+
+    def iteration_done(self, iteration: int, report: IterationReport) -> None:
+        if report.recovered and not report.lost_peers and self.replica.cfg.clip_grad_norm:
+            try:
+                self._gather_norms(iteration)
+            except GroupBroken as exc:
+                report.recovered = False
+                report.lost_peers.update(exc.peers)
+        if report.lost_peers:
+            self._lost(iteration, report)
+            return
+        super().iteration_done(iteration, report)
+
+    def _gather_norms(self, iteration: int) -> None:
+        r = self.replica
+        mine = r.shard_norms() if r.open_iteration == iteration and not r.stale else b""
+        messages = self.link.all_gather(mine, f"iteration {iteration} gradient norms")
+        absent = [rank for rank, m in enumerate(messages) if not m]
+        if mine and absent:
+            self._fallback(iteration, f"mirror group: node ranks {absent} have no gradient norms of iteration "
+                                      f"{iteration} (their shards are stale); the clip coefficient needs every "
+                                      "shard's")
+        elif mine:
+            r.add_norms({rank: m for rank, m in enumerate(messages) if rank != self.link.rank})
+
+    def _lost(self, iteration: int, report: IterationReport) -> None:
+        peers = {str(p): why for p, why in sorted(report.lost_peers.items())}
+        self.control.event("group.peer_gone", iteration=iteration, rank=self.link.rank, peers=peers)
+        self._fallback(iteration, "mirror group: " + "; ".join(f"node rank {p} is gone ({why})"
+                                                               for p, why in peers.items())
+                       + "; its shard of this iteration cannot be completed", lost_peers=peers)
+        line = {"iteration": iteration, "recovered": False, "coverage": report.coverage, "lost_peers": peers,
+                "missing_blocks": report.missing_blocks, "contradicted_blocks": report.contradicted_blocks,
+                "mismatches": [], "stale": True}
+        self.lines.append(line)
+        if self.report_path is not None:
+            self._unreported.append(line)
+            self._report()
+
+    def _fallback(self, iteration: int, reason: str, **fields) -> None:
+        r = self.replica
+        if r.open_iteration is not None:
+            r.abort()
+        else:
+            r.stale = True
+        self.control.fallback(iteration, reason, **fields)
+
+
+def group_merger(link: GroupLink, shards: Shards, job: JobSpec):
+    """The pipeline's merger factory for a node of the group (``Pipeline(merger=...)``)."""
+    order = [m.name for m in job.mirrors]
+
+    def make(plan: WirePlan, streams: list[str], sink: Sink, first: int | None, settle_ns: int) -> GroupMerger:
+        return GroupMerger(plan, streams, sink, link, shards, order, first, settle_ns)
+    return make
+
+
+def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, group: MirrorGroupSpec, *,
+                     batch_frames: int = 65536, progress: Progress | None = None,
+                     start_source: str = "the start state") -> tuple[ReplayResult, GroupSink]:
+    """Replay this node's ``pcaps`` as node ``group.rank`` of a mirror group, its shard of a
+    replica initialised from ``start``, into ``out``: ``iterations.jsonl``, ``events.jsonl``,
+    ``replay.json`` (with the group's figures: its shard, bytes sent to and received from
+    peers against the mirrored bytes read)."""
+    if not job.nccl.resolved:
+        raise ConfigError("mirror group: nccl.era and nccl.protocol must be given (not auto) for a group, so that "
+                          "every node shards the same bucket layout from the start")
+    out.mkdir(parents=True, exist_ok=True)
+    begin = replica_start(job, start, start_source)
+    shards = Shards.balanced([b.numel for b in job_buckets(job)], group.world_size)
+    replica = ShardReplica(job, begin.checkpoint, shards, group.rank)
+    for stale in ("iterations.jsonl", "events.jsonl"):
+        (out / stale).unlink(missing_ok=True)
+    control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
+    numbering = Numbering(begin, replica, control)
+    started = time.perf_counter()
+    link = GroupLink(group)
+    try:
+        sink = GroupSink(replica, control, link, report_path=out / "iterations.jsonl")
+        result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, numbering=numbering,
+                        merger=group_merger(link, shards, job),
+                        on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()),
+                        **({} if progress is None else {"progress": progress}))
+    finally:
+        link.close()
+    (out / "replay.json").write_text(json.dumps({
+        "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": time.perf_counter() - started,
+        "frames": result.frames, "bytes": result.bytes, "events": result.counters, "iterations": sink.lines,
+        "stale": replica.stale, "locked": result.locked, "timings": [t.__dict__ for t in result.timings],
+        "group": {"rank": group.rank, "world_size": group.world_size, "buckets": replica.stepped_buckets(),
+                  "elements": [replica.shard.start, replica.shard.stop], "sent_bytes": link.sent_bytes,
+                  "received_bytes": link.received_bytes, "mirrored_bytes": sum(result.bytes.values())}},
+        indent=1))
+    return result, sink

@@ -191,7 +191,8 @@ def apply_command(plan: Path, linux: bool, switch: str | None, netns: str | None
 
 
 @netconfig_app.command("teardown")
-@click.argument("plan", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="[PLAN]")
+@click.argument("plan", required=False, type=click.Path(exists=True, dir_okay=False, path_type=Path), metavar="[PLAN]",
+                help="plan.json from `gradtap netconfig plan`, only to name the switch (or give --switch or --state)")
 @click.option("--linux", is_flag=True, help="remove the tc mirroring through netlink on this host")
 @_switch_and_netns
 def teardown_command(plan: Path | None, linux: bool, switch: str | None, netns: str | None,

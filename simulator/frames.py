@@ -185,8 +185,13 @@ def _encode(packets, routes, ipv6_family, arena, out, offsets, lengths):
             out[o + n - ICRC_LEN - 1 - pad if p["payload_len"] else o + n - 1] ^= 0x01
 
 
-def encode_frames(packets: np.ndarray, routes: Routes, arena: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_frames(packets: np.ndarray, routes: Routes, arena: np.ndarray,
+                  scratch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Encode ``packets`` (PACKET_DTYPE) into one contiguous buffer.
+
+    ``scratch``: a uint8 buffer to encode into when it is large enough (the caller reuses it
+    from batch to batch, so its pages fault in once); the data returned is then its first
+    bytes, valid until the caller reuses it.
 
     Returns ``(data uint8[total], offsets int64[n], lengths int32[n])``.
     """
@@ -194,7 +199,8 @@ def encode_frames(packets: np.ndarray, routes: Routes, arena: np.ndarray) -> tup
     lengths = frame_lengths(packets, table.shape[1]).astype(np.int64)
     offsets = np.zeros(len(packets), np.int64)
     np.cumsum(lengths[:-1], out=offsets[1:])
-    data = np.empty(int(lengths.sum()), np.uint8)
+    total = int(lengths.sum())
+    data = scratch[:total] if scratch is not None and len(scratch) >= total else np.empty(total, np.uint8)
     if len(packets):
         _encode(packets, table, routes.ipv6, arena, data, offsets, lengths)
     return data, offsets, lengths.astype(np.int32)

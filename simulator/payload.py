@@ -64,17 +64,38 @@ _LL_DATA_WORDS = [LL_DATA1_OFF // LL_HALF_BYTES, LL_DATA2_OFF // LL_HALF_BYTES]
 _LL_FLAG_WORDS = [LL_FLAG1_OFF // LL_HALF_BYTES, LL_FLAG2_OFF // LL_HALF_BYTES]
 
 
-def encode(protocol: Protocol, data: np.ndarray, flag: int) -> np.ndarray:
-    """The wire payload (uint8) of one send whose element bytes are ``data`` (uint8, 1-D)."""
+def wire_size(protocol: Protocol, nbytes: int) -> int:
+    """Bytes on the wire of one send of ``nbytes`` data bytes (whole protocol units)."""
+    unit, wire_unit = _check_protocol(protocol).unit
+    return -(-nbytes // unit) * wire_unit
+
+
+def encode(protocol: Protocol, data: np.ndarray, flag: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The wire payload (uint8) of one send whose element bytes are ``data`` (uint8, 1-D).
+
+    ``out``: optional C-contiguous uint8 array of exactly :func:`wire_size` bytes to write
+    the payload into (e.g. a slice of a preallocated arena); it is returned.
+    """
     protocol = _check_protocol(protocol)
     data = _check_data(data)
+    size = wire_size(protocol, len(data))
+    if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.shape != (size,)
+                            or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a contiguous uint8 array of {size} bytes, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} {getattr(out, 'shape', None)}")
     unit = protocol.unit[0]
+    if protocol == Protocol.SIMPLE:
+        # The data as they are (and zeros up to the unit): one copy, straight into out.
+        out = np.empty(size, np.uint8) if out is None else out
+        out[:len(data)] = data
+        out[len(data):] = 0
+        return out
     if len(data) % unit:
         padded = np.zeros(-(-len(data) // unit) * unit, dtype=np.uint8)
         padded[:len(data)] = data
     else:
         padded = data
-    return _layout(protocol, padded, np.uint64(flag))
+    return _layout(protocol, padded, np.uint64(flag), out)
 
 
 def encode_batch(protocol: Protocol, data: np.ndarray, offsets: np.ndarray,
@@ -101,20 +122,29 @@ def encode_batch(protocol: Protocol, data: np.ndarray, offsets: np.ndarray,
     return _layout(protocol, padded, np.repeat(flags, units)), wire_offsets
 
 
-def _layout(protocol: Protocol, padded: np.ndarray, unit_flags) -> np.ndarray:
+def _layout(protocol: Protocol, padded: np.ndarray, unit_flags, out: np.ndarray | None = None) -> np.ndarray:
     """Wire bytes of whole protocol units of data; ``unit_flags`` is one flag per unit
-    (LL line, LL128 slice) or a single flag for all."""
+    (LL line, LL128 slice) or a single flag for all. Written into ``out`` (uint8, the wire
+    size) when given."""
     if protocol == Protocol.SIMPLE:
-        return padded.copy()
+        if out is None:
+            return padded.copy()
+        out[:] = padded
+        return out
     unit_flags = np.asarray(unit_flags, dtype=np.uint64)
     if protocol == Protocol.LL:
-        lines = np.empty((len(padded) // LL_LINE_DATA_BYTES, LL_LINE_BYTES // LL_HALF_BYTES), dtype="<u4")
+        shape = (len(padded) // LL_LINE_DATA_BYTES, LL_LINE_BYTES // LL_HALF_BYTES)
+        lines = np.empty(shape, dtype="<u4") if out is None else out.view("<u4").reshape(shape)
         lines[:, _LL_DATA_WORDS] = padded.view("<u4").reshape(-1, 2)
         lines[:, _LL_FLAG_WORDS] = unit_flags.astype("<u4")[..., None]   # NCCL_LL_FLAG: the low 32 bits
         return lines.reshape(-1).view(np.uint8)
     words = padded.view("<u8").reshape(-1, LL128_SLICE_DATA_WORDS)
     # A gather (each wire word from its data word) is several times faster than the scatter.
-    slices = np.take(words, _LL128_WIRE_FROM_DATA, axis=1)
+    if out is None:
+        slices = np.take(words, _LL128_WIRE_FROM_DATA, axis=1)
+    else:
+        slices = out.view("<u8").reshape(len(words), LL128_SLICE_WIRE_WORDS)
+        np.take(words, _LL128_WIRE_FROM_DATA, axis=1, out=slices)
     slices[:, LL128_FLAG_WORD::LL128_LINE_WORDS] = unit_flags.astype("<u8")[..., None]
     return slices.reshape(-1).view(np.uint8)
 

@@ -100,6 +100,7 @@ class Simulation:
             raise ConfigError(f"--format: {fmt!r} is not 'pcap' or 'pcapng'")
         self.job, self.out, self.iterations, self.seed = job, Path(out), iterations, seed
         self.faults, self.timing, self.fmt = faults, timing, fmt
+        self._frames_scratch = np.zeros(0, np.uint8)
 
     def run(self, progress: Callable[[str, int, int], None] = lambda *_: None) -> Summary:
         job = self.job
@@ -216,7 +217,9 @@ class Simulation:
         ``(ts_ns, src, dst, bytes)``; then apply that stream's mirror faults."""
         for s in streams:
             sel = s.select(src, dst)
-            data, offsets, lengths = encode_frames(packets[sel], routes, arena)
+            data, offsets, lengths = encode_frames(packets[sel], routes, arena, self._frames_scratch)
+            if data.base is not self._frames_scratch and len(data) > len(self._frames_scratch):
+                self._frames_scratch = data      # the next batches encode into it (written before reuse)
             ts = packets["ts_ns"][sel]
             extra = [f for f in raw if (f[1] == s.mirror.rank and s.mirror.direction != "ingress")
                      or (f[2] == s.mirror.rank and s.mirror.direction != "egress")]

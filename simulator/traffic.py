@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradtap.simulator.frames import PACKET_DTYPE, Routes
-from gradtap.simulator.payload import encode
+from gradtap.simulator.payload import encode, wire_size
 from gradtap.wire.headers import aeth, eth, ipv6, udp
 from gradtap.wire.headers import opcodes as op
 from gradtap.wire.headers.bth import BTH_LEN
@@ -36,6 +36,8 @@ ETHERNET_FRAMING = 8 + 12 + 4  # preamble + SFD, inter-frame gap, FCS (bytes on 
 # Bytes on the link per packet besides its payload, at most (IPv6, RETH and ImmDt).
 HEADER_OVERHEAD = (eth.ETH_LEN + ipv6.IPV6_LEN + udp.UDP_LEN + BTH_LEN + RETH_LEN + IMMDT_LEN + ICRC_LEN
                    + ETHERNET_FRAMING)
+# Sends start at multiples of this in the payload arena (aligned word views for LL/LL128).
+ARENA_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ class IterationTraffic:
     packets: np.ndarray                      # PACKET_DTYPE
     src: np.ndarray                          # int16 ring position of the sender (-1: outside the ring)
     dst: np.ndarray
-    arena: np.ndarray                        # uint8 payload bytes
+    arena: np.ndarray                        # uint8 payload bytes (the builder's buffer: valid until its next build)
     end_ns: int
     injected: dict[str, int] = field(default_factory=dict)
 
@@ -138,36 +140,51 @@ class TrafficBuilder:
         src_e, dst_i = np.isin(f["src"], list(egress)), np.isin(f["dst"], list(ingress))
         self.payload_flows = src_e | dst_i
         self.ack_flows = np.isin(f["dst"], list(egress)) | np.isin(f["src"], list(ingress))
+        self._arena_buffer = np.zeros(0, np.uint8)
 
     # -- payloads ---------------------------------------------------------------------
+    def _arena(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the payload arena: one buffer reused by every :meth:`build` (grown
+        to the largest), so its pages fault in once per run, not once per bucket."""
+        if len(self._arena_buffer) < nbytes:
+            self._arena_buffer = np.empty(nbytes, np.uint8)
+        return self._arena_buffer[:nbytes]
+
     def _payloads(self, msgs: np.ndarray, steps: np.ndarray, partials: np.ndarray,
-                  arena: list[np.ndarray], sizes: list[int]) -> np.ndarray:
-        """Encode every send once; returns each write's arena offset of its send's bytes."""
+                  cts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Encode every send once, and the CTS writes' payloads (``cts``, the era's records)
+        after them, into the arena; returns ``(arena, start, cts_at)``: ``start`` is each
+        write's arena offset of its send's bytes (-1: none), ``cts_at`` where ``cts`` begins."""
         n = self.plan.world_size
         start = np.full(len(msgs), -1, np.int64)
         cache: dict[tuple, int] = {}
-        total = sum(sizes)
+        sends = []          # (row, first byte, bytes, protocol, flag, arena offset)
+        total = 0
+        flows = self.plan.flows
         for i, m in enumerate(msgs):
             if m["kind"] != DATA or m["msg_bytes"] == 0 or not self.payload_flows[m["flow"]]:
                 continue
             # Parts of one send (split over QPs, or adaptive routing's two writes) share it.
-            src = self.plan.flows["src"][m["flow"]]
+            src = flows["src"][m["flow"]]
             key = (int(m["bucket"]), int(m["channel"]), int(src), int(m["step"]))
             if key in cache:
                 start[i] = cache[key]
                 continue
             row = partials[min(int(m["ring_step"]), n - 1)]
-            data = row[m["elem_offset"]:m["elem_offset"] + m["nelem"]].view(np.uint8)
-            flag = int(steps[i] + 1)
-            wire = encode(Protocol(int(m["protocol"])), data, flag)
-            arena.append(wire)
+            protocol = Protocol(int(m["protocol"]))
+            lo, count = int(m["elem_offset"]), int(m["nelem"])
+            size = wire_size(protocol, count * row.itemsize)
+            sends.append((row, lo, count, protocol, int(steps[i] + 1), total, size))
             cache[key] = start[i] = total
-            total += len(wire)
-            sizes.append(len(wire))
-        return start
+            total += -(-size // ARENA_ALIGN) * ARENA_ALIGN
+        cts_bytes = cts.view(np.uint8).reshape(-1)
+        arena = self._arena(total + len(cts_bytes))
+        for row, lo, count, protocol, flag, at, size in sends:
+            encode(protocol, row[lo:lo + count].view(np.uint8), flag, out=arena[at:at + size])
+        arena[total:] = cts_bytes
+        return arena, start, total
 
-    def _cts_payloads(self, msgs: np.ndarray, steps: np.ndarray, state: ConnectionState, arena: list,
-                      sizes: list) -> np.ndarray:
+    def _cts_payloads(self, msgs: np.ndarray, steps: np.ndarray, state: ConnectionState) -> np.ndarray:
         """The era's ncclIbSendFifo of each CTS write (docs/wire-format.md, "NCCL eras")."""
         era = N.era_facts(self.job.nccl)
         cts = np.zeros(len(msgs), dtype=era.cts_dtype)
@@ -185,11 +202,7 @@ class TrafficBuilder:
         cts["nreqs"] = 1
         cts["tag"] = sender
         cts["idx"] = state.fifo_base[c, sender] + msgs["fifo_seq"] + 1
-        raw = cts.view(np.uint8).reshape(-1)
-        offset = sum(sizes)
-        arena.append(raw)
-        sizes.append(len(raw))
-        return offset + np.arange(len(msgs), dtype=np.int64) * era.cts_bytes
+        return cts
 
     # -- timing -------------------------------------------------------------------------
     def _write_times(self, msgs: np.ndarray, t0: int) -> tuple[np.ndarray, int]:
@@ -229,12 +242,11 @@ class TrafficBuilder:
         wanted = (self.payload_flows | self.ack_flows)[pm["flow"]] & (pm["bucket"] == bucket)
         index = np.flatnonzero(wanted)
         msgs = pm[index]
-        arena: list[np.ndarray] = []
-        sizes: list[int] = []
         steps = state.steps(plan, index)
-        payload = self._payloads(msgs, steps, partials, arena, sizes)
         is_cts = msgs["kind"] == CTS
-        payload[is_cts] = self._cts_payloads(msgs[is_cts], steps[is_cts], state, arena, sizes)
+        cts = self._cts_payloads(msgs[is_cts], steps[is_cts], state)
+        arena, payload, cts_at = self._payloads(msgs, steps, partials, cts)
+        payload[is_cts] = cts_at + np.arange(len(cts), dtype=np.int64) * cts.dtype.itemsize
         ts, end = self._write_times(msgs, t0)
 
         # Writes -> packets.
@@ -286,8 +298,7 @@ class TrafficBuilder:
         # Writes of flows no mirror captures were built only for their ACKs and NAKs.
         keep = np.concatenate([self.payload_flows[m["flow"]], np.ones(len(lp), bool), ekeep])
         order = np.flatnonzero(keep)[np.argsort(packets["ts_ns"][keep], kind="stable")]
-        arena_arr = np.concatenate(arena) if arena else np.zeros(0, np.uint8)
-        return IterationTraffic(packets[order], src_all[order], dst_all[order], arena_arr,
+        return IterationTraffic(packets[order], src_all[order], dst_all[order], arena,
                                 max(end, int(packets["ts_ns"].max(initial=t0))), injected)
 
     def _imm_big_endian(self) -> bool:

@@ -49,6 +49,13 @@ class RunOptions:
     poll_s: float = 0.05
     digests: bool = False                 # a state digest per iteration, for `gradtap verify`
     force: bool = False                   # clear an --out holding another replica's snapshots
+    control_token_file: Path | None = None  # --control-token-file (default: the job's, else OUT/control.token)
+
+
+def control_token_file(job: JobSpec, out: Path, options: RunOptions) -> Path:
+    """The control token's file: ``--control-token-file``, else ``appliance.control_token_file``,
+    else ``OUT/control.token``."""
+    return options.control_token_file or job.appliance.control_token_file or out / "control.token"
 
 
 @dataclass
@@ -80,9 +87,9 @@ class Appliance:
                                    origin=origin, force=options.force,
                                    uploader=self.uploader, close_timeout_s=store_close_timeout(job))
         self.gradient_log = gradient_log_for(job, self.replica, None if start.waiting else origin)
-        # The fallback POST carries the control token (the default file is `gradtap run`'s).
+        # The fallback POST carries the control token, the one the control server checks.
         self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint,
-                                    token_file=job.appliance.control_token_file or self.out / "control.token")
+                                    token_file=control_token_file(job, self.out, options))
         if self.uploader is not None:
             self.uploader.on_event = self.control.event
         if self.gradient_log is not None:

@@ -107,7 +107,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from rich.live import Live
 
     from gradtap import metrics
-    from gradtap.appliance import Appliance, RunOptions, status_loop, wait_for_stop
+    from gradtap.appliance import Appliance, RunOptions, control_token_file as token_file_of, status_loop, wait_for_stop
     from gradtap.checkpoints import offer_size_limit, start_checkpoint
     from gradtap.control_server import ControlServer, ControlSettings
     from gradtap.job_file import open_job
@@ -124,7 +124,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
-                         force=force)
+                         force=force, control_token_file=control_token_file)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
     if start_from_store:
         with records_progress(console, "replaying the store's gradient log") as progress:
@@ -139,8 +139,8 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
         metrics.serve(appliance.status, metrics_port, metrics_address)
     control = None
     if control_port:
-        settings = ControlSettings(token_file=control_token_file or job.appliance.control_token_file or
-                                   out / "control.token", max_checkpoint_bytes=offer_size_limit(job),
+        settings = ControlSettings(token_file=token_file_of(job, out, options),
+                                   max_checkpoint_bytes=offer_size_limit(job),
                                    resync_dirs=tuple(resync_dirs) or job.appliance.resync_dirs,
                                    address=control_address, port=control_port)
         control = ControlServer(appliance.offer, appliance.status, settings, attest=appliance.attest)

@@ -191,3 +191,20 @@ def test_run_over_files_that_never_lock_exits_non_zero(tmp_path):
     assert result.exit_code == 1 and "no stream locked" in result.reason and result.iterations == 0
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert sorted(e["stream"] for e in events if e["event"] == "lockon.failed") == sorted(streams)
+
+
+def test_the_fallback_post_carries_the_token_the_control_server_checks(tmp_path):
+    """``--control-token-file`` reaches the fallback POST as well as the control server, ahead
+    of ``appliance.control_token_file`` and ``OUT/control.token``."""
+    from gradtap.appliance import control_token_file
+
+    job = seed_started_job()
+    named = job.model_copy(update={"appliance": job.appliance.model_copy(
+        update={"control_token_file": tmp_path / "job.token"})})
+    flag = RunOptions(control_token_file=tmp_path / "flag.token")
+    assert control_token_file(job, tmp_path / "out", RunOptions()) == tmp_path / "out" / "control.token"
+    assert control_token_file(named, tmp_path / "out", RunOptions()) == tmp_path / "job.token"
+    assert control_token_file(named, tmp_path / "out", flag) == tmp_path / "flag.token"
+    from gradtap.updater.replica import seed_checkpoint
+    appliance = Appliance(named, {}, tmp_path / "out", seed_checkpoint(named, 0), flag)
+    assert appliance.control.token_file == tmp_path / "flag.token"

@@ -181,7 +181,8 @@ class Appliance:
                                    locked=self.pipeline.locked(), numbered=self.pipeline.numbered,
                                    skipped=self.pipeline.skipped, attested=self.attestations.attested,
                                    diverged=self.attestations.diverged,
-                                   store=None if self.uploader is None else self.uploader.counts())
+                                   store=None if self.uploader is None else self.uploader.counts(),
+                                   gradient_log=None if self.gradient_log is None else self.gradient_log.counts())
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

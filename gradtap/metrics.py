@@ -18,6 +18,9 @@ twice and nothing can drift:
 - ``gradtap_store_snapshots_total{result}``: snapshots the durable tier ``uploaded``, ``skipped``
   (replaced by a newer one while the store was slow) and upload attempts that ``failed``
   (``store/uploader.py``); absent without a store.
+- ``gradtap_gradient_log_records_total{result}``: iterations the gradient log ``logged``,
+  ``dropped`` (gaps: its buffers were full) and write attempts that ``failed``
+  (``store/gradient_log.py``); absent without a log.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ class ApplianceCollector:
             for result in ("uploaded", "skipped", "failed"):
                 store.add_metric([result], s.store[result])
             yield store
+        if s.gradient_log is not None:
+            records = CounterMetricFamily("gradtap_gradient_log_records", "iterations' gradients for the store's log",
+                                         labels=["result"])
+            for result in ("logged", "dropped", "failed"):
+                records.add_metric([result], s.gradient_log[result])
+            yield records
         locked = GaugeMetricFamily("gradtap_stream_locked", "1 once the stream has locked on to the job's "
                                    "traffic (0: see the lockon.failed event)", labels=["stream"])
         for stream, yes in s.locked.items():

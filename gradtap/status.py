@@ -29,3 +29,5 @@ class ApplianceStatus:
     diverged: int = 0                    # ... and those it did not (each a fallback)
     store: dict[str, int] | None = None  # the durable tier's upload counters (store/uploader.py):
                                          # submitted, uploaded, skipped, failed, last_uploaded; None: no store
+    gradient_log: dict[str, int] | None = None   # the gradient log's counters (store/gradient_log.py):
+                                                 # logged, dropped (gaps), failed, last_logged; None: no log

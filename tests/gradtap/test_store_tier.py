@@ -70,6 +70,22 @@ def test_store_counters_are_metrics():
     assert samples == {"uploaded": 5, "skipped": 3, "failed": 2}
 
 
+def test_gradient_log_counters_are_metrics():
+    from gradtap.metrics import ApplianceCollector
+    from gradtap.status import ApplianceStatus
+    from gradtap.store.gradient_log import LogCounters
+
+    def families(log):
+        status = ApplianceStatus({}, {}, 0, 0, 0, False, 0.0, 0.0, 0.0, 0.0, {}, gradient_log=log)
+        return {f.name: f for f in ApplianceCollector(lambda: status).collect()}
+
+    assert "gradtap_gradient_log_records" not in families(None)
+    counts = LogCounters(logged=7, dropped=2, failed=1, last_logged=9).as_dict()
+    samples = {s.labels["result"]: s.value for s in families(counts)["gradtap_gradient_log_records"].samples
+               if s.name.endswith("_total")}
+    assert samples == {"logged": 7, "dropped": 2, "failed": 1}
+
+
 @pytest.mark.slow
 def test_gradtap_replay_store_flags(tmp_path):
     import yaml

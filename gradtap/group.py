@@ -26,6 +26,7 @@ from gradtap.merger.merger import IterationReport, Sink
 from gradtap.replay import Progress, ReplayResult, replay
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, replica_start
+from gradtap.store.shard_snapshot import ShardSnapshots
 from gradtap.updater.shard import ShardReplica
 from gradtap.workload.layout import job_buckets, job_plan
 from gradtap.workload.shards import Shards
@@ -37,9 +38,10 @@ class GroupSink(ReplicaSink):
     """Applies this node's buckets to its shard ``replica``; gathers the shards' norms over ``link``."""
 
     def __init__(self, replica: ShardReplica, control: ControlPlane, link: GroupLink, *,
-                 report_path: Path | None = None):
+                 report_path: Path | None = None, snapshots: ShardSnapshots | None = None):
         super().__init__(replica, control, report_path=report_path)
-        self.link = link
+        self.link, self.shard_snapshots = link, snapshots
+        self.group_snapshots: list[Path] = []
 
     def iteration_done(self, iteration: int, report: IterationReport) -> None:
         if report.recovered and not report.lost_peers and self.replica.cfg.clip_grad_norm:
@@ -52,6 +54,33 @@ class GroupSink(ReplicaSink):
             self._lost(iteration, report)
             return
         super().iteration_done(iteration, report)
+        if self.shard_snapshots is not None and report.recovered and self.shard_snapshots.due(iteration + 1):
+            self._snapshot(iteration + 1)
+
+    def _snapshot(self, iteration: int) -> None:
+        """Every node writes its shard of the state ready for ``iteration``, then the group's
+        manifest once all shards are written (``store/shard_snapshot.py``)."""
+        r, entry = self.replica, None
+        if not r.stale and r.iteration == iteration:
+            try:
+                entry = self.shard_snapshots.write_shard(r.shard_state(), iteration=iteration, step=r.step,
+                                                         lr=r.state.lr)
+            except OSError as exc:
+                self.control.event("snapshot.failed", iteration=iteration, rank=self.link.rank,
+                                   directory=str(self.shard_snapshots.directory), reason=exc.strerror or str(exc),
+                                   replica="updating in memory")
+        try:
+            parts = self.link.all_gather(json.dumps(entry).encode() if entry else b"",
+                                         f"iteration {iteration} snapshot")
+        except GroupBroken as exc:
+            self.control.event("group.peer_gone", iteration=iteration, rank=self.link.rank,
+                               peers={str(p): why for p, why in exc.peers.items()})
+            return
+        missing = [rank for rank, part in enumerate(parts) if not part]
+        if missing:
+            self.control.event("snapshot.incomplete", iteration=iteration, rank=self.link.rank, missing_ranks=missing)
+            return
+        self.group_snapshots.append(self.shard_snapshots.commit(iteration, r.step, [json.loads(p) for p in parts]))
 
     def _gather_norms(self, iteration: int) -> None:
         r = self.replica
@@ -101,7 +130,8 @@ def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dic
                      batch_frames: int = 65536, progress: Progress | None = None,
                      start_source: str = "the start state") -> tuple[ReplayResult, GroupSink]:
     """Replay this node's ``pcaps`` as node ``group.rank`` of a mirror group, its shard of a
-    replica initialised from ``start``, into ``out``: ``iterations.jsonl``, ``events.jsonl``,
+    replica initialised from ``start``, into ``out``: ``snapshots/`` (its shards, and the group's
+    manifests: ``store/shard_snapshot.py``), ``iterations.jsonl``, ``events.jsonl``,
     ``replay.json`` (with the group's figures: its shard, bytes sent to and received from
     peers against the mirrored bytes read)."""
     if not job.nccl.resolved:
@@ -118,7 +148,9 @@ def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dic
     started = time.perf_counter()
     link = GroupLink(group)
     try:
-        sink = GroupSink(replica, control, link, report_path=out / "iterations.jsonl")
+        snapshots = ShardSnapshots(out / "snapshots", job.name, group.rank, group.world_size,
+                                   every=job.appliance.snapshot_every, keep=job.appliance.snapshot_keep)
+        sink = GroupSink(replica, control, link, report_path=out / "iterations.jsonl", snapshots=snapshots)
         result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, numbering=numbering,
                         merger=group_merger(link, shards, job),
                         on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()),

@@ -17,8 +17,12 @@ import torch
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.replay import run_replay
+from gradtap.simulator.training import make_optimizer
+from gradtap.store.shard_snapshot import assemble
+from gradtap.updater.replica import Replica
 from gradtap.verify import verify
 from gradtap.workload.layout import job_buckets, job_params
+from gradtap.workload.models import build
 from gradtap.workload.shards import Shards
 from gradtap.workload.spec import parse_job
 from tests.gradtap.test_replay import allgather_frames, start_of, streams_of
@@ -109,6 +113,23 @@ def assert_shards_equal(job, got: dict, single) -> None:
     assert sum(int(s["elements"][1] - s["elements"][0]) for s, _, _ in got.values()) == single.layout.total
 
 
+def assert_group_snapshot(tmp_path: Path, job, sim: Path, world: int, single) -> None:
+    """The nodes' newest group snapshot, its shards joined, is the single appliance's replica,
+    and a torch model and optimizer load it."""
+    folders = [tmp_path / f"node{r}" / "snapshots" / f"iteration-{single.iteration:06d}" for r in range(world)]
+    checkpoint = assemble(Replica(job, torch.load(sim / "truth" / "start.pt", weights_only=True)), folders)
+    want = single.state_dict()
+    assert checkpoint["iteration"] == want["iteration"]
+    for key, tensor in want["model"].items():
+        assert torch.equal(checkpoint["model"][key].view(torch.int32), tensor.view(torch.int32)), key
+    for i, entry in want["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(checkpoint["optimizer"]["state"][i][name], entry[name]), (i, name)
+    model = build(job.model.factory, job.model.kwargs, seed=0)
+    model.load_state_dict(checkpoint["model"])
+    make_optimizer(list(model.parameters()), job.optimizer).load_state_dict(checkpoint["optimizer"])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nodes", [[["m-egress"], ["m-ingress"], ["m-both"]], [["m-egress", "m-both"], ["m-ingress"]],
                                    [["m-egress", "m-ingress", "m-both"]]], ids=["3-nodes", "2-nodes-uneven", "1-node"])
@@ -117,6 +138,7 @@ def test_the_group_equals_the_single_appliance(tmp_path, simulated, nodes):
     got, codes = run_group(tmp_path, job, sim, nodes)
     assert codes == [0] * len(nodes)
     assert_shards_equal(job, got, single)
+    assert_group_snapshot(tmp_path, job, sim, len(nodes), single)
     report = json.loads((tmp_path / "node0" / "replay.json").read_text())["group"]
     assert report["world_size"] == len(nodes) and (report["sent_bytes"] > 0) == (len(nodes) > 1)
 

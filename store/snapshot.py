@@ -272,7 +272,7 @@ class Snapshots:
         Clear a directory holding another replica's snapshots instead of refusing it.
     uploader:
         The durable tier (:class:`gradtap.store.uploader.Uploader`): every snapshot written
-        is handed to it, as hard links in a staging directory here, and :meth:`close` gives
+        is handed to it once, as hard links in a staging directory here, and :meth:`close` gives
         it ``close_timeout_s`` to upload the last one.
     """
 
@@ -286,6 +286,7 @@ class Snapshots:
         self.directory = Path(directory)
         self.job, self.every, self.keep = job, every, keep
         self.uploader, self.close_timeout_s = uploader, close_timeout_s
+        self._handed: int | None = None          # the iteration last handed to the uploader
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._lock = open(self.directory / ".lock", "a")
@@ -384,7 +385,8 @@ class Snapshots:
                     _discard(final)
                 else:
                     self._replace_small(LATEST, final.name + "\n")
-                    self._upload(final, iteration)
+                    if iteration != self._handed:    # not again (the final write at close): once is counted once
+                        self._upload(final, iteration)
                     return final
             for old in self._expiring(new=1):
                 _discard(old)
@@ -412,6 +414,7 @@ class Snapshots:
                       exc.strerror)
             return
         self.uploader.submit(iteration, staged)
+        self._handed = iteration
 
     def write_replica(self, replica) -> Path:
         """Snapshot a :class:`gradtap.updater.replica.Replica` between iterations (no copy).

@@ -230,12 +230,23 @@ class Trainer:
         """Decompress the reduced buffer and hand each parameter its slice as ``.grad``."""
         dtype = self._params[bucket.params[0]].dtype
         buffer = torch.empty(bucket.numel, dtype=dtype)
-        buffer.copy_(from_wire_array(reduced, self.wire_dtype))
+        # One copy (and conversion) straight from the reduced array, which stays the caller's.
+        buffer.copy_(_wire_view(reduced, self.wire_dtype))
         if not self.predivide:
             buffer.div_(self.world_size)
         for i, offset in zip(bucket.params, bucket.offsets):
             p = self._params[i]
             p.grad = buffer[offset:offset + p.numel()].view(p.shape)
+
+
+def _wire_view(array: np.ndarray, wire_dtype: str) -> torch.Tensor:
+    """A tensor of the wire dtype sharing ``array``'s memory (read it, do not keep it)."""
+    array = np.ascontiguousarray(array, dtype=WIRE_NUMPY[wire_dtype])
+    if not array.flags.writeable:      # torch.from_numpy warns on read-only memory
+        array = array.copy()
+    if wire_dtype == "bf16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
 
 
 def _match_params(model: torch.nn.Module, params: Sequence[ParamLike]) -> list[torch.nn.Parameter]:

@@ -23,7 +23,9 @@ of the wire dtype unless a name says bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple
+
+import numpy as np
 
 from gradtap.core.errors import PlanError
 from gradtap.wire.ll import LL_LINE_DATA_BYTES
@@ -306,3 +308,71 @@ class CallSchedule:
         for loop, ring_step, chunk, offset, nelem in chunks(position, channel):
             for s, (soff, ssize) in enumerate(self._slices(nelem)):
                 yield Send(loop, ring_step, chunk, s, offset + soff, ssize, self.geo.slice_steps)
+
+    # -- the same sends as arrays ----------------------------------------------------------
+    def send_table(self, position: int | np.ndarray, channel: int) -> SendTable:
+        """:meth:`sends` as ``int64`` arrays, one entry per send in posting order; every send
+        advances the connection by ``geo.slice_steps`` FIFO steps. ``position`` may be an
+        array of ring positions: the arrays are then ``[positions, sends]`` (every rank posts
+        as many sends on a channel)."""
+        n = self.nranks
+        pos = np.atleast_1d(np.asarray(position, dtype=np.int64))[:, None, None]
+        ring_steps = np.arange(2 * (n - 1), dtype=np.int64)[None, None, :]
+        chunks = (pos - 1 - ring_steps) % n                           # sent_chunk: [positions, 1, ring steps]
+        if self.era.channel_split == ChannelSplit.GRID:
+            grid = np.arange(0, self.count, self.loop_elems, dtype=np.int64)
+            rem = self.count - grid
+            if self.geo.protocol == Protocol.SIMPLE:                  # _real_chunk
+                real = np.minimum(self.chunk_elems, -(-rem // (self.nchannels * n)))
+                align = (self.nthreads - WARP_SIZE) * 8 // self.elem_size
+                real = -(-real // align) * align
+            else:
+                per = self.nchannels * n * self.min_chunk
+                real = np.minimum(self.chunk_elems, -(-rem // per) * self.min_chunk)
+            grid, real = grid[None, :, None], real[None, :, None]
+            if self.geo.protocol == Protocol.SIMPLE:                  # _chunk_offset
+                offset = grid + channel * n * real + chunks * real
+            else:
+                offset = grid + (chunks * self.nchannels + channel) * real
+            nelem = np.maximum(0, np.minimum(real, self.count - offset))
+        else:
+            part = self.parts.get(channel)
+            if part is None:
+                empty = np.zeros((len(pos), 0), np.int64)
+                return SendTable(*(empty if np.ndim(position) else empty[0] for _ in SendTable._fields))
+            loop_count = n * part.chunk
+            starts = np.arange(0, part.count, loop_count, dtype=np.int64)[None, :, None]
+            rem = part.count - starts
+            chunk_count = np.where(rem >= loop_count, part.chunk, part.last_chunk)
+            chunk_offset = chunks * chunk_count
+            offset = part.offset + starts + chunk_offset
+            nelem = np.maximum(0, np.minimum(chunk_count, rem - chunk_offset))
+        shape = offset.shape                                          # [positions, loops, ring steps]
+        cols = [np.broadcast_to(np.arange(shape[1], dtype=np.int64)[None, :, None], shape),
+                np.broadcast_to(ring_steps, shape), np.broadcast_to(chunks, shape)]
+        if self.geo.protocol == Protocol.SIMPLE:
+            # _slices: slice s covers [min(s·size, nelem), min((s+1)·size, nelem)) of the chunk
+            slices = self.geo.chunk_steps // self.geo.slice_steps
+            step_elems = self.geo.step_bytes // self.elem_size
+            size = np.maximum(-(-nelem // (16 * slices)) * 16, step_elems * self.geo.slice_steps // 32)[..., None]
+            s = np.arange(slices, dtype=np.int64)
+            lo, hi = np.minimum(s * size, nelem[..., None]), np.minimum((s + 1) * size, nelem[..., None])
+            shape += (slices,)
+            cols = [np.broadcast_to(x[..., None], shape) for x in cols]
+            cols += [np.broadcast_to(s, shape), offset[..., None] + lo, hi - lo]
+        else:
+            cols += [np.zeros(shape, np.int64), offset, nelem]
+        flat = [np.ascontiguousarray(x).reshape(len(pos), -1) for x in cols]
+        return SendTable(*(x if np.ndim(position) else x[0] for x in flat))
+
+
+class SendTable(NamedTuple):
+    """The sends of one rank (or of each rank) on one channel in one call, as ``int64``
+    arrays of one entry per send in posting order: the fields of :class:`Send` but ``steps``."""
+
+    loop: np.ndarray
+    ring_step: np.ndarray
+    chunk: np.ndarray
+    slice: np.ndarray
+    elem_offset: np.ndarray
+    nelem: np.ndarray

@@ -25,7 +25,8 @@ from gradtap.wire.ll import LL_LINE_BYTES, LL_LINE_DATA_BYTES
 from gradtap.wire.ll128 import LL128_SLICE_DATA_BYTES, LL128_SLICE_LINES, LL128_SLICE_WIRE_BYTES
 from gradtap.wire.protocol import Protocol
 from gradtap.workload import nccl as N
-from gradtap.workload.ring_schedule import CallSchedule, step_phase
+from gradtap.workload.plan_columns import coverage_blocks, packet_counts, writes
+from gradtap.workload.ring_schedule import CallSchedule, SendTable
 from gradtap.workload.spec import WIRE_DTYPE_BYTES, JobSpec
 
 DATA, CTS = 0, 1                 # message kinds
@@ -59,8 +60,6 @@ MESSAGE_DTYPE = np.dtype([
     ("psn_offset", "i8"),    # first PSN of this write, relative to the flow's iteration base
     ("block", "i8"),         # allgather data: first coverage block of this write (see BLOCK_DTYPE), else -1
 ])
-
-_MESSAGE_FIELDS = MESSAGE_DTYPE.names
 
 BLOCK_DTYPE = np.dtype([
     ("bucket", "i4"),
@@ -165,21 +164,15 @@ class WirePlan:
         return np.flatnonzero(mask)
 
 
-class _FlowBuilder:
-    def __init__(self) -> None:
-        self.rows: list[tuple] = []
-        self.psn = 0
-
-    def add(self, mtu: int, **fields) -> None:
-        npkts = packets(fields["wire_bytes"], mtu)
-        fields.update(npkts=npkts, psn_offset=self.psn)
-        self.psn += npkts
-        self.rows.append(tuple([fields.get(name, 0) for name in _MESSAGE_FIELDS]))
-
-
 def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
-    """Derive the wire plan of one iteration from the job and its DDP bucket sizes (elements)."""
-    n, nq, mtu = job.world_size, job.nccl.qps_per_connection, job.nccl.mtu
+    """Derive the wire plan of one iteration from the job and its DDP bucket sizes (elements).
+
+    The sends of each call, rank and channel come as arrays (``CallSchedule.send_table``);
+    their steps, receives, wire sizes, QP parts and PSNs are computed over all of them at
+    once (:mod:`gradtap.workload.plan_columns`). ``tests/workload/naive_plan.py`` is the same
+    plan built message by message, which this must equal field for field.
+    """
+    n, nq = job.world_size, job.nccl.qps_per_connection
     elem = WIRE_DTYPE_BYTES[job.ddp.grad_dtype]
     protocols = N.bucket_protocols(job.nccl, len(bucket_numels))
     by_protocol = {p: N.geometry(job.nccl, n, p) for p in set(protocols)}
@@ -188,14 +181,11 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
     split = N.split_data_on_qps(job.nccl)
     nch = job.nccl.channels
 
-    # One builder per flow: data flows (channel, sender, qp) and CTS flows (channel, receiver).
-    data = {(c, p, q): _FlowBuilder() for c in range(nch) for p in range(n) for q in range(nq)}
-    cts = {(c, p): _FlowBuilder() for c in range(nch) for p in range(n)}
     steps = np.zeros((nch, n), dtype=np.int64)     # per connection (channel, sender position)
     calls: dict[tuple[int, int], list[tuple]] = {}  # per connection: (bucket, chunk steps, first step, end)
     fifo = np.zeros((nch, n), dtype=np.int64)
-    qp_index = np.zeros((nch, n), dtype=np.int64)  # round robin of unsplit messages
-
+    tables: list[tuple] = []                       # (bucket, channel, first steps, first fifos, sends)
+    positions = np.arange(n)
     for bucket, count in enumerate(bucket_numels):
         # Each call runs in its bucket's protocol. A connection has one step counter for all
         # protocols (ncclConnInfo.step; the proxy's resources->step) and one buffer per
@@ -204,29 +194,17 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
         geo = geometries[bucket]
         sched = CallSchedule(count, elem, n, nch, geo, era)
         for c in sched.channels:
+            # A call rounds the step counter up to a whole chunk of its protocol (net.cc:
+            # sub->base = ROUNDUP(resources->step, args->chunkSteps)): Simple's 4 steps.
+            steps[c] = -(-steps[c] // geo.chunk_steps) * geo.chunk_steps
+            first = steps[c].copy()
+            sends = sched.send_table(positions, c)   # [position, send]; each rank posts as many
+            if sends.loop.size:
+                tables.append((bucket, c, first, fifo[c].copy(), sends))
+            steps[c] += sends.loop.shape[1] * geo.slice_steps
+            fifo[c] += sends.loop.shape[1]
             for p in range(n):
-                # A call rounds the step counter up to a whole chunk of its protocol (net.cc:
-                # sub->base = ROUNDUP(resources->step, args->chunkSteps)): Simple's 4 steps.
-                steps[c, p] = -(-steps[c, p] // geo.chunk_steps) * geo.chunk_steps
-                first = int(steps[c, p])
-                for send in sched.sends(p, c):
-                    msg_bytes = geo.wire_bytes(send.nelem, elem)
-                    slot = int(steps[c, p]) % N.NCCL_STEPS
-                    common = dict(kind=DATA, protocol=int(geo.protocol), phase=step_phase(send.ring_step, n),
-                                  slice=send.slice,
-                                  bucket=bucket, channel=c, ring_step=send.ring_step, loop=send.loop,
-                                  chunk=send.chunk, step=steps[c, p], fifo_seq=fifo[c, p],
-                                  elem_offset=send.elem_offset, nelem=send.nelem, msg_bytes=msg_bytes)
-                    cts[c, (p + 1) % n].add(mtu, **dict(common, kind=CTS, phase=PHASE_OTHER, imm=0,
-                                                        wire_bytes=era.cts_bytes, part_offset=0,
-                                                        remote_offset=(fifo[c, p] % N.CTS_SLOTS) * era.cts_slot_stride))
-                    # 2.29+: the parts of message k start at QP k mod nqps (GetQpForRequest(fifoHead)).
-                    first_qp = int(fifo[c, p] % nq) if split and era.split_qp_rotates else 0
-                    _add_writes(data, c, p, send_parts(msg_bytes, nq if split else 1), qp_index, split, nq,
-                                slot * geo.step_bytes, job, common, first_qp)
-                    steps[c, p] += send.steps
-                    fifo[c, p] += 1
-                calls.setdefault((c, p), []).append((bucket, geo.chunk_steps, first, int(steps[c, p])))
+                calls.setdefault((c, p), []).append((bucket, geo.chunk_steps, int(first[p]), int(steps[c, p])))
 
     rotating = not split or era.split_qp_rotates
     if rotating and nq > 1 and (fifo % nq).any():
@@ -239,7 +217,106 @@ def build_plan(job: JobSpec, bucket_numels: Sequence[int]) -> WirePlan:
         raise PlanError(f"with {what}, each connection must post a multiple of qps_per_connection ({nq}) "
                         f"messages per iteration; this job posts {sorted(set(int(x) for x in fifo.ravel()))}. "
                         f"{fix}.")
-    return _assemble(job, geometries, elem, bucket_numels, data, cts, steps, fifo, calls)
+    messages, flows = _messages(job, era, split, _send_columns(tables, geometries, elem))
+    offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(bucket_numels)[:-1]]))
+    blocks = _coverage_blocks(messages, offsets, geometries, elem, job.nccl.mtu, nq if split else 1)
+    phase_steps, phase_period = _phases(messages, flows, steps, {g.chunk_steps for g in geometries}, calls)
+    return WirePlan(job_name=job.name, world_size=n, elem_size=elem,
+                    mtu=job.nccl.mtu, geometries=geometries, bucket_numels=tuple(int(x) for x in bucket_numels),
+                    bucket_offsets=offsets, flows=flows, messages=messages,
+                    steps_per_iteration=steps, fifo_per_iteration=fifo, blocks=blocks,
+                    phase_steps=phase_steps, phase_period=phase_period)
+
+
+def _send_columns(tables: list[tuple], geometries: tuple[N.ProtocolGeometry, ...], elem: int) -> dict[str, np.ndarray]:
+    """Every send of the iteration in posting order (call by call, then channel, rank and
+    send), as ``int64`` columns named like MESSAGE_DTYPE's fields, plus ``position`` and
+    ``slot_va`` (the FIFO slot's offset in the protocol's receive buffer)."""
+    names = (*SendTable._fields, "bucket", "channel", "position", "step", "fifo_seq", "slot_va", "protocol")
+    cols: dict[str, list[np.ndarray]] = {k: [] for k in names}
+    for bucket, c, first, fifo0, sends in tables:
+        geo = geometries[bucket]
+        npos, k = sends.loop.shape
+        for name, column in zip(SendTable._fields, sends):
+            cols[name].append(column.ravel())
+        index = np.arange(k, dtype=np.int64)[None, :]
+        step = (first[:, None] + index * geo.slice_steps).ravel()   # every send advances one slice of steps
+        cols["step"].append(step)
+        cols["slot_va"].append(step % N.NCCL_STEPS * geo.step_bytes)
+        cols["fifo_seq"].append((fifo0[:, None] + index).ravel())
+        cols["position"].append(np.repeat(np.arange(npos, dtype=np.int64), k))
+        for name, value in (("bucket", bucket), ("channel", c), ("protocol", int(geo.protocol))):
+            cols[name].append(np.full(npos * k, value, np.int64))
+    out = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in cols.items()}
+    # Few distinct sizes per protocol: the wire size of each, spread back over the sends.
+    out["msg_bytes"] = np.zeros(len(out["nelem"]), np.int64)
+    for geo in set(geometries):
+        mine = out["protocol"] == int(geo.protocol)
+        sizes, at = np.unique(out["nelem"][mine], return_inverse=True)
+        out["msg_bytes"][mine] = np.array([geo.wire_bytes(int(x), elem) for x in sizes], np.int64)[at]
+    return out
+
+
+def _messages(job: JobSpec, era: N.EraFacts, split: bool,
+              sends: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The message and flow tables: each send's CTS (on the CTS flow of its receiver) and its
+    data writes (on the data flow of its sender and QP), grouped by flow in posting order."""
+    n, nq, nch, mtu = job.world_size, job.nccl.qps_per_connection, job.nccl.channels, job.nccl.mtu
+    ar = (sends["msg_bytes"] > job.nccl.ar_threshold) & job.nccl.adaptive_routing
+    w = writes(sends["msg_bytes"], sends["fifo_seq"], sends["slot_va"], nq, split, era.split_qp_rotates, ar, NO_VA)
+    nsend, nwrite = len(sends["step"]), len(w.send)
+    # Rows: the data writes, then one CTS per send; each takes its send's fields.
+    of_send = np.concatenate([w.send, np.arange(nsend, dtype=np.int64)])
+    cts = np.arange(nwrite + nsend) >= nwrite
+    c, p = sends["channel"][of_send], sends["position"][of_send]
+    # Flow keys in the order of the flow table: data flows by (channel, sender, QP), then
+    # CTS flows by (channel, receiver).
+    qp = np.concatenate([w.qp, np.zeros(nsend, np.int64)])
+    key = np.where(cts, nch * n * nq + c * n + (p + 1) % n, (c * n + p) * nq + qp)
+    order = np.argsort(key, kind="stable")       # within a flow, keep posting order
+    sorted_key = key[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = sorted_key[1:] != sorted_key[:-1]
+    start = np.flatnonzero(new)                  # each flow's first message
+    keys, count = sorted_key[start], np.diff(np.append(start, len(order)))
+    flow = np.cumsum(new) - 1
+
+    msgs = np.zeros(len(order), dtype=MESSAGE_DTYPE)
+    src = of_send[order]
+    for name in ("slice", "bucket", "channel", "ring_step", "loop", "chunk", "step", "fifo_seq",
+                 "elem_offset", "nelem", "msg_bytes", "protocol"):
+        msgs[name] = sends[name][src]
+    is_cts = cts[order]
+    data, acks = np.flatnonzero(~is_cts), np.flatnonzero(is_cts)
+    write = order[data]                          # the data rows' index among the writes
+    msgs["flow"] = flow
+    msgs["kind"] = np.where(is_cts, CTS, DATA)
+    msgs["phase"] = np.where(is_cts, PHASE_OTHER, np.where(sends["ring_step"][src] < n - 1, PHASE_RS, PHASE_AG))
+    for name in ("qp", "part", "imm", "part_offset", "remote_offset"):
+        msgs[name][data] = getattr(w, name)[write]
+    wire_bytes = np.full(len(order), era.cts_bytes, np.int64)
+    wire_bytes[data] = w.wire_bytes[write]
+    msgs["wire_bytes"] = wire_bytes
+    msgs["remote_offset"][acks] = sends["fifo_seq"][src[acks]] % N.CTS_SLOTS * era.cts_slot_stride
+    npkts = packet_counts(wire_bytes, mtu)
+    msgs["npkts"] = npkts
+    psn = np.cumsum(npkts) - npkts
+    msgs["psn_offset"] = psn - psn[start][flow]
+    flow_pkts = np.add.reduceat(npkts, start) if len(start) else np.zeros(0, np.int64)
+
+    rows = []
+    for key_, first, cnt, pkts in zip(keys.tolist(), start.tolist(), count.tolist(), flow_pkts.tolist()):
+        if key_ < nch * n * nq:
+            (ch, sender), q = divmod(key_ // nq, n), key_ % nq
+            r = (sender + 1) % n
+            rows.append((sender, r, ch, q, DATA, qpn(job, sender, ch, q, False), qpn(job, r, ch, q, True),
+                         udp_sport(job, sender, ch, q), first, cnt, pkts))
+        else:
+            ch, r = divmod(key_ - nch * n * nq, n)
+            sender = (r - 1) % n
+            rows.append((r, sender, ch, 0, CTS, qpn(job, r, ch, 0, True), qpn(job, sender, ch, 0, False),
+                         udp_sport(job, sender, ch, 0), first, cnt, pkts))
+    return msgs, np.array(rows, dtype=FLOW_DTYPE)
 
 
 def senders(messages: np.ndarray, flows: np.ndarray) -> np.ndarray:
@@ -271,77 +348,29 @@ def _phases(messages: np.ndarray, flows: np.ndarray, steps_per_iteration: np.nda
     period = np.repeat(steps_per_iteration[None], q, axis=0)
     if q == 1:
         return steps, period
-    sender = senders(m, flows)
+    nch, n = steps_per_iteration.shape
+    nbuckets = 1 + max(b for mine in calls.values() for b, *_ in mine)
+    # Per call (channel, sender, bucket): its first step in row 0, and its start in row phi.
+    first = np.zeros(nch * n * nbuckets, np.int64)
+    start = np.zeros((q, nch * n * nbuckets), np.int64)
     for (c, p), mine in calls.items():
-        rows = np.flatnonzero((m["channel"] == c) & (sender == p))
         for phi in range(1, q):
             at = phi
-            for bucket, chunk_steps, first, end in mine:
-                start = -(-at // chunk_steps) * chunk_steps
-                call = rows[m["bucket"][rows] == bucket]
-                steps[phi, call] = m["step"][call] - first + start - phi
-                at = start + end - first
+            for bucket, chunk_steps, begin, end in mine:
+                call = (c * n + p) * nbuckets + bucket
+                start[phi, call] = -(-at // chunk_steps) * chunk_steps
+                first[call] = begin
+                at = start[phi, call] + end - begin
             period[phi, c, p] = at - phi
+    call = (m["channel"].astype(np.int64) * n + senders(m, flows)) * nbuckets + m["bucket"]
+    steps[1:] = m["step"][None, :] - first[call][None, :] + start[1:, call] - np.arange(1, q)[:, None]
     return steps, period
-
 
 
 def send_parts(msg_bytes: int, nparts: int) -> list[tuple[int, int]]:
     """(offset, length) of each QP's part of a message (ncclIbMultiSend, 128-byte aligned)."""
     part = -(-(-(-msg_bytes // nparts)) // N.QP_SPLIT_ALIGN) * N.QP_SPLIT_ALIGN
     return [(q * part, max(0, min(part, msg_bytes - q * part))) for q in range(nparts)]
-
-
-def _add_writes(data, c, p, parts, qp_index, split, nq, slot_va, job, common, first_qp=0) -> None:
-    ar = job.nccl.adaptive_routing and common["msg_bytes"] > job.nccl.ar_threshold
-    for part, (off, length) in enumerate(parts):
-        q = (first_qp + part) % nq if split else int(qp_index[c, p] % nq)
-        flow = data[c, p, q]
-        fields = dict(common, qp=q, part=part, part_offset=off, wire_bytes=length, remote_offset=slot_va + off)
-        if ar:
-            # Adaptive routing: the bulk goes as a plain WRITE, then a zero-length WRITE with
-            # immediate, whose VA is 0, signals completion (ncclIbMultiSend).
-            flow.add(job.nccl.mtu, **dict(fields, imm=0))
-            flow.add(job.nccl.mtu, **dict(fields, imm=1, wire_bytes=0, remote_offset=NO_VA))
-        else:
-            flow.add(job.nccl.mtu, **dict(fields, imm=1))
-    if not split:
-        qp_index[c, p] += 1
-
-
-def _assemble(job, geometries, elem, bucket_numels, data, cts, steps, fifo, calls) -> WirePlan:
-    n = job.world_size
-    flows, chunks = [], []
-    start = 0
-    for (c, p, q), b in sorted(data.items()):
-        if not b.rows:
-            continue
-        r = (p + 1) % n
-        flows.append((p, r, c, q, DATA, qpn(job, p, c, q, False), qpn(job, r, c, q, True),
-                      udp_sport(job, p, c, q), start, len(b.rows), b.psn))
-        chunks.append(b.rows)
-        start += len(b.rows)
-    for (c, r), b in sorted(cts.items()):
-        if not b.rows:
-            continue
-        p = (r - 1) % n
-        flows.append((r, p, c, 0, CTS, qpn(job, r, c, 0, True), qpn(job, p, c, 0, False),
-                      udp_sport(job, p, c, 0), start, len(b.rows), b.psn))
-        chunks.append(b.rows)
-        start += len(b.rows)
-    flow_arr = np.array(flows, dtype=FLOW_DTYPE)
-    messages = np.array([row for rows in chunks for row in rows], dtype=MESSAGE_DTYPE)
-    for i in range(len(flow_arr)):
-        messages["flow"][flow_arr["msg_start"][i]:flow_arr["msg_start"][i] + flow_arr["msg_count"][i]] = i
-    offsets = tuple(int(x) for x in np.concatenate([[0], np.cumsum(bucket_numels)[:-1]]))
-    blocks = _coverage_blocks(messages, offsets, geometries, elem, job.nccl.mtu,
-                              job.nccl.qps_per_connection if N.split_data_on_qps(job.nccl) else 1)
-    phase_steps, phase_period = _phases(messages, flow_arr, steps, {g.chunk_steps for g in geometries}, calls)
-    return WirePlan(job_name=job.name, world_size=n, elem_size=elem,
-                    mtu=job.nccl.mtu, geometries=geometries, bucket_numels=tuple(int(x) for x in bucket_numels),
-                    bucket_offsets=offsets, flows=flow_arr, messages=messages,
-                    steps_per_iteration=steps, fifo_per_iteration=fifo, blocks=blocks,
-                    phase_steps=phase_steps, phase_period=phase_period)
 
 
 def _coverage_blocks(messages: np.ndarray, bucket_offsets, geometries: tuple[N.ProtocolGeometry, ...], elem: int,
@@ -359,35 +388,18 @@ def _coverage_blocks(messages: np.ndarray, bucket_offsets, geometries: tuple[N.P
     """
     messages["block"] = -1
     ag = np.flatnonzero((messages["kind"] == DATA) & (messages["phase"] == PHASE_AG) & (messages["wire_bytes"] > 0))
-    rows: list[tuple] = []
-    groups: dict[tuple, int] = {}
-    part_base: dict[tuple, int] = {}
-    slice_wire, slice_data = LL128_SLICE_WIRE_BYTES, LL128_SLICE_DATA_BYTES
-    for i in ag:
-        m = messages[i]
-        key = (int(m["bucket"]), int(m["loop"]), int(m["channel"]), int(m["chunk"]), int(m["slice"]))
-        if key not in groups:
-            groups[key] = len(rows)
-            flat = bucket_offsets[key[0]] + int(m["elem_offset"])
-            nbytes, total = int(m["nelem"]) * elem, int(m["msg_bytes"])
-            parts = send_parts(total, nparts)
-            protocol = geometries[key[0]].protocol
-            if protocol == Protocol.LL128:
-                for s in range(-(-total // slice_wire)):
-                    rows.append(_block(key[0], flat, s * slice_data, (s + 1) * slice_data, nbytes, elem,
-                                       LL128_SLICE_LINES_MASK))
-            else:
-                # LL: 16 wire bytes carry 8 data bytes
-                per_wire = LL_LINE_BYTES // LL_LINE_DATA_BYTES if protocol == Protocol.LL else 1
-                for q, (off, length) in enumerate(parts):
-                    part_base[key + (q,)] = len(rows) - groups[key]
-                    for k in range(-(-length // mtu)):
-                        lo, hi = off + k * mtu, off + min((k + 1) * mtu, length)
-                        rows.append(_block(key[0], flat, lo // per_wire, hi // per_wire, nbytes, elem, 1))
-        messages["block"][i] = groups[key] + part_base.get(key + (int(m["part"]),), 0)
-    return np.array(rows, dtype=BLOCK_DTYPE)
-
-
-def _block(bucket: int, flat: int, data_lo: int, data_hi: int, nbytes: int, elem: int, need: int) -> tuple:
-    lo, hi = min(data_lo, nbytes) // elem, -(-min(data_hi, nbytes) // elem)
-    return bucket, flat + lo, hi - lo, need
+    m = {f: messages[f][ag].astype(np.int64) for f in ("bucket", "loop", "channel", "chunk", "slice", "part",
+                                                         "elem_offset", "nelem", "msg_bytes")}
+    key = np.stack([m[f] for f in ("bucket", "loop", "channel", "chunk", "slice")], axis=1)
+    protocol = np.array([int(g.protocol) for g in geometries], np.int64)[m["bucket"]]
+    # LL: 16 wire bytes carry 8 data bytes
+    per_wire = np.where(protocol == Protocol.LL, LL_LINE_BYTES // LL_LINE_DATA_BYTES, 1)
+    flat = np.asarray(bucket_offsets, np.int64)[m["bucket"]] + m["elem_offset"]
+    b = coverage_blocks(key, m["part"], flat, m["nelem"] * elem, m["msg_bytes"],
+                        protocol == Protocol.LL128, per_wire, elem, mtu, nparts,
+                        LL128_SLICE_WIRE_BYTES, LL128_SLICE_DATA_BYTES, LL128_SLICE_LINES_MASK)
+    messages["block"][ag] = b.first
+    blocks = np.zeros(len(b.bucket), dtype=BLOCK_DTYPE)
+    for name in BLOCK_DTYPE.names:
+        blocks[name] = getattr(b, name)
+    return blocks

@@ -27,6 +27,7 @@ from gradtap.replay import Progress, ReplayResult, replay
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, replica_start
 from gradtap.store.shard_snapshot import ShardSnapshots
+from gradtap.updater.replica import Begin
 from gradtap.updater.shard import ShardReplica
 from gradtap.workload.layout import job_buckets, job_plan
 from gradtap.workload.shards import Shards
@@ -44,6 +45,9 @@ class GroupSink(ReplicaSink):
         self.group_snapshots: list[Path] = []
 
     def iteration_done(self, iteration: int, report: IterationReport) -> None:
+        r = self.replica
+        if report.recovered and not report.lost_peers and r.open_iteration is None and not r.stepped_buckets():
+            self._begin(iteration)        # a shard without buckets hears of the iteration here first
         if report.recovered and not report.lost_peers and self.replica.cfg.clip_grad_norm:
             try:
                 self._gather_norms(iteration)
@@ -81,6 +85,16 @@ class GroupSink(ReplicaSink):
             self.control.event("snapshot.incomplete", iteration=iteration, rank=self.link.rank, missing_ranks=missing)
             return
         self.group_snapshots.append(self.shard_snapshots.commit(iteration, r.step, [json.loads(p) for p in parts]))
+
+    def _begin(self, iteration: int) -> None:
+        """Open ``iteration`` as the first bucket would (``ReplicaSink.bucket``)."""
+        r, needed = self.replica, self.replica.iteration
+        outcome = r.begin(iteration)
+        if outcome is Begin.RESYNCED:
+            self.control.resynced(iteration, "trainer checkpoint")
+        elif outcome is Begin.MISSED:
+            self._fallback(iteration, f"the streams delivered iteration {iteration} but the replica needs {needed}: "
+                                      "the appliance missed iterations")
 
     def _gather_norms(self, iteration: int) -> None:
         r = self.replica
@@ -134,6 +148,9 @@ def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dic
     manifests: ``store/shard_snapshot.py``), ``iterations.jsonl``, ``events.jsonl``,
     ``replay.json`` (with the group's figures: its shard, bytes sent to and received from
     peers against the mirrored bytes read)."""
+    if not pcaps:
+        raise ConfigError("mirror group: a node takes part in the group's rounds as its own streams progress, so it "
+                          "needs at least one stream; give this node a capture, or leave it out of the group")
     if not job.nccl.resolved:
         raise ConfigError("mirror group: nccl.era and nccl.protocol must be given (not auto) for a group, so that "
                           "every node shards the same bucket layout from the start")

@@ -2,10 +2,10 @@
 
 The nodes of a group rendezvous once (``MirrorGroupSpec.rendezvous``: ``tcp://HOST:PORT``,
 rank 0 hosting the store, or ``file:///PATH`` on a shared file system) and then exchange
-byte strings pairwise: gloo's ``send``/``recv`` over TCP, the engine PyTorch itself uses, so gradtap writes no transport.
-Every message is a length (``int64[1]``) followed by its bytes, each pair of nodes in
-lockstep, so an exchange is one round in which every node sends one message to every peer
-(maybe empty) and receives one from each.
+byte strings pairwise: gloo's ``send``/``recv`` over TCP, the engine PyTorch itself uses,
+so gradtap writes no transport. Every message is a length (``int64[1]``) followed by its
+bytes, each pair of nodes in lockstep, so an exchange is one round in which every node
+sends one message to every peer (maybe empty) and receives one from each.
 
 **Never a hang.** Every wait has the group's ``timeout``. A peer whose process died closes
 its TCP connections and gloo fails the wait at once; one that hangs fails it at the

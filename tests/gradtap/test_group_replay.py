@@ -68,7 +68,8 @@ def run_group(tmp_path: Path, job, sim: Path, nodes: list[list[str]], die: tuple
     doc = job.model_dump(mode="json", exclude_none=True)
     procs = [ctx.Process(target=node, daemon=True, args=(
         r, len(nodes), f"file://{tmp_path / 'rendezvous'}", doc, {s: paths[s] for s in streams}, tmp_path / f"node{r}",
-        sim / "truth" / "start.pt", die[1] if die and die[0] == r else None, results)) for r, streams in enumerate(nodes)]
+        sim / "truth" / "start.pt", die[1] if die and die[0] == r else None, results))
+        for r, streams in enumerate(nodes)]
     try:
         for p in procs:
             p.start()

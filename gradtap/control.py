@@ -32,6 +32,7 @@ from pathlib import Path
 
 from gradtap.control_token import read_token
 from gradtap.core.errors import ConfigError
+from gradtap.trainer.control_client import Refused, post_json
 
 log = logging.getLogger(__name__)
 
@@ -102,18 +103,11 @@ def request_resync(appliance: str, checkpoint: Path, token_file: Path, timeout_s
     authenticated with the token in ``token_file``; its JSON answer (``gradtap/control_server.py``).
     The timeout leaves room for the appliance to read and check a large checkpoint."""
     token = read_token(token_file).decode()
-    request = urllib.request.Request(f"{appliance.rstrip('/')}/resync", method="POST",
-                                     data=json.dumps({"checkpoint": str(Path(checkpoint).resolve())}).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:      # the appliance answered, and refused
-        try:
-            reason = json.loads(exc.read())["error"]
-        except (ValueError, KeyError, TypeError):
-            reason = exc.reason
-        raise ConfigError(f"{appliance} refused it: HTTP {exc.code}: {reason}") from None
+        return post_json(f"{appliance.rstrip('/')}/resync", {"checkpoint": str(Path(checkpoint).resolve())},
+                         token, timeout_s)
+    except Refused as exc:      # the appliance answered, and refused
+        status = f"HTTP {exc.code}: " if exc.code else ""
+        raise ConfigError(f"{appliance} refused it: {status}{exc.reason}") from None
     except OSError as exc:
         raise ConfigError(f"--appliance {appliance}: no gradtap appliance answered ({exc})") from None

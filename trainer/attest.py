@@ -24,13 +24,12 @@ convention: the state after the step of ``iteration - 1``).
 from __future__ import annotations
 
 import hashlib
-import json
-import urllib.error
-import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+from gradtap.trainer.control_client import post_json
 
 FORMAT = "gradtap-attest/1"
 SAMPLES = 64
@@ -85,16 +84,6 @@ class Attestor:
         self.timeout_s = timeout_s
 
     def send(self, fp: dict) -> dict:
-        """The appliance's answer; ``RuntimeError`` with its reason when it refuses."""
-        request = urllib.request.Request(self.url, data=json.dumps(fp).encode(), method="POST",
-                                         headers={"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {self.token}"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            try:
-                reason = json.loads(exc.read())["error"]
-            except (ValueError, KeyError, TypeError):
-                reason = exc.reason
-            raise RuntimeError(f"{self.url}: HTTP {exc.code}: {reason}") from None
+        """The appliance's answer; :class:`~gradtap.trainer.control_client.Refused` (a
+        ``RuntimeError``) with its reason when it refuses."""
+        return post_json(self.url, fp, self.token, self.timeout_s)

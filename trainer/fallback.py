@@ -37,14 +37,13 @@ import os
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from gradtap.core.errors import ConfigError
+from gradtap.trainer.control_client import post_json
 
 log = logging.getLogger(__name__)
 
@@ -211,23 +210,11 @@ class FallbackHandler:
     # -- the training loop's thread -----------------------------------------------------------
 
     def _resync(self, path: Path) -> dict:
-        """``POST /resync`` of ``path``; the appliance's answer (``RuntimeError`` when it refuses)."""
+        """``POST /resync`` of ``path``; the appliance's answer (``Refused``, a ``RuntimeError``,
+        when it refuses)."""
         s = self.settings
-        request = urllib.request.Request(f"{s.appliance.rstrip('/')}/resync", method="POST",
-                                         data=json.dumps({"checkpoint": str(path)}).encode(),
-                                         headers={"Content-Type": "application/json",
-                                                  "Authorization": f"Bearer {self._token.decode()}"})
-        try:
-            with urllib.request.urlopen(request, timeout=s.resync_timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            try:
-                reason = json.loads(exc.read())["error"]
-            except (ValueError, KeyError, TypeError):
-                reason = exc.reason
-            raise RuntimeError(f"{s.appliance}/resync: HTTP {exc.code}: {reason}") from None
-        except ValueError as exc:      # an answer that is not JSON
-            raise RuntimeError(f"{s.appliance}/resync: {exc}") from None
+        return post_json(f"{s.appliance.rstrip('/')}/resync", {"checkpoint": str(path)}, self._token.decode(),
+                         s.resync_timeout_s)
 
     def _failed(self, request: dict, iteration: int, exc: Exception) -> None:
         with self._lock:

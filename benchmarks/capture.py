@@ -23,7 +23,13 @@ frames; the target, <= 0.35 core at 0.3 Mpps, is <= 1.17 core-s per Mframes.
 Baseline, in the same run: a Python ``recv_into`` loop on an AF_PACKET socket (one system
 call per frame), the way the issue's 0.2 Mpps / 95 % core figure was measured.
 
-Run as root: ``python -m benchmarks.capture [--frames N] [--rates 0.1,0.2,...] [--hugepages N]``.
+af_xdp's UMEM chunk (``--xdp-chunk``, default auto): a chunk holds ``chunk - 256`` bytes of
+frame (XDP_PACKET_HEADROOM) and is at most a page, so on a 4 KiB-page host a frame over 3840
+bytes spans two chunks (two descriptors) whatever the chunk size; ``--xdp-chunk 2048`` (three
+descriptors per 4.2 KB frame) against the default (two) measures what a descriptor costs.
+
+Run as root: ``python -m benchmarks.capture [--frames N] [--rates 0.1,0.2,...] [--hugepages N]
+[--xdp-chunk auto|2048|4096]``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import numba
 from pyroute2 import NetNS, netns
 
 from gradtap.capture.af_packet import PACKET_STATISTICS, SOL_PACKET
+from gradtap.capture.af_xdp import PAGE_SIZE, AfXdpSource, chunk_frame_bytes
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
 from gradtap.capture.ring import FrameRing
@@ -179,6 +186,7 @@ class Trial:
     ring_drops: int
     backlog_drops: int        # /proc/net/softnet_stat: a CPU's input queue was full
     link_drops: int           # veth statistics (they include failed XDP redirects)
+    fragments: int = 0        # af_xdp: RX descriptors taken (one per UMEM chunk a frame spans)
 
     @property
     def lossless(self) -> bool:
@@ -193,8 +201,8 @@ class Trial:
 
 
 class Bench:
-    def __init__(self, lab: Lab, frames: int, hugepages: str):
-        self.lab, self.frames, self.hugepages = lab, frames, hugepages
+    def __init__(self, lab: Lab, frames: int, hugepages: str, xdp_chunk: int | str = "auto"):
+        self.lab, self.frames, self.hugepages, self.xdp_chunk = lab, frames, hugepages, xdp_chunk
         ctx = multiprocessing.get_context("spawn")
         self.ctx = ctx
         self.conn, child = ctx.Pipe()
@@ -212,7 +220,10 @@ class Bench:
         if source == "recv_loop":
             return self._recv_loop(rate)
         ring = FrameRing.create(32768, 4352, hugepages=self.hugepages, name=f"bench-{source}")
-        worker = CaptureWorker(SourceSpec(source, ("rx0",), {"netns": self.lab.rx}), ring, cpu=RX_CPU)
+        options = {"netns": self.lab.rx}
+        if source == "af_xdp":
+            options["chunk_size"] = self.xdp_chunk
+        worker = CaptureWorker(SourceSpec(source, ("rx0",), options), ring, cpu=RX_CPU)
         worker.start()
         try:
             before = self._counters(worker.pid)
@@ -235,7 +246,7 @@ class Bench:
             ring.close()
         cpu, drops = self._deltas(after, before)[:3], self._deltas(after, before)[3:]
         return Trial(source, icrc, rate, sent, read, send_s, *cpu, sender_cpu, final["kernel_drops"],
-                     final["ring_drops"], *drops)
+                     final["ring_drops"], *drops, final.get("fragments", 0))
 
     def _counters(self, pid: int) -> tuple[float, float, float, int, int]:
         return task_cpu_s(pid), time.process_time(), machine_busy_s(), softnet_drops(), self.lab.link_drops()
@@ -277,7 +288,8 @@ def describe(t: Trial) -> str:
                                          f"backlog {t.backlog_drops}, veth {t.link_drops})")
     return (f"  {t.source:9s} icrc {'on ' if t.icrc else 'off'} rate {rate:>4s} Mpps -> sent {t.mpps:5.3f} Mpps; "
             f"worker {t.per_mframe(t.worker_cpu_s):5.2f}  consumer {t.per_mframe(t.consumer_cpu_s):5.2f}  "
-            f"machine {t.per_mframe(t.machine_cpu_s):5.2f} core-s/Mframe; {loss}")
+            f"machine {t.per_mframe(t.machine_cpu_s):5.2f} core-s/Mframe; {loss}"
+            + (f"; {t.fragments / t.read:.2f} descriptors/frame" if t.fragments and t.read else ""))
 
 
 def main() -> None:
@@ -286,6 +298,9 @@ def main() -> None:
     ap.add_argument("--rates", default="0.1,0.15,0.2,0.25,0.3,0.35",
                     help="paced rates to try, Mpps (an unpaced trial always follows)")
     ap.add_argument("--sources", default=",".join(SOURCES))
+    ap.add_argument("--xdp-chunk", default="auto",
+                    help="af_xdp UMEM chunk size: auto (the smallest that holds a whole frame of MTU 4096, "
+                         "at most the page size) or 2048/4096; a chunk holds chunk - 256 bytes of frame")
     ap.add_argument("--hugepages", type=int, default=0,
                     help="reserve this many huge pages for the frame rings during the run (restored after)")
     args = ap.parse_args()
@@ -297,10 +312,14 @@ def main() -> None:
     reserve = Reservation(args.hugepages)
     try:
         with Lab() as lab:
-            bench = Bench(lab, args.frames, "auto" if args.hugepages else "off")
+            xdp_chunk = args.xdp_chunk if args.xdp_chunk == "auto" else int(args.xdp_chunk)
+            bench = Bench(lab, args.frames, "auto" if args.hugepages else "off", xdp_chunk)
             try:
+                chunk = AfXdpSource("rx0", chunk_size=xdp_chunk)
                 print(f"frames: {bench.frame_bytes:.0f} bytes on average (RoCEv2 RDMA WRITE, MTU 4096); "
-                      f"frame rings on {'huge' if args.hugepages else 'normal'} pages")
+                      f"frame rings on {'huge' if args.hugepages else 'normal'} pages; af_xdp chunks of "
+                      f"{chunk.chunk_size} bytes hold {chunk_frame_bytes(chunk.chunk_size)}-byte frames "
+                      f"(page size {PAGE_SIZE}: a chunk holds at most {chunk_frame_bytes(PAGE_SIZE)})")
                 results = run(bench, args.sources.split(","), rates)
             finally:
                 bench.close()

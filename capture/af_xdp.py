@@ -3,7 +3,7 @@
 Set-up (``Documentation/networking/af_xdp.rst``), all through system calls:
 
 1. an ``AF_XDP`` socket and a UMEM: ``frames`` chunks of ``chunk_size`` bytes of anonymous
-   memory registered with ``XDP_UMEM_REG``;
+   memory registered with ``XDP_UMEM_REG`` (see "Chunk size" below);
 2. the fill, completion and RX rings sized with ``setsockopt`` and ``mmap``-ed at the
    offsets ``XDP_MMAP_OFFSETS`` reports;
 3. ``bind`` to (interface, queue): zero-copy if asked or possible, copy mode otherwise
@@ -19,6 +19,30 @@ through the fill ring and store-releases both indices (the kernel's side of the 
 in ``net/xdp/xsk_queue.h``). The descriptors carry no time; every frame of one pass gets the
 ``CLOCK_REALTIME`` reading taken just before it, so times are batch-granular (a pass holds
 at most what arrived during one poll) and never decrease.
+
+Chunk size. A frame that fits in one chunk takes one RX descriptor and one fill entry; a
+longer one takes one per chunk it spans (multi-buffer), which costs the kernel's copy and
+this loop a descriptor each. What a chunk holds and which sizes exist
+(``Documentation/networking/af_xdp.rst``, "XDP_UMEM_REG setsockopt", and
+``net/xdp/xdp_umem.c`` ``xdp_umem_reg``, ``net/xdp/xsk_buff_pool.c``):
+
+- the kernel takes ``XDP_PACKET_HEADROOM`` (256 bytes) plus the UMEM headroom (0 here) at the
+  start of every chunk, so a chunk holds a frame of ``chunk_size - 256`` bytes
+  (``pool->frame_len``);
+- ``chunk_size`` is at least ``XDP_UMEM_MIN_CHUNK_SIZE`` (2048) and at most the page size,
+  a power of two unless the UMEM is registered with ``XDP_UMEM_UNALIGNED_CHUNK_FLAG``
+  ("unaligned chunk mode", where any size in that range is allowed and fill addresses are
+  not masked to a chunk boundary).
+
+``chunk_size="auto"`` (the default) therefore picks the smallest power of two that holds a
+whole frame of ``frame_bytes`` (the longest frame the job sends), between 2048 and the page
+size. On a 4 KiB-page host (x86-64) a chunk holds at most 3840 bytes, and a RoCEv2 frame of
+MTU 4096 (about 4.2 KB) cannot fit in one: it spans two chunks there, whatever the chunk size
+or mode. Measured on Linux 6.18 (x86-64): ``XDP_UMEM_REG`` refuses every chunk size above
+4096 with ``EINVAL`` (8192, 16384, 65536 aligned; 4608 unaligned), even on a UMEM of 2 MiB
+huge pages, which the 2023 patch series "xsk: Support UMEM chunk_size > PAGE_SIZE" proposed
+to allow. On hosts with 16 or 64 KiB pages (arm64, ppc64le)
+"auto" takes a chunk that holds the whole frame, and each frame is one descriptor.
 
 Kernel drops: ``XDP_STATISTICS`` (``rx_dropped``: no chunk or frame too large;
 ``rx_ring_full``: the RX ring was full; plus ``rx_invalid_descs``,
@@ -58,6 +82,12 @@ XDP_PGOFF_RX_RING, XDP_UMEM_PGOFF_FILL_RING, XDP_UMEM_PGOFF_COMPLETION_RING = 0,
 XDP_COPY, XDP_ZEROCOPY, XDP_USE_SG = 1 << 1, 1 << 2, 1 << 4
 XDP_OPTIONS_ZEROCOPY = 1 << 0
 XDP_PKT_CONTD = 1 << 0
+XDP_UMEM_UNALIGNED_CHUNK_FLAG = 1 << 0
+XDP_UMEM_MIN_CHUNK_SIZE = 2048        # net/xdp: the smallest chunk the kernel registers
+XDP_PACKET_HEADROOM = 256             # include/uapi/linux/bpf.h: reserved at each chunk's start
+PAGE_SIZE = mmap.PAGESIZE             # the largest chunk the kernel registers
+#: The longest RoCEv2 frame at MTU 4096: Ethernet, IPv6, UDP, BTH, RETH, ImmDt, payload, ICRC.
+ROCE_4096_FRAME_BYTES = 14 + 40 + 8 + 12 + 16 + 4 + 4096 + 4
 # linux/if_link.h XDP_FLAGS_*.
 XDP_FLAGS_UPDATE_IF_NOEXIST, XDP_FLAGS_SKB_MODE, XDP_FLAGS_DRV_MODE, XDP_FLAGS_REPLACE = 1, 2, 4, 16
 ATTACH_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
@@ -134,6 +164,25 @@ def _rx(rx32, rx_desc64, rx_desc32, rx_prod, rx_cons, fq32, fq_addrs, fq_prod, u
     return end
 
 
+#: Chunk sizes the kernel registers without XDP_UMEM_UNALIGNED_CHUNK_FLAG (powers of two).
+CHUNK_SIZES = tuple(1 << k for k in range(XDP_UMEM_MIN_CHUNK_SIZE.bit_length() - 1, PAGE_SIZE.bit_length())
+                    if 1 << k <= PAGE_SIZE)
+
+
+def chunk_frame_bytes(chunk_size: int) -> int:
+    """The longest frame one chunk of ``chunk_size`` bytes holds (the kernel's ``frame_len``)."""
+    return chunk_size - XDP_PACKET_HEADROOM
+
+
+def chunk_size_for(frame_bytes: int, page_size: int = PAGE_SIZE) -> int:
+    """The smallest chunk (a power of two from 2048 to ``page_size``) that holds a frame of
+    ``frame_bytes``; ``page_size`` when none does (the frame then spans several chunks)."""
+    size = XDP_UMEM_MIN_CHUNK_SIZE
+    while size < page_size and chunk_frame_bytes(size) < frame_bytes:
+        size *= 2
+    return min(size, page_size)
+
+
 class _MappedRing:
     """One kernel ring of the socket: its mapping and the word indexes of its fields."""
 
@@ -174,7 +223,12 @@ class AfXdpSource(CaptureSource):
     frames:
         UMEM chunks (a power of two); also the fill ring size.
     chunk_size:
-        Bytes per chunk, 2048 or 4096 (the page size); longer frames use several chunks.
+        Bytes per chunk: ``"auto"`` (:func:`chunk_size_for` of ``frame_bytes``), or a power of
+        two from 2048 to the page size. A chunk holds a frame of ``chunk_size - 256`` bytes;
+        longer frames use several chunks (multi-buffer).
+    frame_bytes:
+        The longest frame expected (bytes, no FCS), for ``chunk_size="auto"``; by default a
+        RoCEv2 frame of MTU 4096 (:data:`ROCE_4096_FRAME_BYTES`).
     rx_size:
         RX ring entries (a power of two).
     mode:
@@ -191,14 +245,19 @@ class AfXdpSource(CaptureSource):
     COUNTERS = XDP_STATS + ("fragments", "bad_descs")
 
     def __init__(self, interface: str, *, netns: str | None = None, queue: int = 0, frames: int = 32768,
-                 chunk_size: int = 4096, rx_size: int = 16384, mode: str = "auto", attach: str = "auto",
-                 coalesce_us: int = 200):
+                 chunk_size: int | str = "auto", frame_bytes: int = ROCE_4096_FRAME_BYTES, rx_size: int = 16384,
+                 mode: str = "auto", attach: str = "auto", coalesce_us: int = 200):
         super().__init__()
         for label, value in (("frames", frames), ("rx_size", rx_size)):
             if value < 64 or value & (value - 1):
                 raise ValueError(f"{label} = {value}; must be a power of two >= 64")
-        if chunk_size not in (2048, 4096):
-            raise ValueError(f"chunk_size = {chunk_size}; allowed 2048, 4096")
+        if not 60 <= frame_bytes <= 65535:
+            raise ValueError(f"frame_bytes = {frame_bytes}; allowed 60..65535")
+        if chunk_size == "auto":
+            chunk_size = chunk_size_for(frame_bytes)
+        elif chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size = {chunk_size!r}; allowed 'auto' or {', '.join(map(str, CHUNK_SIZES))} "
+                             f"(powers of two from {XDP_UMEM_MIN_CHUNK_SIZE} to the page size)")
         if mode not in ("auto", "zerocopy", "copy"):
             raise ValueError(f"mode = {mode!r}; allowed auto, zerocopy, copy")
         if attach not in ("auto", "native", "generic"):
@@ -209,6 +268,7 @@ class AfXdpSource(CaptureSource):
             raise ValueError(f"coalesce_us = {coalesce_us}; allowed 0..10000")
         self.interface, self.netns, self.queue = interface, netns, queue
         self.frames, self.chunk_size, self.rx_size = frames, chunk_size, rx_size
+        self.frame_bytes = frame_bytes
         self.mode, self.attach, self.coalesce_us = mode, attach, coalesce_us
         #: After open: "zerocopy" or "copy", "native" or "generic", multi-buffer on or off.
         self.bound_mode = self.attach_mode = None
@@ -346,7 +406,9 @@ class AfXdpSource(CaptureSource):
 
     def info(self) -> dict[str, object]:
         return {"mode": self.bound_mode, "attach": self.attach_mode, "multibuffer": self.multibuffer,
-                "queue": self.queue, "umem_bytes": self.frames * self.chunk_size}
+                "queue": self.queue, "umem_bytes": self.frames * self.chunk_size, "chunk_size": self.chunk_size,
+                "chunk_frame_bytes": chunk_frame_bytes(self.chunk_size),
+                "chunks_per_frame": -(-self.frame_bytes // chunk_frame_bytes(self.chunk_size))}
 
     # -- receive ---------------------------------------------------------------------------
 

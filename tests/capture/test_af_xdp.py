@@ -1,6 +1,7 @@
 """af_xdp on real kernel networking: with the XDP program attached natively and generically,
 frames up to 9000 bytes (several UMEM chunks each) sent over a veth pair arrive in the ring
-byte-identical and in order; real NCCL RoCEv2 frames decode as in their file; the kernel's
+byte-identical and in order; a frame that fills a chunk takes one descriptor, one byte more
+takes two; real NCCL RoCEv2 frames decode as in their file; the kernel's
 drops (RX ring full) and the frame ring's drops are each counted exactly; and the program
 is gone from the interface after close, after a failed open, and never taken from another
 owner."""
@@ -15,7 +16,8 @@ import pytest
 from pyroute2 import IPRoute
 
 from gradtap.capture import bpf
-from gradtap.capture.af_xdp import AfXdpSource
+from gradtap.capture.af_xdp import CHUNK_SIZES, PAGE_SIZE, ROCE_4096_FRAME_BYTES, AfXdpSource, chunk_frame_bytes, \
+    chunk_size_for
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
 from gradtap.capture.ring import FrameRing
@@ -78,6 +80,42 @@ def test_every_frame_arrives_identical_and_in_order(lab, attach):
     assert (stats["received"], stats["frames"], stats["kernel_drops"], stats["ring_drops"]) == (600, 600, 0, 0)
     assert stats["fragments"] > 600                     # jumbo frames came in several chunks
     assert (stats["bad_descs"], stats["rx_invalid_descs"], stats["truncated"]) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("chunk_size", CHUNK_SIZES)
+def test_a_frame_that_fills_a_chunk_takes_one_descriptor_and_a_longer_one_two(lab, chunk_size):
+    """A chunk holds ``chunk_size - 256`` bytes (XDP_PACKET_HEADROOM comes first): a frame of
+    exactly that length is one descriptor, one byte more spans two chunks (multi-buffer);
+    both arrive whole."""
+    full = chunk_frame_bytes(chunk_size)
+    sent = [frame(i, full) for i in range(20)] + [frame(20 + i, full + 1) for i in range(20)]
+    with FrameRing.create(64, 4352, hugepages="off") as ring, source_for(lab, chunk_size=chunk_size) as source:
+        assert source.info()["chunk_frame_bytes"] == full
+        tx = lab.sender()
+        for f in sent[:20]:
+            tx.send(f)
+        got = collect(source, ring, 20)
+        one_each = source.stats()["fragments"]
+        for f in sent[20:]:
+            tx.send(f)
+        tx.close()
+        got += collect(source, ring, 40)              # counts are cumulative
+        stats = source.stats()
+    assert [g[0] for g in got] == sent
+    assert one_each == 20 and stats["fragments"] == 20 + 2 * 20
+    assert (stats["frames"], stats["bad_descs"], stats["truncated"], stats["kernel_drops"]) == (40, 0, 0, 0)
+
+
+def test_auto_chunk_size_holds_the_whole_frame_where_the_page_allows():
+    assert chunk_size_for(1024 + 78) == 2048                       # RoCE MTU 1024: one 2 KiB chunk
+    assert chunk_size_for(1792) == 2048 and chunk_size_for(1793) == 4096
+    assert chunk_size_for(ROCE_4096_FRAME_BYTES, page_size=4096) == 4096    # spans two: no larger chunk
+    assert chunk_size_for(ROCE_4096_FRAME_BYTES, page_size=16384) == 8192   # 16 KiB pages: one chunk
+    assert chunk_frame_bytes(chunk_size_for(ROCE_4096_FRAME_BYTES, page_size=65536)) >= ROCE_4096_FRAME_BYTES
+    assert AfXdpSource("rx0").chunk_size == chunk_size_for(ROCE_4096_FRAME_BYTES) == min(8192, PAGE_SIZE)
+    assert AfXdpSource("rx0", frame_bytes=1100).chunk_size == 2048
+    with pytest.raises(ValueError, match="chunk_size = 3000"):
+        AfXdpSource("rx0", chunk_size=3000)
 
 
 def test_real_roce_frames_decode_as_in_their_file(lab):

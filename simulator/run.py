@@ -16,9 +16,9 @@ it starts from.
 from __future__ import annotations
 
 import copy
-
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -65,6 +65,32 @@ class Summary:
     link_faults: dict[str, int]
     seconds_training: float = 0.0
     seconds_encoding: float = 0.0
+    #: Per phase of the run, CPU seconds of this process (``time.process_time``, every thread)
+    #: and wall seconds: "reduction" (the ring's additions), "traffic" (packet descriptors and
+    #: payloads), "frames" (frames, mirror faults, capture files), "truth" (ground truth files),
+    #: "training" (the rest: forward, backward, bucket buffers, optimizer step).
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    wall_seconds: dict[str, float] = field(default_factory=dict)
+
+
+PHASES = ("training", "reduction", "traffic", "frames", "truth")
+
+
+class PhaseClock:
+    """CPU and wall seconds spent in each phase (``with clock("frames"): ...``)."""
+
+    def __init__(self):
+        self.cpu = dict.fromkeys(PHASES, 0.0)
+        self.wall = dict.fromkeys(PHASES, 0.0)
+
+    @contextmanager
+    def __call__(self, phase: str):
+        cpu, wall = time.process_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.cpu[phase] += time.process_time() - cpu
+            self.wall[phase] += time.perf_counter() - wall
 
 
 class _Stream:
@@ -134,6 +160,7 @@ class Simulation:
         link_faults: dict[str, int] = {}
         captured_buckets = {b: i for i, b in enumerate(buckets)}
         clock = {"t": EPOCH_NS, "encode_s": 0.0, "capturing": False}
+        phases = PhaseClock()
 
         scratch: dict[np.dtype, np.ndarray] = {}
 
@@ -155,14 +182,17 @@ class Simulation:
             # 'auto', the tuner's for its size).
             chunks = (chunk_of[i] if i is not None else
                       chunk_index(build_plan(tuned(one_call, [bucket.numel]), [bucket.numel]), 0))
-            rows = ring_partials(per_rank, chunks, out=partials_buffer(per_rank[0].dtype, len(chunks)))
+            with phases("reduction"):
+                rows = ring_partials(per_rank, chunks, out=partials_buffer(per_rank[0].dtype, len(chunks)))
             if clock["capturing"]:
                 started = time.perf_counter()
-                traffic = builder.build(i, rows, state, clock["t"])
+                with phases("traffic"):
+                    traffic = builder.build(i, rows, state, clock["t"])
                 for key, v in traffic.injected.items():
                     link_faults[key] = link_faults.get(key, 0) + v
-                self._write_streams(streams, traffic.packets, traffic.src, traffic.dst, traffic.arena, [],
-                                    routes)
+                with phases("frames"):
+                    self._write_streams(streams, traffic.packets, traffic.src, traffic.dst, traffic.arena, [],
+                                        routes)
                 clock["t"] = traffic.end_ns + self.timing.step_latency_ns
                 clock["encode_s"] += time.perf_counter() - started
             return rows[n - 1].copy()
@@ -174,7 +204,7 @@ class Simulation:
         model = trainer.model
         truth = TruthWriter(self.out / "truth", job, self.seed)
         captured = []
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         try:
             while trainer.iteration < first:     # a start checkpoint may be past it already
                 progress("training iteration 0 (initial bucket layout, before capture)", 0, self.iterations)
@@ -182,7 +212,8 @@ class Simulation:
             truth.layout(params, buckets, job.ddp.grad_dtype, trainer.iteration)
             # When the trainer's state was start.pt: the moment the capture begins (the appliance
             # numbers the captured iterations by it, gradtap/start.py).
-            truth.start({**trainer.state_dict(), "time_ns": clock["t"]})
+            with phases("truth"):
+                truth.start({**trainer.state_dict(), "time_ns": clock["t"]})
             # The job as captured: its streams start from truth/start.pt, which the job names
             # (relative to job.yaml), so that a replay of it needs no --start.
             start = job.initial_state.model_copy(update={"seed": None, "checkpoint": Path("truth") / "start.pt"})
@@ -193,13 +224,16 @@ class Simulation:
                 progress(f"iteration {it}: training {n} ranks and encoding {len(buckets)} buckets",
                          k, self.iterations)
                 t0 = clock["t"]
-                bg, bg_src, bg_dst = background.packets(t0, job.nccl.mtu, 0)
-                self._write_streams(streams, bg, bg_src, bg_dst, background.arena, background.raw_frames(t0),
-                                    routes)
+                with phases("traffic"):
+                    bg, bg_src, bg_dst = background.packets(t0, job.nccl.mtu, 0)
+                    raw = background.raw_frames(t0)
+                with phases("frames"):
+                    self._write_streams(streams, bg, bg_src, bg_dst, background.arena, raw, routes)
                 clock["t"] = t0 + self.timing.compute_gap_ns
                 result = trainer.step(buckets)
-                truth.iteration(it, result.reduced_buckets, model, trainer.optimizer,
-                                (t0, clock["t"] + self.timing.step_latency_ns))
+                with phases("truth"):
+                    truth.iteration(it, result.reduced_buckets, model, trainer.optimizer,
+                                    (t0, clock["t"] + self.timing.step_latency_ns))
                 captured.append(it)
                 state.advance(plan)
             progress("done", self.iterations, self.iterations)
@@ -207,9 +241,11 @@ class Simulation:
             for s in streams:
                 s.writer.close()
             truth.close()
-        total = time.perf_counter() - started
+        total, total_cpu = time.perf_counter() - started, time.process_time() - started_cpu
+        phases.cpu["training"] = total_cpu - sum(phases.cpu.values())
+        phases.wall["training"] = total - sum(phases.wall.values())
         return Summary(self.out, captured, [s.summary for s in streams], link_faults,
-                       total - clock["encode_s"], clock["encode_s"])
+                       total - clock["encode_s"], clock["encode_s"], phases.cpu, phases.wall)
 
     def _write_streams(self, streams, packets, src, dst, arena, raw, routes) -> None:
         """Append frames to every stream that captures them: ``packets`` (time-ordered

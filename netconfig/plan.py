@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from gradtap.core.errors import ConfigError
+from gradtap.netconfig.cost import CostModel
 from gradtap.netconfig.hardware import Vendor
 from gradtap.netconfig.topology import Direction, MirrorPolicy, read_text
 from gradtap.netconfig.validation import format_validation_error
@@ -129,6 +130,23 @@ class Plan(_Model):
     cpu_nodes: list[CpuNodeUse]
     #: Null when no source crosses the routed fabric.
     fabric: FabricUse | None = None
+    #: The topology's cost inputs. Saved with only the fields the topology gave, so that the report
+    #: of a reloaded plan still tells FlowCheck's defaults from the cluster's own figures.
+    cost: CostModel = CostModel()
+
+    @field_serializer("cost")
+    def _given_cost(self, cost: CostModel) -> dict:
+        return cost.model_dump(exclude_unset=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_plan(cls, data: object) -> object:
+        """Plans written before the ``cost:`` section kept a CPU-node price in ``mirror``; it is
+        dropped (its report then shows FlowCheck's default prices, labelled so)."""
+        if isinstance(data, dict) and isinstance(data.get("mirror"), dict):
+            mirror = {k: v for k, v in data["mirror"].items() if k not in ("cpu_node_price_per_hour", "currency")}
+            data = {**data, "mirror": mirror}
+        return data
 
     def switch(self, name: str) -> SwitchInfo:
         for sw in self.switches:

@@ -136,7 +136,8 @@ def plan_topology(topo: Topology) -> Plan:
                           f"{len(problems) + len(groups)} DP groups cannot be mirrored); no plan was made:\n"
                           + "\n".join(f"  - {p}" for p in shown))
     return Plan(topology=topo.name, mirror=topo.mirror, switches=_switch_infos(topo, groups),
-                groups=groups, cpu_nodes=_cpu_uses(state, groups), fabric=_fabric_use(topo, state))
+                groups=groups, cpu_nodes=_cpu_uses(state, groups), fabric=_fabric_use(topo, state),
+                cost=topo.cost)
 
 
 def _candidates(topo: Topology, group: DpGroup) -> list[tuple[int, Direction, tuple[int, ...]]]:

@@ -1,5 +1,9 @@
 """The plan report: sessions per switch, CPU nodes and their load, failure probability, cost.
 
+Cost is the expected USD a day with ordinary checkpoints against gradtap's CPU nodes
+(:mod:`gradtap.netconfig.cost`), for the plan's CPU nodes and for a reference count (FlowCheck's
+16 for the 175B layout), with what each CPU node must take at either count.
+
 One dictionary (:func:`report_dict`, the JSON form) feeds both outputs; the shell
 (``gradtap netconfig plan``) lays it out as tables. "Failure" is an iteration whose gradients cannot be recovered
 from the mirrored streams; the job-level figures are the probability that any DP group
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 
 from gradtap.netconfig import vendors
+from gradtap.netconfig.cost import DailyCost, daily_cost, input_sources
 from gradtap.netconfig.plan import Plan
 from gradtap.netconfig.reliability import iterations_between_failures, p_any_fails
 from gradtap.netconfig.vendors.base import build_sessions, session_limit
@@ -74,7 +79,6 @@ def report_dict(plan: Plan) -> dict:
     eq2 = [g.p_fail_eq2 for g in plan.groups]
     p_job = p_any_fails(g.p_fail_exact for g in plan.groups)
     p_job_eq2 = None if None in eq2 else p_any_fails(eq2)
-    price = mirror.cpu_node_price_per_hour
     return {
         "topology": plan.topology, "loss_rate": mirror.loss_rate,
         "packets_per_iteration": mirror.packets_per_iteration,
@@ -90,6 +94,52 @@ def report_dict(plan: Plan) -> dict:
         "warnings": port_warnings(plan),
         "job": {"dp_groups": len(plan.groups), "p_fail_exact": p_job, "p_fail_eq2": p_job_eq2,
                 "iterations_between_failures": _iterations(p_job)},
-        "cost": {"cpu_nodes": len(plan.cpu_nodes), "price_per_hour": price, "currency": mirror.currency,
-                 "total_per_hour": len(plan.cpu_nodes) * price},
+        "cost": cost_dict(plan),
+    }
+
+
+def _daily(cost: DailyCost) -> dict:
+    return {"cpu_nodes": cost.cpu_nodes,
+            "ordinary_usd_per_day": {"lost_work": cost.ordinary_lost_work, "stall": cost.ordinary_stall,
+                                     "total": cost.ordinary},
+            "gradtap_usd_per_day": {"cpu_nodes": cost.gradtap_cpu_nodes, "lost_work": cost.gradtap_lost_work,
+                                    "total": cost.gradtap},
+            "ratio": cost.ratio}
+
+
+def node_sizing(plan: Plan, cpu_nodes: int) -> dict:
+    """What each of ``cpu_nodes`` CPU nodes must take if the plan's DP groups were spread evenly
+    over them, against the planner's rules: every stream at line rate at once, a group's streams on
+    distinct ports, ports of the plan's own CPU-port speed filled to ``cpu_port_max_utilization``."""
+    groups_per_node = math.ceil(len(plan.groups) / cpu_nodes)
+    group_gbps = max(sum(s.load_gbps for s in g.sources) for g in plan.groups)
+    port_gbps = max(p.speed_gbps for n in plan.cpu_nodes for p in n.ports) * plan.mirror.cpu_port_max_utilization
+    gbps = groups_per_node * group_gbps
+    return {"cpu_nodes": cpu_nodes, "dp_groups_per_node": groups_per_node,
+            "streams_per_node": groups_per_node * plan.mirror.sources_per_group, "gbps_per_node": gbps,
+            "port_gbps": port_gbps,
+            "ports_per_node": max(math.ceil(gbps / port_gbps - 1e-9), plan.mirror.sources_per_group)}
+
+
+def cost_dict(plan: Plan) -> dict:
+    """The cost comparison (:mod:`gradtap.netconfig.cost`) for this plan's CPU nodes and, when the
+    topology names one, for ``reference_cpu_nodes``, with the inputs, their sources and what each CPU
+    node would have to take."""
+    model = plan.cost
+    gpus = sum(g.size for g in plan.groups)  # every rank is in exactly one DP group
+    reference = model.reference_cpu_nodes
+    nodes = len(plan.cpu_nodes)
+    return {
+        "inputs": model.model_dump(), "sources": input_sources(model), "gpus": gpus,
+        "gpu_servers": gpus / model.gpus_per_server,
+        "plan": _daily(daily_cost(model, gpus, nodes)),
+        "reference": None if reference is None else _daily(daily_cost(model, gpus, reference)),
+        # The plan's own nodes as planned (the busiest one), beside the even spread at the reference count.
+        "sizing": {"plan": {**node_sizing(plan, nodes),
+                            "dp_groups_per_node": max(len(n.groups) for n in plan.cpu_nodes),
+                            "streams_per_node": max(sum(len(p.groups) for p in n.ports) for n in plan.cpu_nodes),
+                            "gbps_per_node": max(n.load_gbps for n in plan.cpu_nodes),
+                            "ports_per_node": max(len(n.ports) for n in plan.cpu_nodes),
+                            "capacity_gbps_per_node": max(n.capacity_gbps for n in plan.cpu_nodes)},
+                   "reference": None if reference is None else node_sizing(plan, reference)},
     }

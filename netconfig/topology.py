@@ -3,7 +3,7 @@
 A topology holds the hardware (GPU nodes and the leaf-switch port of each GPU's NIC, leaf
 switches with their ports and speeds, CPU mirror nodes and where each of their NIC ports
 is cabled), the job's parallel layout (DP/TP/PP sizes, rank order, ring order) and the
-mirror policy (loss rate, packets per iteration, sources per DP group, price).
+mirror policy (loss rate, packets per iteration, sources per DP group) and the cost inputs.
 
 Hardware (the records of :mod:`gradtap.netconfig.hardware`) is listed explicitly, or generated
 from a compact ``rail_fabric`` section for rail-optimised clusters (see
@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gradtap.core.errors import ConfigError
+from gradtap.netconfig.cost import CostModel
 from gradtap.netconfig.hardware import NAME, CpuNode, GpuNode, LeafSwitch, SwitchPort, Vendor
 from gradtap.netconfig.rail_fabric import RailFabric, expand_rail_fabric
 from gradtap.netconfig.validation import format_validation_error, issue, show_value
@@ -80,8 +81,14 @@ class MirrorPolicy(_Model):
     #: The share of a CPU-facing port's speed that mirrored streams may fill. 1 allows a port to
     #: run full when every source sends at line rate at once; lower it to keep headroom.
     cpu_port_max_utilization: float = Field(1.0, gt=0, le=1)
-    cpu_node_price_per_hour: float = Field(0.0, ge=0)
-    currency: str = Field("USD", min_length=1, max_length=8)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _price_moved(cls, data: object) -> object:
+        if isinstance(data, dict) and ("cpu_node_price_per_hour" in data or "currency" in data):
+            raise ValueError("cpu_node_price_per_hour and currency moved to the cost: section (write "
+                             "cost: {cpu_node_usd_per_hour: ...}; prices are in USD; docs/netconfig.md, Cost)")
+        return data
 
 
 class Route(_Model):
@@ -116,6 +123,9 @@ class Topology(_Model):
     rail_fabric: RailFabric | None = None
     #: The routed fabric between leaves; required when a plan sends ERSPAN across it.
     fabric: Fabric | None = None
+    #: Prices, failure rate and checkpoint habits (:mod:`gradtap.netconfig.cost`); every input
+    #: left out takes FlowCheck's value, and the report says so.
+    cost: CostModel = CostModel()
 
 
 def read_text(path: Path, what: str, example: str) -> str:

@@ -103,8 +103,43 @@ def print_plan_report(report: dict, console: Console) -> None:
     console.print(f"job: {job['dp_groups']} DP groups, P(any group fails per iteration) = "
                   f"{_sci(job['p_fail_exact'])} exact, {_sci(job['p_fail_eq2'])} Eq. 2; expected iterations "
                   f"between failures: {_between(job['iterations_between_failures'])}")
-    console.print(f"cost: {cost['cpu_nodes']} CPU nodes x {cost['price_per_hour']:.2f} {cost['currency']}/h = "
-                  f"{cost['total_per_hour']:.2f} {cost['currency']}/h")
+    print_cost(cost, console)
+
+
+def _usd(value: float) -> str:
+    return f"{value:,.2f}"
+
+
+def print_cost(cost: dict, console: Console) -> None:
+    """The report's ``cost`` section: USD a day with ordinary checkpoints and with gradtap (this
+    plan's CPU nodes, and the reference count when there is one), its inputs, and CPU-node sizing."""
+    from gradtap.tables import table
+
+    runs = [("this plan", cost["plan"], cost["sizing"]["plan"])]
+    if cost["reference"]:
+        runs.append(("reference", cost["reference"], cost["sizing"]["reference"]))
+    heads = [f"gradtap,\n{name}:\n{run['cpu_nodes']} CPU nodes" for name, run, _ in runs]
+    days = table(f"Cost, USD/day ({cost['gpus']} GPUs, {cost['gpu_servers']:g} servers)", "",
+                 "ordinary\ncheckpoints", *heads, numeric=("ordinary\ncheckpoints", *heads))
+    ordinary = runs[0][1]["ordinary_usd_per_day"]
+    days.add_row("lost work", _usd(ordinary["lost_work"]), *(_usd(r["gradtap_usd_per_day"]["lost_work"])
+                                                              for _, r, _ in runs))
+    days.add_row("save stall", _usd(ordinary["stall"]), *("" for _ in runs))
+    days.add_row("CPU nodes", "", *(_usd(r["gradtap_usd_per_day"]["cpu_nodes"]) for _, r, _ in runs))
+    days.add_row("total", _usd(ordinary["total"]), *(_usd(r["gradtap_usd_per_day"]["total"]) for _, r, _ in runs))
+    days.add_row("ordinary / gradtap", "", *("n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+                                              for _, r, _ in runs))
+    inputs = table("Cost inputs", "input", "value", "from", numeric=("value",),
+                   caption="FlowCheck default: the paper's input (EuroSys '25, § on cost)")
+    for name, value in cost["inputs"].items():
+        if name in cost["sources"]:
+            inputs.add_row(name, f"{value:g}", cost["sources"][name])
+    console.print(days)
+    console.print(inputs)
+    for name, _, size in runs:
+        console.print(f"CPU nodes, {name}: {size['cpu_nodes']} x {size['dp_groups_per_node']} DP groups = "
+                      f"{size['streams_per_node']} streams, {size['gbps_per_node']:,.4g} Gbps at line rate per "
+                      f"node: {size['ports_per_node']} ports of {size['port_gbps']:g} Gbps")
 
 
 @netconfig_app.command("plan")

@@ -36,13 +36,17 @@ def test_plan_writes_plan_report_and_job_spec_sections(tmp_path):
     done = gradtap("netconfig", "plan", str(EXAMPLES / "flowcheck-testbed.yaml"), "--out", str(tmp_path))
     assert done.exit_code == 0
     assert "P(any group fails per iteration) = 6e-12 exact, 6e-12 Eq. 2" in done.stdout
-    assert "cost: 1 CPU nodes x 2.50 USD/h = 2.50 USD/h" in done.stdout
+    assert "Cost, USD/day (8 GPUs, 1 servers)" in done.stdout
+    assert "gpu_server_usd_per_hour" in done.stdout and "FlowCheck default" in done.stdout
     assert json.loads((tmp_path / "report.json").read_text())["job"]["dp_groups"] == 1
     section = yaml.safe_load((tmp_path / "mirrors" / "tp0-pp0.yaml").read_text())
     assert [m["rank"] for m in section["mirrors"]] == [0, 1, 2]
 
     json_out = gradtap("netconfig", "plan", str(EXAMPLES / "flowcheck-testbed.yaml"), "--json")
-    assert json.loads(json_out.stdout)["cost"]["total_per_hour"] == 2.5
+    # No cost: section: FlowCheck's inputs, labelled as such. 1 CPU node x 1.37 $/h x 24 h.
+    cost = json.loads(json_out.stdout)["cost"]
+    assert cost["plan"]["gradtap_usd_per_day"]["cpu_nodes"] == pytest.approx(32.88)
+    assert set(cost["sources"].values()) == {"FlowCheck default"}
 
     rendered = gradtap("netconfig", "render", str(tmp_path / "plan.json"), "--vendor", "comware")
     assert rendered.exit_code == 0

@@ -6,6 +6,8 @@
   mirrored stream carries (NCCL's ring order);
 - :mod:`gradtap.netconfig.reliability`: FlowCheck Eq. (2) and the exact coverage model;
 - :mod:`gradtap.netconfig.planner` -> :mod:`gradtap.netconfig.plan`: mirror sources and CPU-node ports;
+  :mod:`gradtap.netconfig.encapsulation`: what ERSPAN adds to a mirrored frame;
+- :mod:`gradtap.netconfig.cost`: the daily cost of the plan against ordinary checkpoints;
 - :mod:`gradtap.netconfig.report`, :mod:`gradtap.netconfig.render` with :mod:`gradtap.netconfig.vendors`: report and configs;
 - :mod:`gradtap.netconfig.linux_mirror`: the plan applied on Linux through netlink.
 

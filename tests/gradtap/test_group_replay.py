@@ -27,15 +27,15 @@ from gradtap.workload.shards import Shards
 from gradtap.workload.spec import parse_job
 from tests.gradtap.test_replay import allgather_frames, start_of, streams_of
 from tests.merger.test_group import group_job
-from tests.simulator.test_simulate import simulate
+from tests.simulator.test_simulate import make_job, simulate
 
 FAULTS = "link_loss=1e-3,corrupt=1e-3,reorder=1e-3,duplicate=1e-3"
 ITERATIONS = 3
 NODE_TIMEOUT_S = 240
 
 
-def clipped_job():
-    doc = group_job().model_dump(mode="json", exclude_none=True)
+def clipped_job(job=None):
+    doc = (job or group_job()).model_dump(mode="json", exclude_none=True)
     doc["optimizer"] = {"kind": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.05}
     return parse_job(doc)
 
@@ -197,3 +197,18 @@ def test_a_node_killed_mid_iteration_is_named_by_the_survivors(tmp_path, simulat
         fallback = [e for e in events if e["event"] == "fallback"]
         assert [e["iteration"] for e in gone] == [2] and list(gone[0]["peers"]) == [str(victim)]
         assert [e["iteration"] for e in fallback] == [2] and f"node rank {victim} is gone" in fallback[0]["reason"]
+
+
+@pytest.mark.slow
+def test_a_node_that_owns_no_bucket_keeps_in_step(tmp_path):
+    """One bucket, two nodes: node 1 steps nothing, yet takes part in every round (its clip
+    norms, none, included), and the group equals the single appliance."""
+    job = clipped_job(make_job())
+    assert Shards.balanced([b.numel for b in job_buckets(job)], 2).buckets_of(1) == []
+    simulate(tmp_path / "sim", job, iterations=ITERATIONS, faults=FAULTS)
+    _, single = run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "single", start_of(tmp_path / "sim"),
+                           batch_frames=512)
+    got, codes = run_group(tmp_path, job, tmp_path / "sim", [["m-egress", "m-both"], ["m-ingress"]])
+    assert codes == [0, 0]
+    assert_shards_equal(job, got, single.replica)
+    assert_group_snapshot(tmp_path, job, tmp_path / "sim", 2, single.replica)

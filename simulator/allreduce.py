@@ -103,19 +103,13 @@ def ring_partials(inputs, chunk_of: np.ndarray, out: np.ndarray | None = None) -
     """
     rows = _input_rows(inputs)
     n, count = len(rows), len(rows[0])
-    chunk_of = np.asarray(chunk_of)
-    if chunk_of.shape != (count,) or not np.issubdtype(chunk_of.dtype, np.integer):
-        raise ValueError(f"chunk_of must be an integer array of shape ({count},), got "
-                         f"{chunk_of.dtype} {chunk_of.shape}")
-    if count and (chunk_of.min() < 0 or chunk_of.max() >= n):
-        raise ValueError(f"chunk_of holds chunks outside 0..{n - 1}")
+    chunk_of = _check_chunks(chunk_of, n, count)
     if out is None:
         out = np.empty((n, count), rows[0].dtype)
     elif out.shape != (n, count) or out.dtype != rows[0].dtype:
         raise ValueError(f"out must be {rows[0].dtype} of shape ({n}, {count}), got {out.dtype} {out.shape}")
     # A plan's chunks are runs of thousands of elements: one slice addition per hop and block.
-    edges = np.flatnonzero(np.diff(chunk_of)) + 1
-    for lo_run, hi_run in zip([0, *edges.tolist()], [*edges.tolist(), count]):
+    for lo_run, hi_run in _runs(chunk_of):
         first = (int(chunk_of[lo_run]) + 1) % n       # the position that sends the run at step 0
         order = [rows[(first + s) % n] for s in range(n)]
         for lo in range(lo_run, hi_run, BLOCK_ELEMENTS):
@@ -124,6 +118,45 @@ def ring_partials(inputs, chunk_of: np.ndarray, out: np.ndarray | None = None) -
             for s in range(1, n):
                 _add(out[s - 1, lo:hi], order[s][lo:hi], out[s, lo:hi])
     return out
+
+
+def ring_sum(inputs, chunk_of: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Row ``n-1`` of :func:`ring_partials` alone: the fully reduced ``[count]`` values, with
+    the same additions in the same order, accumulated in place (one row written instead of
+    ``n``: what a reduction nobody captures needs). ``inputs`` and ``chunk_of`` as there;
+    ``out`` an optional ``[count]`` array of the inputs' dtype."""
+    rows = _input_rows(inputs)
+    n, count = len(rows), len(rows[0])
+    chunk_of = _check_chunks(chunk_of, n, count)
+    if out is None:
+        out = np.empty(count, rows[0].dtype)
+    elif out.shape != (count,) or out.dtype != rows[0].dtype:
+        raise ValueError(f"out must be {rows[0].dtype} of shape ({count},), got {out.dtype} {out.shape}")
+    for lo_run, hi_run in _runs(chunk_of):
+        first = (int(chunk_of[lo_run]) + 1) % n
+        order = [rows[(first + s) % n] for s in range(n)]
+        for lo in range(lo_run, hi_run, BLOCK_ELEMENTS):
+            acc = out[lo:min(lo + BLOCK_ELEMENTS, hi_run)]
+            acc[:] = order[0][lo:lo + len(acc)]
+            for s in range(1, n):
+                _add(acc, order[s][lo:lo + len(acc)], acc)
+    return out
+
+
+def _runs(chunk_of: np.ndarray) -> list[tuple[int, int]]:
+    """``(lo, hi)`` of every run of consecutive elements of one chunk."""
+    edges = (np.flatnonzero(np.diff(chunk_of)) + 1).tolist()
+    return list(zip([0, *edges], [*edges, len(chunk_of)]))
+
+
+def _check_chunks(chunk_of, n: int, count: int) -> np.ndarray:
+    chunk_of = np.asarray(chunk_of)
+    if chunk_of.shape != (count,) or not np.issubdtype(chunk_of.dtype, np.integer):
+        raise ValueError(f"chunk_of must be an integer array of shape ({count},), got "
+                         f"{chunk_of.dtype} {chunk_of.shape}")
+    if count and (chunk_of.min() < 0 or chunk_of.max() >= n):
+        raise ValueError(f"chunk_of holds chunks outside 0..{n - 1}")
+    return chunk_of
 
 
 def _input_rows(inputs) -> list[np.ndarray]:
@@ -178,6 +211,6 @@ def plan_allreduce(plan: WirePlan) -> Callable[[Sequence[np.ndarray], object], n
         index = bucket.index
         if index not in cache:
             cache[index] = chunk_index(plan, index)
-        return ring_partials(contributions, cache[index])[-1]
+        return ring_sum(contributions, cache[index])
 
     return allreduce

@@ -30,7 +30,7 @@ from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapngWriter, PcapWriter
 from gradtap.core.errors import ConfigError
 from gradtap.workload import models
-from gradtap.simulator.allreduce import chunk_index, plan_allreduce, ring_partials
+from gradtap.simulator.allreduce import chunk_index, plan_allreduce, ring_partials, ring_sum
 from gradtap.simulator.background import Background
 from gradtap.simulator.faults import FaultSpec, apply_mirror_faults
 from gradtap.simulator.frames import ErspanTunnel, Routes, encode_frames
@@ -182,6 +182,10 @@ class Simulation:
             # 'auto', the tuner's for its size).
             chunks = (chunk_of[i] if i is not None else
                       chunk_index(build_plan(tuned(one_call, [bucket.numel]), [bucket.numel]), 0))
+            if not clock["capturing"]:
+                # Nothing goes on the wire: the reduced values alone, one row written, not n.
+                with phases("reduction"):
+                    return ring_sum(per_rank, chunks)
             with phases("reduction"):
                 rows = ring_partials(per_rank, chunks, out=partials_buffer(per_rank[0].dtype, len(chunks)))
             if clock["capturing"]:

@@ -82,6 +82,12 @@ def test_ring_partials_equal_a_literal_ring_walk(n, fmt, proto):
         want = np.array(sent[:n], dtype=np.int64)
         assert np.array_equal(as_bits(fast), want), f"bucket {bucket}: first difference at " \
             f"{np.argwhere(as_bits(fast) != want)[:3].tolist()}"
+        # The reduced row alone, accumulated in place from the ranks' buffers as given, and
+        # the partials written into a wider reused buffer, are the same values.
+        assert np.array_equal(as_bits(A.ring_sum(list(inputs), A.chunk_index(plan, bucket))), want[n - 1])
+        wide = np.full((n, count + 7), 3, inputs.dtype)
+        into = A.ring_partials(list(inputs), A.chunk_index(plan, bucket), out=wide[:, :count])
+        assert np.array_equal(as_bits(into), want) and np.shares_memory(into, wide)
         # The allgather forwards the final value unchanged and every rank ends with it.
         for s in range(n, 2 * n - 2):
             assert sent[s] == sent[n - 1]
@@ -182,3 +188,16 @@ def test_bad_inputs_are_refused():
         A.ring_partials(np.zeros((2, 3), dtype=np.float32), np.full(3, 2))
     with pytest.raises(ValueError, match="n >= 2"):
         A.ring_partials(np.zeros((1, 3), dtype=np.float32), np.zeros(3, dtype=int))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16"])
+def test_blocks_do_not_change_the_sums(monkeypatch, fmt):
+    """Runs longer than a block (blocks of 7 elements here) give the sums of whole runs."""
+    n, count = 5, 1500
+    plan = build_plan(job(n, "LL", fmt, 8 * 1024), [count])
+    inputs = random_wire(np.random.default_rng(3), (n, count), fmt)
+    chunks = A.chunk_index(plan, 0)
+    whole = A.ring_partials(inputs, chunks)
+    monkeypatch.setattr(A, "BLOCK_ELEMENTS", 7)
+    assert np.array_equal(as_bits(A.ring_partials(inputs, chunks)), as_bits(whole))
+    assert np.array_equal(as_bits(A.ring_sum(inputs, chunks)), as_bits(whole[-1]))

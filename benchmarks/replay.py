@@ -49,7 +49,23 @@ GPUs, :data:`REALISTIC_ITERATION_S`: nanoGPT's recipe trains it for 600,000 iter
 (``train.py``, ``max_iters``) in about 4 days on one 8xA100-40GB node (its README), 0.58 s
 each. Keeping up in real time means processing an iteration within that time too.
 
-Run: ``python -m benchmarks.replay [--iterations N] [--batch-frames N] [--cache DIR]``.
+**Replica lag with uploads running** (``--store``, issue 13): the same replay, ``--repeats``
+times each of three ways interleaved (so that background load hits them alike; the two with
+snapshots swap places every other repeat, as the disk's state after one run affects the next):
+no snapshot (as above); a snapshot every iteration (``Snapshots.write`` on the update path: the
+lag of the iteration that takes it includes it); and a snapshot every iteration handed to the
+background uploader of a ``file://`` store in ``--store-dir`` (default: beside the temporary
+output, so the upload reads and writes the same disk as the snapshots). Figure per run: the mean
+lag over the iterations; per way: the best run. The upload of iteration k's snapshot runs while
+iteration k + 1 is processed (and its snapshot written), so every iteration after the first is
+measured with an upload running. Target: snapshots and uploads / snapshots alone <= 1.1 (uploads
+leave the lag unchanged within noise); snapshots alone / no snapshot says what the local
+snapshot itself costs the update path. On GPT-2 small the process's anonymous memory grows from
+replay to replay (16 GB in the fourth, on a 23 GB machine shared with other jobs: the OOM killer
+ended it); there, ``--repeats 1`` with ``--store``.
+
+Run: ``python -m benchmarks.replay [--iterations N] [--batch-frames N] [--cache DIR] [--store]
+[--config JOB]`` (another job than GPT-2 small: its figures, not issue 4's).
 """
 
 from __future__ import annotations
@@ -80,18 +96,18 @@ REALISTIC_ITERATION_S = 0.58
 ADAM_BYTES_PER_PARAM = 28
 
 
-def capture(cache: Path, iterations: int) -> Path:
+def capture(cache: Path, iterations: int, config: Path = CONFIG) -> Path:
     """The simulated job (``job.yaml``, ``streams/``, ``truth/``), made once, then reused."""
     from gradtap.simulator.faults import FaultSpec
     from gradtap.simulator.run import Simulation
 
-    out = cache / f"gpt2-small-{iterations}it"
+    out = cache / f"{config.stem}-{iterations}it"
     if out.exists():
         return out
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    print(f"simulating {iterations} iteration(s) of {CONFIG.name} into {out} (once; a few minutes)")
-    Simulation(load_job(CONFIG), partial, iterations=iterations, seed=0, faults=FaultSpec()).run()
+    print(f"simulating {iterations} iteration(s) of {config.name} into {out} (once; a few minutes)")
+    Simulation(load_job(config), partial, iterations=iterations, seed=0, faults=FaultSpec()).run()
     partial.rename(out)
     return out
 
@@ -159,6 +175,53 @@ def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None,
     return result
 
 
+def lag_with_uploads(sim: Path, job: JobSpec, batch_frames: int, repeats: int, store_dir: Path | None) -> None:
+    """The replica lag without snapshots, with one every iteration, and with those uploaded
+    (see the module's docstring), ``repeats`` interleaved runs each."""
+    from gradtap.store_tier import with_store
+
+    snapshots = job.model_copy(update={"appliance": job.appliance.model_copy(
+        update={"snapshot_every": 1, "snapshot_keep": 1})})
+    store = Path(tempfile.mkdtemp(prefix="gradtap-bench-store-", dir=store_dir))
+    uploads = with_store(snapshots, f"file://{store}")
+    uploads = uploads.model_copy(update={"appliance": uploads.appliance.model_copy(update={
+        "store": uploads.appliance.store.model_copy(update={"keep_last": 1, "close_timeout_s": 3600})})})
+    ways = {"no snapshot": job, "snapshot every iteration": snapshots, "snapshots + uploads (file://)": uploads}
+    pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
+    start = torch.load(sim / "truth" / "start.pt", weights_only=True)
+    runs: dict[str, list[list[float]]] = {name: [] for name in ways}
+    try:
+        for k in range(repeats):
+            order = list(ways.items())
+            if k % 2:                       # the two with snapshots swap places: neither always follows the other
+                order[1], order[2] = order[2], order[1]
+            for name, way in order:
+                with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-", dir=store_dir) as tmp:
+                    result, sink = run_replay(way, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames)
+                    counts = json.loads((Path(tmp) / "replay.json").read_text())["store"]
+                if sink.replica.stale or not all(r.recovered for r in result.reports):
+                    raise SystemExit(f"{name}: the replay did not apply every iteration: {sink.lines}")
+                lags = [t.lag_s for t in result.timings]
+                runs[name].append(lags)
+                print(f"run {k + 1}, {name:30s} lag per iteration {' '.join(f'{x:6.2f}' for x in lags)} s, "
+                      f"mean {sum(lags) / len(lags):6.2f} s (replay {result.wall_s:.1f} s"
+                      f"{'' if counts is None else f'; uploads {counts}'})")
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    best = {name: min(sum(lags) / len(lags) for lags in v) for name, v in runs.items()}
+    spread = {name: max(sum(lags) / len(lags) for lags in v) / best[name] for name, v in runs.items()}
+    print(f"\nreplica lag, mean over the iterations, best of {repeats} (worst run / best):")
+    for name, lag in best.items():
+        print(f"  {name:30s} {lag:8.3f} s   (x {spread[name]:.2f})")
+    ratio = best["snapshots + uploads (file://)"] / best["snapshot every iteration"]
+    print(f"  snapshots + uploads / snapshots alone   {ratio:6.2f}   target <= 1.1: {'met' if ratio <= 1.1 else 'NOT met'}")
+    print(f"  snapshots alone / no snapshot           {best['snapshot every iteration'] / best['no snapshot']:6.2f}   "
+          f"(the local snapshot, written on the update path)")
+    median = {name: sorted(sum(lags) / len(lags) for lags in v)[len(v) // 2] for name, v in runs.items()}
+    print(f"  the same ratio of the runs' medians     "
+          f"{median['snapshots + uploads (file://)'] / median['snapshot every iteration']:6.2f}")
+
+
 def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: AnonPeak) -> None:
     plan = job_plan(job)
     grad_bytes = plan.total_elems * plan.elem_size
@@ -213,9 +276,15 @@ def main() -> None:
     parser.add_argument("--batch-frames", type=int, default=8192, help="frames per stream per read (as `gradtap run`)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "gradtap-bench")
+    parser.add_argument("--config", type=Path, default=CONFIG,
+                        help="the job simulated and replayed (default: configs/gpt2-small.yaml)")
+    parser.add_argument("--store", action="store_true",
+                        help="also the replica lag with a snapshot every iteration, without and with uploads")
+    parser.add_argument("--store-dir", type=Path, default=None,
+                        help="where the --store runs write their snapshots and store (default: a temporary directory)")
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
-    sim = capture(args.cache, args.iterations)
+    sim = capture(args.cache, args.iterations, args.config)
     job = load_job(sim / "job.yaml")
     # No periodic snapshots: only the clean-shutdown one, written after the replay's clock stops.
     job = job.model_copy(update={"appliance": job.appliance.model_copy(update={"snapshot_every": 1 << 30})})
@@ -236,6 +305,9 @@ def main() -> None:
             best = result
     memcpy = max(memcpy, memcpy_bandwidth(2))
     report(best, job, params, sim, memcpy, memory)
+    if args.store:
+        print()
+        lag_with_uploads(sim, job, args.batch_frames, args.repeats, args.store_dir)
 
 
 if __name__ == "__main__":

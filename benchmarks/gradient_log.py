@@ -36,9 +36,10 @@ import numpy as np
 import torch
 
 from benchmarks.snapshot import disk_write
-from gradtap.store.gradient_log import LogEntry, LogStore, encode, job_sha256
+from gradtap.store.gradient_log import LogEntry, LogStore, encode
 from gradtap.store.object_store import SnapshotStore
 from gradtap.updater.replica import WIRE_NUMPY
+from gradtap.updater.replica_origin import job_sha256
 from gradtap.workload.data import batch_loss
 from gradtap.workload.models import build
 from gradtap.workload.spec import JobSpec, load_job

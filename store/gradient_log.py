@@ -56,7 +56,7 @@ from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.store.object_store import SnapshotStore
 from gradtap.store.uploader import NICE
 from gradtap.updater.replica import WIRE_NUMPY, Replica
-from gradtap.updater.replica_origin import JOB_SECTIONS, ReplicaOrigin
+from gradtap.updater.replica_origin import JOB_SECTIONS, ReplicaOrigin, job_sha256
 from gradtap.workload.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,6 @@ def entry_key(iteration: int) -> str:
 
 def objects_dir(iteration: int) -> str:
     return f"{LOG}/objects/{iteration:06d}"
-
-
-def job_sha256(job: JobSpec) -> dict[str, str]:
-    """A sha256 of each job-spec section that decides a replay (``ReplicaOrigin``'s sections)."""
-    spec = job.model_dump(mode="json")
-    return {s: hashlib.sha256(json.dumps(spec[s], sort_keys=True).encode()).hexdigest() for s in JOB_SECTIONS}
 
 
 def state_sha256(replica: Replica) -> str:

@@ -34,16 +34,9 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import GradtapError
+from gradtap.store.snapshot import file_sha256, fsync_dir
 
 MANIFEST = "group.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _commit(tmp: Path, final: Path) -> None:
@@ -51,15 +44,7 @@ def _commit(tmp: Path, final: Path) -> None:
     with tmp.open("rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    _fsync_dir(final.parent)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    fsync_dir(final.parent)
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -90,7 +75,7 @@ class ShardSnapshots:
                     "buckets": [int(b) for b in state["buckets"]], "elements": [int(e) for e in state["elements"]],
                     "step": step, "iteration": iteration, "lr": lr}, tmp)
         _commit(tmp, folder / name)
-        return {"rank": self.rank, "file": name, "sha256": _sha256(folder / name),
+        return {"rank": self.rank, "file": name, "sha256": file_sha256(folder / name),
                 "bytes": (folder / name).stat().st_size, "buckets": [int(b) for b in state["buckets"]],
                 "elements": [int(e) for e in state["elements"]]}
 
@@ -125,7 +110,7 @@ def verify_group(folders: Sequence[str | Path]) -> dict[str, Any]:
         if not found:
             raise GradtapError(f"group snapshot of iteration {manifest['iteration']}: shard {entry['file']} "
                                f"(rank {entry['rank']}) is in none of {', '.join(map(str, folders))}")
-        if _sha256(found[0]) != entry["sha256"]:
+        if file_sha256(found[0]) != entry["sha256"]:
             raise GradtapError(f"{found[0]}: sha256 differs from {MANIFEST}'s; the shard is damaged")
         entry["path"] = str(found[0])
     return manifest

@@ -113,7 +113,8 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -172,7 +173,8 @@ def _write_small(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes, hex."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -199,7 +201,7 @@ def verify(path: str | Path) -> dict[str, Any]:
     for name in FILES:
         want = manifest.get("sha256", {}).get(name)
         try:
-            got = _sha256(path / name)
+            got = file_sha256(path / name)
         except OSError as exc:
             raise GradtapError(f"{path}: {name} is unreadable ({exc.strerror})") from None
         if got != want:
@@ -343,7 +345,7 @@ class Snapshots:
         if held:
             log.warning("%s: clearing the snapshots of another replica (force)", self.directory)
             (self.directory / LATEST).unlink(missing_ok=True)   # first: nothing names the old replica's state
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             for old in self.snapshots():
                 _discard(old)
         self._replace_small(ORIGIN, origin_json(origin))
@@ -452,13 +454,13 @@ class Snapshots:
                         "step": int(step), "created_unix": time.time(), "torch": torch.__version__,
                         "sha256": sums}
             _write_small(tmp / "manifest.json", json.dumps(manifest, indent=1) + "\n")
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         try:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             self._replace_small(LATEST, final.name + "\n")
         except BaseException:
             if self._latest_name() != final.name:      # complete, but nothing names it: the space back
@@ -478,7 +480,7 @@ class Snapshots:
             except OSError:
                 pass                                    # the next writer removes it
             raise
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _expiring(self, new: int) -> list[Path]:
         """The snapshots retention drops once ``new`` more are written: all but the ``keep - new``

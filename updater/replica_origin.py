@@ -33,6 +33,12 @@ JOB_SECTIONS = ("model", "ddp", "optimizer", "nccl", "ring")
 FROM_TRAINER = "the trainer's first offered checkpoint"
 
 
+def job_sha256(job) -> dict[str, str]:
+    """A sha256 of each job-spec section of :data:`JOB_SECTIONS` (canonical JSON)."""
+    spec = job.model_dump(mode="json")
+    return {s: hashlib.sha256(json.dumps(spec[s], sort_keys=True).encode()).hexdigest() for s in JOB_SECTIONS}
+
+
 @dataclass(frozen=True)
 class ReplicaOrigin:
     job: str
@@ -44,9 +50,7 @@ class ReplicaOrigin:
     def of(cls, replica, waiting: bool = False) -> "ReplicaOrigin":
         """The origin of a :class:`gradtap.updater.replica.Replica` as constructed (before
         its first iteration); ``waiting``: it waits for the trainer's checkpoint."""
-        spec = replica.job.model_dump(mode="json")
-        sections = {s: hashlib.sha256(json.dumps(spec[s], sort_keys=True).encode()).hexdigest()
-                    for s in JOB_SECTIONS}
+        sections = job_sha256(replica.job)
         if waiting:
             return cls(replica.job.name, sections, -1, FROM_TRAINER)
         s = replica.state

@@ -455,9 +455,11 @@ def test_forty_offers_keep_one_pending_and_memory_bounded(tmp_path):
             assert list(replica.offers) == [answer["iteration"]]
             previous = answer["iteration"]
             memory.append(rss())
-        # Allocator arenas settle within the first offers; after that nothing accumulates.
+        # Allocator arenas settle within the first offers; after that nothing accumulates. A
+        # replaced offer kept alive would add one checkpoint per offer (20 in the second half);
+        # the allocator's per-thread arenas may still add one more (a loaded CI run: 16 MB).
         assert memory[-1] - memory[0] < 4 * size + (16 << 20), [m >> 20 for m in memory]
-        assert memory[-1] - memory[19] < size, [m >> 20 for m in memory]
+        assert memory[-1] - memory[19] < 2 * size, [m >> 20 for m in memory]
 
 
 # -- resynchronisation --------------------------------------------------------------------------------

@@ -347,7 +347,10 @@ def test_sigkill_of_the_appliance_while_uploading(tmp_path, sim, kind, request):
           f"pending or in flight, {sum(o['torn'] for o in killed)} leaving an object half-written; READY after "
           f"the kill: {[o['ready'] for o in outcomes]}")
     assert len(killed) >= len(outcomes) - 2
-    assert sum(o["in_flight"] for o in killed) >= len(killed) // 2
+    # The trials must hit uploads under way, but how many still are after the random delay
+    # depends on the machine's load (a 0.6 MB file:// upload is over in milliseconds): one
+    # CI run saw 1 of 10. Every kill was checked above whatever it hit.
+    assert sum(o["in_flight"] for o in killed) >= 1
     assert sum(bool(o["ready"]) for o in outcomes) >= len(outcomes) // 2
 
 

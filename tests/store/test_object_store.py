@@ -233,7 +233,10 @@ def test_the_store_dies_mid_upload_and_comes_back(tmp_path, s3):
     s3.start()                                               # back, empty (moto keeps buckets in memory)
     s3.make_bucket("ckpt")
     assert uploader.wait_idle(30)
-    assert store.ready() == [5]                              # the newest went, READY and whole
+    # The newest went, READY and whole. The one being retried when the server came back may
+    # have gone before it: which one that is (2, 3 or 4) depends on the machine's timing.
+    ready = store.ready()
+    assert ready[-1] == 5 and set(ready) <= {2, 3, 4, 5} and len(ready) <= 2, ready
     assert store.load(5)["iteration"] == 5
     assert "store.resumed" in events
     snaps.close()

@@ -28,15 +28,13 @@ interrupted export leaves nothing that looks finished. ``out`` must not exist un
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from gradtap.checkpoints import load_checkpoint
 from gradtap.core.errors import ConfigError
+from gradtap.out_dir import published, refuse_existing
 from gradtap.trainer.restore import EXPORT_INFO
 from gradtap.store.snapshot import named_latest
 from gradtap.workload.layout import job_params
@@ -51,27 +49,17 @@ def export_checkpoint(source: Path, job: JobSpec, fmt: str, out: Path, *, force:
     ``gradtap-export.json`` (:data:`~gradtap.trainer.restore.EXPORT_INFO`) says."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    refuse_existing(out, force=force)
     source = Path(source)
     if (source / "LATEST").is_file():
         source = named_latest(source)          # load_checkpoint checks its sha256s as it reads
     checkpoint = load_checkpoint(source, what="snapshot")
     names = [p.name for p in job_params(job)]
     _check_names(checkpoint, names, source, job)
-    out = Path(out)
-    if out.exists() and not force:
-        raise ConfigError(f"--out {out} exists; give a new directory, or --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
     info = {"format": fmt, "job": job.name, "iteration": checkpoint["iteration"], "source": str(source)}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with published(Path(out), force=force) as tmp:
         WRITERS[fmt](checkpoint, names, tmp)
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return info
 
 

@@ -24,21 +24,17 @@ from gradtap.cli import app
 @click.option("--force", is_flag=True, help="replace DIR if it exists")
 def restore_command(at: int, url: str, job_path: Path, out: Path, force: bool) -> None:
     """Rebuild the state of any iteration since a snapshot from the store's gradient log."""
-    import os
-    import shutil
-
     from rich.console import Console
 
-    from gradtap.core.errors import ConfigError
     from gradtap.job_file import open_job
+    from gradtap.out_dir import published, refuse_existing
     from gradtap.progress import records_progress
     from gradtap.store.gradient_log import rebuild
     from gradtap.store.object_store import SnapshotStore
     from gradtap.store.snapshot import Snapshots
     from gradtap.store_tier import with_store
 
-    if out.exists() and not force:
-        raise ConfigError(f"--out {out}: exists; give a new directory, or --force to replace it")
+    refuse_existing(out, force=force)
     if "://" not in url:
         url = Path(url).resolve().as_uri()
     job = with_store(open_job(job_path), url)
@@ -46,20 +42,12 @@ def restore_command(at: int, url: str, job_path: Path, out: Path, force: bool) -
     console = Console(stderr=True)
     with records_progress(console, f"replaying the gradient log to iteration {at}") as progress:
         rebuilt = rebuild(job, store, at, progress)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with published(out, force=force) as tmp:
         snapshots = Snapshots(tmp, job.name, keep=1)
         try:
             written = snapshots.write(rebuilt.checkpoint, step=rebuilt.step)
         finally:
             snapshots.close()
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     Console().print(f"iteration {at} of job {job.name}: the snapshot of iteration {rebuilt.snapshot} and "
                     f"{len(rebuilt.replayed)} gradient log record(s); written to {out / written.name} "
                     f"(gradtap.trainer.restore(model, optimizer, {str(out)!r}))", highlight=False)

@@ -31,6 +31,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,7 @@ class SnapshotStore:
             raise ConfigError(f"store keep_every: {keep_every} must be at least 1 (or unset)")
         self.url, self.job, self.keep_last, self.keep_every = url, job, keep_last, keep_every
         self.fs, self.root = open_store(url, endpoint_url, storage_options)
+        self.opened = datetime.now(timezone.utc)
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     @classmethod
@@ -142,11 +144,7 @@ class SnapshotStore:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             self.fs.mv(tmp, path)
-            fd = os.open(path.rsplit("/", 1)[0], os.O_RDONLY | os.O_DIRECTORY)
-            try:                                    # the name survives a power loss before the manifest
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            snapshot.fsync_dir(Path(path).parent)  # the name survives a power loss before the manifest
         except BaseException:
             try:
                 self.fs.rm_file(tmp)
@@ -183,6 +181,27 @@ class SnapshotStore:
         key = manifest_key(iteration)
         self._put(None, (json.dumps(manifest, indent=1) + "\n").encode(), key)    # last: READY
         return key
+
+    def abort_dead_uploads(self) -> list[str]:
+        """Abort the S3 multipart uploads under the store's prefix that began before this store
+        was opened (less a minute for clocks), and return their keys. One writer per store URL:
+        such an upload belongs to a writer that was killed mid-object, and its parts would be
+        kept (and billed) for ever. Other stores have nothing to abort."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        before = self.opened - timedelta(minutes=1)
+        aborted, markers = [], {}
+        while True:
+            page = call("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", **markers)
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"] < before:
+                    call("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted.append(upload["Key"])
+            if not page.get("IsTruncated"):
+                return aborted
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def _has(self, key: str, size: int) -> bool:
         try:

@@ -17,6 +17,10 @@ written last (``store/object_store.py``), an upload cut short leaves no READY sn
 The files of a submitted snapshot are hard links in a staging directory (``stage``), so
 local retention may drop the snapshot while its upload waits; the staging directory is
 removed once the snapshot is uploaded or skipped.
+
+Before its first upload the thread aborts the store's multipart uploads left by a writer
+that was killed mid-object (:meth:`SnapshotStore.abort_dead_uploads`, ``store.aborted``);
+failing to list them is logged and does not stop uploading.
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ class Uploader:
         Backoff after a failed attempt (seconds): the first wait, and the cap of its doubling.
     on_event:
         ``on_event(kind, **fields)`` for ``store.uploaded``, ``store.skipped``,
-        ``store.failed``, ``store.resumed`` and ``store.abandoned`` (called on the uploader's
+        ``store.failed``, ``store.resumed``, ``store.abandoned`` and ``store.aborted`` (called on the uploader's
         thread); ``ControlPlane.event`` fits.
     """
 
@@ -126,6 +130,13 @@ class Uploader:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
         except (OSError, AttributeError):
             pass
+        try:
+            aborted = self.store.abort_dead_uploads()
+        except Exception as exc:          # a store that refuses the listing still takes uploads
+            log.warning("%s: could not list unfinished multipart uploads: %s", self.store.url, exc)
+        else:
+            if aborted:
+                self.on_event("store.aborted", url=self.store.url, uploads=len(aborted), keys=aborted[:10])
         failures, delay = 0, self.retry_min_s
         while True:
             with self._cond:

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -307,3 +308,38 @@ def test_store_spec_and_errors(tmp_path):
         SnapshotStore(f"file://{tmp_path}", "j", keep_last=0)
     with pytest.raises(GradtapError, match="no READY snapshot"):
         SnapshotStore(f"file://{tmp_path / 'empty'}", "j").load_newest()
+
+
+def test_multipart_uploads_a_killed_writer_left_are_aborted(tmp_path, s3):
+    """Parts of an upload whose writer died are billed until aborted: the uploader aborts the
+    ones under its prefix that began over a minute before it opened the store, and nothing
+    else. (moto reports one fixed ``Initiated`` time; the store's opening time is set around it.)"""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3.url, region_name="us-east-1")
+    dead = client.create_multipart_upload(Bucket="ckpt", Key="jobs/a/objects/ab/dead")
+    client.upload_part(Bucket="ckpt", Key="jobs/a/objects/ab/dead", UploadId=dead["UploadId"], PartNumber=1,
+                       Body=b"x" * 1024)
+    other = client.create_multipart_upload(Bucket="ckpt", Key="jobs/b/objects/cd/other")
+    began = {u["Key"]: u["Initiated"] for u in client.list_multipart_uploads(Bucket="ckpt")["Uploads"]}
+
+    def uploads_after(opened):
+        store = s3_store(s3, "j")
+        store.opened = opened
+        events = []
+        uploader = Uploader(store, on_event=lambda kind, **f: events.append((kind, f)))
+        try:
+            assert uploader.wait_idle(30)
+        finally:
+            uploader.close(30)
+        return {u["Key"] for u in client.list_multipart_uploads(Bucket="ckpt").get("Uploads", [])}, events
+
+    died = began["jobs/a/objects/ab/dead"]
+    left, events = uploads_after(died + timedelta(seconds=30))      # may be this process's own: kept
+    assert left == {"jobs/a/objects/ab/dead", "jobs/b/objects/cd/other"} and events == []
+    left, events = uploads_after(died + timedelta(minutes=2))
+    assert left == {"jobs/b/objects/cd/other"}
+    assert events == [("store.aborted", {"url": "s3://ckpt/jobs/a", "uploads": 1,
+                                         "keys": ["jobs/a/objects/ab/dead"]})]
+    client.abort_multipart_upload(Bucket="ckpt", Key="jobs/b/objects/cd/other", UploadId=other["UploadId"])
+    assert file_store(tmp_path, "j").abort_dead_uploads() == []      # nothing to abort off S3

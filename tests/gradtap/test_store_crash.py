@@ -42,7 +42,7 @@ from gradtap.workload.layout import job_params
 from gradtap.workload.spec import parse_job
 from tests.gradtap.test_replay import start_of
 from tests.simulator.test_simulate import make_job, simulate
-from tests.store.s3_server import CREDENTIALS, MotoServer
+from tests.store.s3_server import CREDENTIALS, MotoServer, moto_bucket
 
 pytestmark = pytest.mark.slow
 
@@ -110,19 +110,8 @@ def sim(tmp_path_factory) -> Sim:
 
 @pytest.fixture(scope="module")
 def moto():
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server = MotoServer().start()
-    server.make_bucket(BUCKET)
-    try:
+    with moto_bucket(BUCKET) as server:
         yield server
-    finally:
-        server.kill()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # -- checks -----------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,22 @@ class MotoServer:
         # A plain PUT: moto takes it unsigned, and s3fs's mkdir would send us-east-1 as a
         # LocationConstraint, which S3 refuses for that region.
         urllib.request.urlopen(urllib.request.Request(f"{self.url}/{name}", method="PUT"), timeout=5).close()
+
+
+@contextmanager
+def moto_bucket(name: str) -> Iterator[MotoServer]:
+    """A started server holding the bucket ``name``, with the test credentials in the
+    environment (restored after) and the server killed at the end."""
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = MotoServer().start()
+    try:
+        server.make_bucket(name)
+        yield server
+    finally:
+        server.kill()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -28,7 +28,7 @@ from gradtap.verify import compare_state
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import parse_job
 from tests.simulator.test_simulate import make_job, simulate
-from tests.store.s3_server import CREDENTIALS, MotoServer
+from tests.store.s3_server import moto_bucket
 
 ITERATIONS = 7            # captured iterations 1..7: states ready for 2..8
 EVERY = 3                 # snapshots ready for 3 and 6
@@ -43,15 +43,9 @@ def sim(tmp_path_factory):
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
-    server = MotoServer().start()
-    server.make_bucket("ckpt")
-    try:
+def s3():
+    with moto_bucket("ckpt") as server:
         yield server
-    finally:
-        server.kill()
 
 
 def store_of(kind, tmp_path, request, job) -> SnapshotStore:

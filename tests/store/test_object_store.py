@@ -30,7 +30,7 @@ from gradtap.store.object_store import SnapshotStore, manifest_key, object_key
 from gradtap.store.uploader import Uploader
 from gradtap.workload.models import build
 from gradtap.workload.spec import StoreSpec
-from tests.store.s3_server import CREDENTIALS, MotoServer
+from tests.store.s3_server import CREDENTIALS, MotoServer, moto_bucket
 from tests.store.test_snapshot import stepped
 from tests.updater.test_replica import job
 
@@ -38,15 +38,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    for k, v in CREDENTIALS.items():
-        monkeypatch.setenv(k, v)
-    server = MotoServer().start()
-    server.make_bucket("ckpt")
-    try:
+def s3():
+    with moto_bucket("ckpt") as server:
         yield server
-    finally:
-        server.kill()
 
 
 def file_store(tmp_path, job_name, **kw) -> SnapshotStore:

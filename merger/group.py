@@ -6,7 +6,8 @@ each bucket goes to the node that owns it (``workload/shards.py``), which steps 
 of the replica. Per iteration and bucket, in order, the nodes:
 
 1. **exchange coverage**: every node sends every peer, per stream of its own, the bucket's
-   coverage bitmap and a 16-byte BLAKE2b digest of each block it covers;
+   coverage bitmap and a keyed 16-byte digest of each block it covers (``merger/digest.py``,
+   under a key drawn afresh at every rendezvous);
 2. **send the owner what it lacks**: from those, every node derives the same fetch list
    (:func:`fetch_mask`): a block that no stream of the owner covers comes from the first
    stream (in the job's stream order) that does, and every remote copy of a block whose
@@ -18,7 +19,7 @@ local merger's rule: a copy fetched for a disagreeing block is there with every 
 of it, so the duplicate cross-check and the majority vote (outvoted streams included) see
 what they would see with every stream local, and a block whose copies agree is the same
 bytes whichever copy is taken. The merged bucket is therefore the single merger's, bit for
-bit (up to a BLAKE2b collision, which untrusted traffic cannot aim at).
+bit (up to a digest collision, which untrusted traffic cannot aim at without the key).
 
 **Lockstep.** The rounds happen in the same order on every node: the buckets of an
 iteration in launch order, then the iteration's *finish* round, iterations in order. A node
@@ -36,7 +37,6 @@ are skipped (the replica is stale until resynchronised), and nothing waits for t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import struct
@@ -44,6 +44,7 @@ import struct
 import numpy as np
 
 from gradtap.core.errors import ConfigError
+from gradtap.merger.digest import DIGEST_BYTES, DigestKey, block_digests
 from gradtap.merger.group_link import GroupBroken, GroupLink
 from gradtap.merger.merger import Merger, Sink
 from gradtap.merger.union import BlockMismatch, BucketBlocks, union
@@ -52,7 +53,6 @@ from gradtap.workload.wire_plan import WirePlan
 
 log = logging.getLogger(__name__)
 
-DIGEST_BYTES = 16
 _HEADER = struct.Struct("<qqI")      # trainer's iteration, bucket, streams
 _STREAM = struct.Struct("<H")        # name length
 
@@ -71,16 +71,15 @@ class Coverage:
         self.digests = digests                    # uint8[streams, k, DIGEST_BYTES]
 
     @classmethod
-    def of(cls, blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]]) -> "Coverage":
+    def of(cls, blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], key: DigestKey) -> "Coverage":
+        """The coverage of ``copies`` (name, bucket bytes, covered blocks), each covered block's
+        digest under the group's ``key`` (``merger/digest.py``: every block in one call)."""
         k = len(blocks.index)
         covered = np.zeros((len(copies), k), bool)
         digests = np.zeros((len(copies), k, DIGEST_BYTES), np.uint8)
         for s, (_, data, cov) in enumerate(copies):
             covered[s] = cov
-            for j in np.flatnonzero(cov):
-                lo = int(blocks.start[j])
-                digests[s, j] = np.frombuffer(hashlib.blake2b(data[lo:lo + int(blocks.nbytes[j])],
-                                                              digest_size=DIGEST_BYTES).digest(), np.uint8)
+            digests[s] = block_digests(data, blocks.start, blocks.nbytes, cov, key)
         return cls([name for name, _, _ in copies], covered, digests)
 
     def encode(self, iteration: int, bucket: int) -> bytes:
@@ -208,7 +207,7 @@ class GroupMerger(Merger):
         copies = self._copies(g, b)
         it.handed[b] = True                    # exchanged: not to be taken up again
         it.cover[b] = [(s, covered.copy()) for s, _, covered in copies]
-        mine = Coverage.of(blocks, copies)
+        mine = Coverage.of(blocks, copies, self.link.digest_key)
         during = f"iteration {iteration} bucket {b}"
         views = self._coverage(self.link.all_gather(mine.encode(iteration, b), f"{during} coverage"),
                                iteration, b, len(blocks.index))
@@ -226,9 +225,9 @@ class GroupMerger(Merger):
             local = {name: data for name, data, _ in copies}
             payload = b"".join(local[n][blocks.start[j]:blocks.start[j] + blocks.nbytes[j]].tobytes()
                                for n in self.streams for j in np.flatnonzero(wanted[n]))
-            self.link.exchange({owner: payload}, f"{during} blocks", peers=[owner])
+            self.link.exchange({owner: payload}, f"{during} blocks", peers=[owner], kind="blocks")
             return
-        got = self.link.exchange({}, f"{during} blocks", peers=self.link.peers)
+        got = self.link.exchange({}, f"{during} blocks", peers=self.link.peers, kind="blocks")
         fetched = self._fetched(got, views, wanted, b)
         local = {name: (data, covered) for name, data, covered in copies}
         merged = [(n, *local[n]) if n in local else (n, *fetched[n]) for n in group if n in local or n in fetched]

@@ -7,6 +7,10 @@ so gradtap writes no transport. Every message is a length (``int64[1]``) followe
 bytes, each pair of nodes in lockstep, so an exchange is one round in which every node
 sends one message to every peer (maybe empty) and receives one from each.
 
+**The digest key.** Right after the rendezvous, rank 0 draws a random secret and sends it to
+every peer; each node expands it into the key of its block digests (``merger/digest.py``),
+so a digest is keyed afresh for every group run, and the key crosses only this link.
+
 **Never a hang.** Every wait has the group's ``timeout``. A peer whose process died closes
 its TCP connections and gloo fails the wait at once; one that hangs fails it at the
 timeout. Either way the exchange raises :class:`PeerGone` naming the peers (ranks) whose
@@ -27,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from gradtap.core.errors import GradtapError
+from gradtap.merger.digest import SECRET_BYTES, DigestKey, digest_key, new_secret
 from gradtap.workload.spec import MirrorGroupSpec
 
 SIZE_TAG, DATA_TAG = 1, 2
@@ -59,10 +64,26 @@ class GroupLink:
         self.timeout = datetime.timedelta(seconds=cfg.timeout_s)
         self.sent_bytes = 0           # payload bytes sent to peers, lengths included
         self.received_bytes = 0
+        self.sent_by_kind: dict[str, int] = {}     # sent_bytes by what the rounds carried
         self._gone: PeerGone | None = None
         self._pg = None
         if self.world > 1:
             self._pg = self._connect()
+        self.digest_key: DigestKey = digest_key(self._agree_secret())
+
+    def _agree_secret(self) -> bytes:
+        """Rank 0's fresh secret, sent to every peer (see the module docstring)."""
+        if self.rank == 0:
+            secret = new_secret()
+            self.exchange({p: secret for p in self.peers}, "the digest key (rendezvous)")
+            return secret
+        got = self.exchange({}, "the digest key (rendezvous)", peers=[0])[0]
+        if len(got) != SECRET_BYTES:
+            self._gone = PeerGone({0: f"sent a digest key of {len(got)} bytes, not {SECRET_BYTES}"},
+                                  f"the digest key (rendezvous, rank {self.rank})")
+            self.close()
+            raise self._gone
+        return got
 
     def _connect(self):
         cfg = self.cfg
@@ -93,10 +114,12 @@ class GroupLink:
     def peers(self) -> list[int]:
         return [p for p in range(self.world) if p != self.rank]
 
-    def exchange(self, messages: dict[int, bytes], during: str, peers: list[int] | None = None) -> dict[int, bytes]:
+    def exchange(self, messages: dict[int, bytes], during: str, peers: list[int] | None = None, *,
+                 kind: str = "protocol") -> dict[int, bytes]:
         """Send ``messages[p]`` (absent: empty) to every peer p of ``peers`` (default: all) and
         return what each sent this node in the same round; both ends of a pair must name each
-        other. ``during`` names the round in a :class:`PeerGone`."""
+        other. ``during`` names the round in a :class:`PeerGone`; ``kind`` is what the round
+        carries, for :attr:`sent_by_kind` (the merger's fetched blocks are ``"blocks"``)."""
         if self._gone is not None:
             raise self._gone
         if self._pg is None:
@@ -109,7 +132,9 @@ class GroupLink:
         into = {p: torch.empty(int(theirs[p].item()), dtype=torch.uint8) for p in peers
                 if int(theirs[p].item()) > 0}
         self._round(out, into, DATA_TAG, during)
-        self.sent_bytes += sum(8 + len(messages.get(p, b"")) for p in peers)
+        sent = sum(8 + len(messages.get(p, b"")) for p in peers)
+        self.sent_bytes += sent
+        self.sent_by_kind[kind] = self.sent_by_kind.get(kind, 0) + sent
         self.received_bytes += sum(8 + t.numel() for t in into.values())
         return {p: into[p].numpy().tobytes() if p in into else b"" for p in peers}
 

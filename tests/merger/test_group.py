@@ -16,6 +16,7 @@ import queue
 import numpy as np
 import pytest
 
+from gradtap.merger.digest import digest_key, new_secret
 from gradtap.merger.group import Coverage, fetch_mask
 from gradtap.merger.merger import Merger
 from gradtap.merger.union import BucketBlocks, union
@@ -203,7 +204,7 @@ def test_coverage_messages_round_trip_and_malformed_ones_are_refused():
     sizes = np.array([8, 8, 4], np.int64)
     blocks = BucketBlocks(np.arange(3), np.array([0, 8, 16]), sizes)
     data = np.arange(20, dtype=np.uint8)
-    cov = Coverage.of(blocks, [("a", data, np.array([True, False, True]))])
+    cov = Coverage.of(blocks, [("a", data, np.array([True, False, True]))], digest_key(new_secret()))
     it, b, back = Coverage.decode(cov.encode(5, 1), 3, rank=1)
     assert (it, b, back.streams) == (5, 1, ["a"])
     assert (back.covered == cov.covered).all() and (back.digests == cov.digests).all()

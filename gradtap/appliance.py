@@ -7,6 +7,13 @@ replay: the parsers run in their own threads, pinned to their cores, the merger 
 updater on the main thread. It writes snapshots as the job configures, and stops cleanly on
 SIGINT/SIGTERM (or :meth:`Appliance.stop`) with a final snapshot. A capture worker that dies
 stops the appliance with its error: the process exits non-zero and never hangs.
+
+As a node of a mirror group (``group``: ``docs/group.md``) it steps its shard of the replica
+(:func:`gradtap.group.join_group`, as ``gradtap replay --group`` does), its merger merging
+with the peers' over gloo; a peer gone (``group.peer_gone``, then a ``fallback``) stops it
+with exit code 4, since a broken group merges nothing more. A group node writes its shard
+snapshots when due and no final one (that would be a round its peers are not in), and
+takes no durable store, gradient log, offers or attestations (not wired for shards yet).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from gradtap.capture.ring import FrameRing
 from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.control import ControlPlane
 from gradtap.core.errors import CaptureError, ConfigError
+from gradtap.merger.merger import Merger
 from gradtap.pipeline import Pipeline
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
@@ -33,7 +41,7 @@ from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.store.snapshot import Snapshots, SnapshotWriteError
 from gradtap.workload.layout import job_plan
-from gradtap.workload.spec import JobSpec
+from gradtap.workload.spec import JobSpec, MirrorGroupSpec
 
 log = logging.getLogger(__name__)
 
@@ -66,18 +74,51 @@ class RunResult:
     unrecoverable: int
 
 
+GROUP_BROKEN_EXIT = 4      # a peer of the mirror group is gone: the node stops
+
+
 class Appliance:
     """Capture ``streams`` (name → :class:`SourceSpec`) of ``job`` into a replica started from
-    ``start`` (a trainer checkpoint, or None to wait for the trainer's: ``gradtap/start.py``)."""
+    ``start`` (a trainer checkpoint, or None to wait for the trainer's: ``gradtap/start.py``);
+    with ``group``, into this node's shard of the group's replica (the rendezvous waits here
+    for every node, up to the group's timeout)."""
 
     def __init__(self, job: JobSpec, streams: dict[str, SourceSpec], out: Path, start: ReplicaStart | dict | None,
-                 options: RunOptions = RunOptions()):
+                 options: RunOptions = RunOptions(), group: MirrorGroupSpec | None = None):
         unknown = set(streams) - {m.name for m in job.mirrors}
         if unknown:
             raise ConfigError(f"--stream: {sorted(unknown)} are not mirror streams of job {job.name!r}")
         self.job, self.specs, self.out, self.options = job, streams, Path(out), options
         if not isinstance(start, ReplicaStart):
             start = replica_start(job, start, "the start state")
+        self.group = None
+        if group is None:
+            merger = self._single(job, start, options)
+        else:
+            merger = self._group(job, start, options, group)
+        try:
+            self.numbering = Numbering(start, self.replica, self.control)
+            self.pipeline = Pipeline(job, job_plan(job) if job.nccl.resolved else None, list(streams), self.sink,
+                                     start.first_iteration,
+                                     on_lockon_failed=lambda failure: self.control.event("lockon.failed",
+                                                                                         **failure.as_event()),
+                                     on_anchor=self.numbering.placed,
+                                     on_resolved=lambda r: self.control.event("job.resolved", **r.as_event()),
+                                     merger=merger)
+            self.numbering.attach(self.pipeline)
+        except BaseException:
+            if self.group is not None:
+                self.group.close()
+            raise
+        self.rings: dict[str, FrameRing] = {}
+        self.workers: dict[str, CaptureWorker] = {}
+        self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
+        self.stopping = threading.Event()
+        self.ready = threading.Event()     # every capture worker is listening
+        self._lock = threading.Lock()      # status() for metrics vs the loop
+
+    def _single(self, job: JobSpec, start: ReplicaStart, options: RunOptions):
+        """The whole replica, its snapshots, store tier, gradient log and attestations."""
         self.replica = Replica(job, start.checkpoint)
         origin = ReplicaOrigin.of(self.replica, start.waiting)
         # First: refuses an --out that cannot be written or holds another replica's snapshots.
@@ -94,24 +135,27 @@ class Appliance:
             self.uploader.on_event = self.control.event
         if self.gradient_log is not None:
             self.gradient_log.on_event = self.control.event
-        self.numbering = Numbering(start, self.replica, self.control)
         self.attestations = Attestations(self.replica, self.control)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests,
                                 attestations=self.attestations, gradient_log=self.gradient_log)
-        self.pipeline = Pipeline(job, job_plan(job) if job.nccl.resolved else None, list(streams), self.sink,
-                                 start.first_iteration,
-                                 on_lockon_failed=lambda failure: self.control.event("lockon.failed",
-                                                                                     **failure.as_event()),
-                                 on_anchor=self.numbering.placed,
-                                 on_resolved=lambda r: self.control.event("job.resolved", **r.as_event()))
-        self.numbering.attach(self.pipeline)
-        self.rings: dict[str, FrameRing] = {}
-        self.workers: dict[str, CaptureWorker] = {}
-        self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
-        self.stopping = threading.Event()
-        self.ready = threading.Event()     # every capture worker is listening
-        self._lock = threading.Lock()      # status() for metrics vs the loop
+        return Merger
+
+    def _group(self, job: JobSpec, start: ReplicaStart, options: RunOptions, group: MirrorGroupSpec):
+        """This node's part of the mirror group (``gradtap/group.py``), as replay builds it."""
+        from gradtap.group import check_group_node, join_group
+
+        for flag, given in (("digests (a shard keeps no whole-replica digests)", options.digests),
+                            ("--force", options.force)):
+            if given:
+                raise ConfigError(f"mirror group: {flag} is not wired for shards yet; run the node without it")
+        check_group_node(job, list(self.specs), start)
+        self.control = ControlPlane(self.out / "events.jsonl", job.appliance.control_endpoint,
+                                    token_file=control_token_file(job, self.out, options))
+        self.uploader = self.gradient_log = self.attestations = self.snapshots = None
+        self.group = join_group(job, list(self.specs), start, group, self.out, self.control)
+        self.replica, self.sink = self.group.replica, self.group.sink
+        return self.group.merger
 
     def stop(self) -> None:
         self.stopping.set()
@@ -120,14 +164,21 @@ class Appliance:
         """A trainer checkpoint to resynchronise from (the control endpoint's POST /resync): it
         replaces any offer pending; the iterations of the offers it replaced. Until the
         iterations are numbered, it must carry ``time_ns`` (``gradtap/start.py``)."""
+        self._not_for_group("POST /resync (a trainer checkpoint offered)")
         with self._lock:
             return self.numbering.offer(checkpoint, source)
 
     def attest(self, fingerprint: object) -> dict:
         """The trainer's fingerprint of its state (the control endpoint's POST /attest): held
         until the replica reaches that state, then compared (``gradtap/attestation.py``)."""
+        self._not_for_group("POST /attest (the trainer's fingerprint)")
         with self._lock:
             return self.attestations.offer(fingerprint)
+
+    def _not_for_group(self, what: str) -> None:
+        if self.group is not None:
+            raise ConfigError(f"{what}: not wired for mirror-group shards yet; node {self.group.spec.rank} of "
+                              f"{self.group.spec.world_size} refuses it (docs/group.md, Not done yet)")
 
     def run(self) -> RunResult:
         reason, code = "stopped", 0
@@ -153,15 +204,23 @@ class Appliance:
                 now = -1 if files else time.time_ns()
                 with self._lock:
                     self.pipeline.round(batches, now)
-            with self._lock:
-                self.pipeline.finish()
+                if self.group is not None and self.group.gone:
+                    reason, code = self._group_broken(), GROUP_BROKEN_EXIT
+                    break
+            # A group node stopped by a signal, or whose capture died, leaves its group here: the
+            # rounds that would close its pending iterations are rounds its peers are not in.
+            if self.group is None or reason == "every source ended":
+                with self._lock:
+                    self.pipeline.finish()
+                if self.group is not None and self.group.gone:
+                    reason, code = self._group_broken(), GROUP_BROKEN_EXIT
             if files and reason == "every source ended" and not any(self.pipeline.locked().values()):
                 # As replay: a file run that applied nothing must not pass as a success in a script.
                 reason, code = ("every source ended, and no stream locked on to the job's traffic "
                                 "(events.jsonl: lockon.failed says why)"), 1
         finally:
             final = (code == 0 and not self.replica.stale and self.replica.open_iteration is None
-                     and bool(self.sink.applied))
+                     and bool(self.sink.applied) and self.group is None)
             self._shutdown(final)
         lines = self.sink.lines
         return RunResult(code, reason, len(lines), sum(not x["recovered"] for x in lines))
@@ -179,10 +238,12 @@ class Appliance:
                                    stale=self.replica.stale, lag_s=timings[-1].lag_s if timings else 0.0,
                                    parse_s=parse_s, merge_s=merge_s, update_s=update_s,
                                    locked=self.pipeline.locked(), numbered=self.pipeline.numbered,
-                                   skipped=self.pipeline.skipped, attested=self.attestations.attested,
-                                   diverged=self.attestations.diverged,
+                                   skipped=self.pipeline.skipped,
+                                   attested=0 if self.attestations is None else self.attestations.attested,
+                                   diverged=0 if self.attestations is None else self.attestations.diverged,
                                    store=None if self.uploader is None else self.uploader.counts(),
-                                   gradient_log=None if self.gradient_log is None else self.gradient_log.counts())
+                                   gradient_log=None if self.gradient_log is None else self.gradient_log.counts(),
+                                   group=None if self.group is None else self.group.report())
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}
@@ -211,6 +272,11 @@ class Appliance:
             # thread first makes every thread it starts inherit these cores.
             os.sched_setaffinity(0, set(cpus))
 
+    def _group_broken(self) -> str:
+        gone = "; ".join(f"node rank {p} is gone ({why})" for p, why in sorted(self.group.gone.items()))
+        log.error("mirror group: %s; stopping (the replica is stale)", gone)
+        return f"mirror group broken: {gone}; the replica is stale (restart the group's nodes)"
+
     def _crashed(self, name: str) -> str:
         worker = self.workers[name]
         try:
@@ -230,10 +296,13 @@ class Appliance:
             except CaptureError as exc:
                 log.error("stream %s: %s", name, exc)
         self.pipeline.close()
+        if self.group is not None:
+            self.group.close()
         if self.gradient_log is not None:
             self.gradient_log.close(store_close_timeout(self.job))
         try:
-            self.snapshots.close(self.replica if final_snapshot else None)
+            if self.snapshots is not None:
+                self.snapshots.close(self.replica if final_snapshot else None)
         except SnapshotWriteError as exc:      # the final snapshot: said, and the rings still closed
             log.error("%s", exc)
             self.control.event("snapshot.failed", iteration=exc.iteration, directory=str(exc.directory),

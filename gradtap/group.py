@@ -8,14 +8,18 @@ step sends none, and then no shard steps (the clip coefficient needs every norm)
 iteration the group could not finish because a peer is gone is a fallback naming the peers
 (``group.peer_gone`` on the control plane, then ``fallback``), and the replica is stale.
 
-:func:`run_group_replay` is ``gradtap replay --group``: :func:`gradtap.replay.replay` with
-the group's merger and this sink, into one output directory per node.
+:func:`join_group` builds a node's part, the same for ``gradtap replay --group``
+(:func:`run_group_replay`: :func:`gradtap.replay.replay` with the group's merger and this
+sink, into one output directory per node) and ``gradtap run --group`` (the live
+:class:`~gradtap.appliance.Appliance`): its shard of the replica, the link to its peers,
+its shard snapshots and this sink; the pipeline takes :attr:`GroupNode.merger`.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from gradtap.control import ControlPlane
@@ -23,9 +27,10 @@ from gradtap.core.errors import ConfigError
 from gradtap.merger.group import GroupMerger
 from gradtap.merger.group_link import GroupBroken, GroupLink
 from gradtap.merger.merger import IterationReport, Sink
+from gradtap.pipeline import MergerFactory
 from gradtap.replay import Progress, ReplayResult, replay
 from gradtap.replica_sink import ReplicaSink
-from gradtap.start import Numbering, replica_start
+from gradtap.start import Numbering, ReplicaStart, replica_start
 from gradtap.store.shard_snapshot import ShardSnapshots
 from gradtap.updater.replica import Begin
 from gradtap.updater.shard import ShardReplica
@@ -43,6 +48,7 @@ class GroupSink(ReplicaSink):
         super().__init__(replica, control, report_path=report_path)
         self.link, self.shard_snapshots = link, snapshots
         self.group_snapshots: list[Path] = []
+        self.gone: dict[int, str] = {}          # peer rank -> why it is gone (the group is broken)
 
     def iteration_done(self, iteration: int, report: IterationReport) -> None:
         r = self.replica
@@ -77,6 +83,7 @@ class GroupSink(ReplicaSink):
             parts = self.link.all_gather(json.dumps(entry).encode() if entry else b"",
                                          f"iteration {iteration} snapshot")
         except GroupBroken as exc:
+            self.gone.update(exc.peers)
             self.control.event("group.peer_gone", iteration=iteration, rank=self.link.rank,
                                peers={str(p): why for p, why in exc.peers.items()})
             return
@@ -109,6 +116,7 @@ class GroupSink(ReplicaSink):
             r.add_norms({rank: m for rank, m in enumerate(messages) if rank != self.link.rank})
 
     def _lost(self, iteration: int, report: IterationReport) -> None:
+        self.gone.update(report.lost_peers)
         peers = {str(p): why for p, why in sorted(report.lost_peers.items())}
         self.control.event("group.peer_gone", iteration=iteration, rank=self.link.rank, peers=peers)
         self._fallback(iteration, "mirror group: " + "; ".join(f"node rank {p} is gone ({why})"
@@ -140,6 +148,72 @@ def group_merger(link: GroupLink, shards: Shards, job: JobSpec):
     return make
 
 
+@dataclass
+class GroupNode:
+    """This appliance's part of mirror group ``spec``: its shard of the replica, the link to
+    its peers, the sink that steps the shard and the pipeline's merger factory."""
+
+    spec: MirrorGroupSpec
+    replica: ShardReplica
+    link: GroupLink
+    sink: GroupSink
+    merger: MergerFactory
+
+    @property
+    def gone(self) -> dict[int, str]:
+        """Peer rank -> why it is gone; empty while the group holds."""
+        return self.sink.gone
+
+    def report(self) -> dict:
+        """The group section of ``replay.json`` and ``GET /status``: this node's rank and shard,
+        each peer ``up`` or why it is gone, the bytes sent to and received from the peers (sent:
+        also by what the rounds carried, ``GroupLink.sent_by_kind``)."""
+        r, gone = self.replica, self.gone
+        return {"rank": self.spec.rank, "world_size": self.spec.world_size, "rendezvous": self.spec.rendezvous,
+                "buckets": r.stepped_buckets(), "elements": [r.shard.start, r.shard.stop],
+                "peers": {str(p): gone.get(p, "up") for p in self.link.peers},
+                "sent_bytes": self.link.sent_bytes, "sent_by_kind": dict(self.link.sent_by_kind),
+                "received_bytes": self.link.received_bytes}
+
+    def close(self) -> None:
+        self.link.close()
+
+
+def check_group_node(job: JobSpec, streams: list[str], start: ReplicaStart) -> None:
+    """``ConfigError`` for what a node of a mirror group cannot do (yet), before anything is built."""
+    if not streams:
+        raise ConfigError("mirror group: a node takes part in the group's rounds as its own streams progress, so it "
+                          "needs at least one stream; give this node a capture, or leave it out of the group")
+    if not job.nccl.resolved:
+        raise ConfigError("mirror group: nccl.era and nccl.protocol must be given (not auto) for a group, so that "
+                          "every node shards the same bucket layout from the start")
+    if job.appliance.store is not None:
+        raise ConfigError(f"appliance.store ({job.appliance.store.url}): the durable store and its gradient log are "
+                          "not wired for mirror-group shards yet; remove the section (and --store) for a group node")
+    if start.waiting:
+        raise ConfigError("mirror group: a node needs a start state (--start CKPT, or the job's "
+                          "initial_state.checkpoint): the trainer's offers (POST /resync) are not wired for shards "
+                          "yet, so a node waiting for one would wait for ever")
+
+
+def join_group(job: JobSpec, streams: list[str], start: ReplicaStart, group: MirrorGroupSpec, out: Path,
+               control: ControlPlane) -> GroupNode:
+    """Node ``group.rank``'s part of the mirror group, its shard started from ``start`` and
+    snapshotted into ``out/snapshots`` (``store/shard_snapshot.py``), its report lines in
+    ``out/iterations.jsonl``; the rendezvous waits for every node (up to the group's timeout:
+    :class:`~gradtap.merger.group_link.PeerGone` naming the nodes that did not come).
+    ``ConfigError`` for what a group node cannot do (yet): :func:`check_group_node`."""
+    check_group_node(job, streams, start)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = Shards.balanced([b.numel for b in job_buckets(job)], group.world_size)
+    replica = ShardReplica(job, start.checkpoint, shards, group.rank)
+    snapshots = ShardSnapshots(out / "snapshots", job.name, group.rank, group.world_size,
+                               every=job.appliance.snapshot_every, keep=job.appliance.snapshot_keep)
+    link = GroupLink(group)
+    sink = GroupSink(replica, control, link, report_path=out / "iterations.jsonl", snapshots=snapshots)
+    return GroupNode(group, replica, link, sink, group_merger(link, shards, job))
+
+
 def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, group: MirrorGroupSpec, *,
                      batch_frames: int = 65536, progress: Progress | None = None,
                      start_source: str = "the start state") -> tuple[ReplayResult, GroupSink]:
@@ -148,38 +222,26 @@ def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dic
     manifests: ``store/shard_snapshot.py``), ``iterations.jsonl``, ``events.jsonl``,
     ``replay.json`` (with the group's figures: its shard, bytes sent to and received from
     peers against the mirrored bytes read)."""
-    if not pcaps:
-        raise ConfigError("mirror group: a node takes part in the group's rounds as its own streams progress, so it "
-                          "needs at least one stream; give this node a capture, or leave it out of the group")
-    if not job.nccl.resolved:
-        raise ConfigError("mirror group: nccl.era and nccl.protocol must be given (not auto) for a group, so that "
-                          "every node shards the same bucket layout from the start")
-    out.mkdir(parents=True, exist_ok=True)
     begin = replica_start(job, start, start_source)
-    shards = Shards.balanced([b.numel for b in job_buckets(job)], group.world_size)
-    replica = ShardReplica(job, begin.checkpoint, shards, group.rank)
+    check_group_node(job, list(pcaps), begin)
+    out.mkdir(parents=True, exist_ok=True)
     for stale in ("iterations.jsonl", "events.jsonl"):
         (out / stale).unlink(missing_ok=True)
     control = ControlPlane(out / "events.jsonl", job.appliance.control_endpoint)
-    numbering = Numbering(begin, replica, control)
     started = time.perf_counter()
-    link = GroupLink(group)
+    node = join_group(job, list(pcaps), begin, group, out, control)
     try:
-        snapshots = ShardSnapshots(out / "snapshots", job.name, group.rank, group.world_size,
-                                   every=job.appliance.snapshot_every, keep=job.appliance.snapshot_keep)
-        sink = GroupSink(replica, control, link, report_path=out / "iterations.jsonl", snapshots=snapshots)
-        result = replay(job, job_plan(job), pcaps, sink, batch_frames=batch_frames, numbering=numbering,
-                        merger=group_merger(link, shards, job),
+        numbering = Numbering(begin, node.replica, control)
+        result = replay(job, job_plan(job), pcaps, node.sink, batch_frames=batch_frames, numbering=numbering,
+                        merger=node.merger,
                         on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()),
                         **({} if progress is None else {"progress": progress}))
     finally:
-        link.close()
+        node.close()
+    sink = node.sink
     (out / "replay.json").write_text(json.dumps({
         "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": time.perf_counter() - started,
         "frames": result.frames, "bytes": result.bytes, "events": result.counters, "iterations": sink.lines,
-        "stale": replica.stale, "locked": result.locked, "timings": [t.__dict__ for t in result.timings],
-        "group": {"rank": group.rank, "world_size": group.world_size, "buckets": replica.stepped_buckets(),
-                  "elements": [replica.shard.start, replica.shard.stop], "sent_bytes": link.sent_bytes,
-                  "received_bytes": link.received_bytes, "mirrored_bytes": sum(result.bytes.values())}},
-        indent=1))
+        "stale": node.replica.stale, "locked": result.locked, "timings": [t.__dict__ for t in result.timings],
+        "group": {**node.report(), "mirrored_bytes": sum(result.bytes.values())}}, indent=1))
     return result, sink

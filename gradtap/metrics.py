@@ -20,7 +20,11 @@ twice and nothing can drift:
   (``store/uploader.py``); absent without a store.
 - ``gradtap_gradient_log_records_total{result}``: iterations the gradient log ``logged``,
   ``dropped`` (gaps: its buffers were full) and write attempts that ``failed``
-  (``store/gradient_log.py``); absent without a log.
+  (``store/gradient_log.py``); absent without a log;
+- a mirror-group node (``docs/group.md``): ``gradtap_group_bytes_total{direction}`` (``sent`` to
+  and ``received`` from its peers, lengths included), ``gradtap_group_peer_up{peer}`` (0 once
+  the peer is gone: see the ``group.peer_gone`` event), ``gradtap_group_rank`` and
+  ``gradtap_group_world_size``; absent outside a group.
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ class ApplianceCollector:
             for result in ("logged", "dropped", "failed"):
                 records.add_metric([result], s.gradient_log[result])
             yield records
+        if s.group is not None:
+            yield from _group_metrics(s.group)
         locked = GaugeMetricFamily("gradtap_stream_locked", "1 once the stream has locked on to the job's "
                                    "traffic (0: see the lockon.failed event)", labels=["stream"])
         for stream, yes in s.locked.items():
@@ -90,6 +96,22 @@ class ApplianceCollector:
                                 value=s.lag_s)
         yield GaugeMetricFamily("gradtap_replica_numbered", "0 while it is not known which captured iteration is "
                                 "which (waiting for the trainer's checkpoint with time_ns)", value=int(s.numbered))
+
+
+def _group_metrics(group: dict):
+    """The mirror group's families from ``ApplianceStatus.group``."""
+    exchanged = CounterMetricFamily("gradtap_group_bytes", "bytes exchanged with the mirror group's peers",
+                                    labels=["direction"])
+    exchanged.add_metric(["sent"], group["sent_bytes"])
+    exchanged.add_metric(["received"], group["received_bytes"])
+    up = GaugeMetricFamily("gradtap_group_peer_up", "1 while the peer takes part in the group's rounds (0: see "
+                           "the group.peer_gone event)", labels=["peer"])
+    for peer, state in group["peers"].items():
+        up.add_metric([peer], int(state == "up"))
+    yield exchanged
+    yield up
+    yield GaugeMetricFamily("gradtap_group_rank", "this node's rank in its mirror group", value=group["rank"])
+    yield GaugeMetricFamily("gradtap_group_world_size", "the mirror group's CPU nodes", value=group["world_size"])
 
 
 def serve(status: Callable[[], ApplianceStatus], port: int, address: str = "127.0.0.1") -> CollectorRegistry:

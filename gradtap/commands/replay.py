@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from gradtap.cli import app
+from gradtap.commands.group_options import group_options, mirror_group, refuse_for_group
 from gradtap.core.errors import CaptureError
 
 
@@ -28,7 +29,7 @@ from gradtap.core.errors import CaptureError
                    "it (a restarted appliance whose local snapshots are lost); nothing usable: wait for the "
                    "trainer's checkpoint (fallback)")
 @click.option("--digests/--no-digests", default=True,
-              help="record a digest of the replica after every iteration (for verify)")
+              help="record a digest of the replica after every iteration (for verify; a --group node records none)")
 @click.option("--resync", multiple=True, type=click.Path(path_type=Path), metavar="CKPT",
               help="trainer checkpoint to resynchronise a stale replica from when the streams reach its "
                    "iteration (repeatable)")
@@ -37,15 +38,7 @@ from gradtap.core.errors import CaptureError
 @click.option("--gradients", type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="write each recovered iteration's reduced gradient here: iter_NNNNNN.npy, flat in wire order "
                    "and dtype (bf16/fp16 as uint16), with layout.json (the simulator's truth format)")
-@click.option("--group", "group_at", metavar="RANK/SIZE",
-              help="this node is RANK of a mirror group of SIZE CPU nodes, each replaying its own streams of the "
-                   "job and stepping its shard of the replica (docs/group.md); default: the job's "
-                   "appliance.mirror_group")
-@click.option("--rendezvous", metavar="URL",
-              help="where the group's nodes meet: tcp://HOST:PORT (rank 0 listens) or file:///PATH (overrides "
-                   "appliance.mirror_group.rendezvous)")
-@click.option("--group-timeout", type=float, metavar="SECONDS",
-              help="longest wait for a peer; one silent this long is reported gone (default 60)")
+@group_options("replaying")
 def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Path | None, store: str | None,
                    start_from_store: bool, digests: bool, resync: tuple[Path, ...], force: bool,
                    gradients: Path | None, group_at: str | None, rendezvous: str | None,
@@ -67,9 +60,8 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     streams = match_streams(job, list(pcaps))
     group = mirror_group(job, group_at, rendezvous, group_timeout)
     if group is not None:
-        if store or start_from_store or resync or gradients or force or not digests:
-            raise click.UsageError("--group replays without --store, --start-from-store, --resync, --gradients, "
-                                   "--force and --no-digests (a shard keeps no whole-replica digests)")
+        refuse_for_group({"--store": bool(store), "--start-from-store": start_from_store, "--resync": bool(resync),
+                          "--gradients": gradients is not None, "--force": force})
         _group_replay(console, job, job_path, streams, out, start, group)
         return
     if len(streams) < 3:
@@ -101,30 +93,6 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     if unlocked and len(unlocked) == len(result.locked):
         raise CaptureError(f"no stream locked on to job {job.name!r}: nothing was applied (the lockon.failed "
                            f"events in {out / 'events.jsonl'} say what each stream saw and expected)")
-
-
-def mirror_group(job, group_at: str | None, rendezvous: str | None, timeout: float | None):
-    """The node's mirror group from ``--group RANK/SIZE``, ``--rendezvous`` and ``--group-timeout``
-    over the job's ``appliance.mirror_group``; None when neither gives one."""
-    from gradtap.workload.spec import parse_mirror_group
-
-    spec = job.appliance.mirror_group
-    if group_at is None and spec is None:
-        if rendezvous or timeout:
-            raise click.UsageError("--rendezvous and --group-timeout need --group RANK/SIZE (or the job's "
-                                   "appliance.mirror_group)")
-        return None
-    fields = {} if spec is None else spec.model_dump()
-    if group_at is not None:
-        rank, slash, size = group_at.partition("/")
-        if not slash or not rank.strip().isdigit() or not size.strip().isdigit():
-            raise click.BadParameter(f"{group_at!r} is not RANK/SIZE, e.g. 0/3", param_hint="--group")
-        fields.update(rank=int(rank), world_size=int(size))
-    if rendezvous is not None:
-        fields["rendezvous"] = rendezvous
-    if timeout is not None:
-        fields["timeout_s"] = timeout
-    return parse_mirror_group(fields, "--group" if group_at else "appliance.mirror_group")
 
 
 def _group_replay(console, job, job_path: Path, streams, out: Path, start: Path | None, group) -> None:

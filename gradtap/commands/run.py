@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from gradtap.cli import app
+from gradtap.commands.group_options import group_options, mirror_group, refuse_for_group
 from gradtap.core.errors import ConfigError
 
 # The names of ``gradtap.capture.registry.SOURCES``, for the help text, which must not import
@@ -97,12 +98,18 @@ def _cpus(text: str, what: str) -> list[int]:
 @click.option("--no-status", is_flag=True, help="no live status view (it is shown when stderr is a terminal)")
 @click.option("--force", is_flag=True,
               help="clear the snapshots in --out when they are another replica's (another job or start state)")
+@group_options("capturing")
 def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
                 start: Path | None, store: str | None, start_from_store: bool, metrics_port: int, metrics_address: str, control_port: int,
                 control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...],
                 capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int, hugepages: str,
-                no_status: bool, force: bool) -> None:
-    """Capture mirror ports and keep a replica current until SIGINT/SIGTERM."""
+                no_status: bool, force: bool, group_at: str | None, rendezvous: str | None,
+                group_timeout: float | None) -> None:
+    """Capture mirror ports and keep a replica current until SIGINT/SIGTERM.
+
+    With --group, this is one of the CPU nodes a DP group's streams arrive at: it merges with
+    its peers over gloo and steps its shard of the replica (docs/group.md); it needs a start
+    state, and a peer gone stops it with exit status 4 (the replica is stale)."""
     from rich.console import Console
     from rich.live import Live
 
@@ -120,6 +127,10 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     job = with_store(open_job(job_path), store)
     if start and start_from_store:
         raise click.UsageError("give --start or --start-from-store, not both")
+    group = mirror_group(job, group_at, rendezvous, group_timeout)
+    if group is not None:
+        refuse_for_group({"--store": bool(store), "--start-from-store": start_from_store,
+                          "--resync-dir": bool(resync_dirs), "--force": force})
     specs = dict(parse_stream(s, source, netns) for s in stream)
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
@@ -133,7 +144,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
         start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
         checkpoint = start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
         begin = replica_start(job, checkpoint, start_source)
-    appliance = Appliance(job, specs, out, begin, options)
+    appliance = Appliance(job, specs, out, begin, options, group)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:
         metrics.serve(appliance.status, metrics_port, metrics_address)
@@ -160,6 +171,11 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                  "(events.jsonl says why)")
     else:
         state = f"replica at iteration {appliance.replica.iteration}{' (stale)' if appliance.replica.stale else ''}"
+    if appliance.group is not None:
+        g = appliance.group.report()
+        state += (f"; node {g['rank']} of {g['world_size']}, shard of buckets {g['buckets']}, "
+                  f"{g['sent_bytes']:,} bytes sent to peers, {g['received_bytes']:,} received")
+    # Plain text: a reason may quote brackets (gloo's "[.../pair.cc:537]") that are no markup.
     console.print(f"gradtap run: {result.reason}; {result.iterations} iteration(s) merged, "
-                  f"{result.unrecoverable} unrecoverable; {state}")
+                  f"{result.unrecoverable} unrecoverable; {state}", markup=False)
     sys.exit(result.exit_code)

@@ -36,6 +36,7 @@ from gradtap.store_tier import gradient_log_for, store_close_timeout, uploader_f
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.store.snapshot import Snapshots
+from gradtap.store.snapshot_writer import BUFFERS
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
 from gradtap.workload.wire_plan import WirePlan
@@ -182,7 +183,8 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
                batch_frames: int = 65536, progress: Progress = _no_progress,
                resync: list[dict] | None = None, force: bool = False,
                start_source: str = "the start state",
-               gradients: Path | None = None) -> tuple[ReplayResult, ReplicaSink]:
+               gradients: Path | None = None,
+               snapshot_buffers: int = BUFFERS) -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
     whose ``iteration`` is the capture's first iteration, or, when it has a ``time_ns``, the
     first that began after it: ``gradtap/start.py``), writing into ``out``:
@@ -192,14 +194,16 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     written, or holds the snapshots of another replica (another job or start state), is
     refused before anything in it changes; ``force`` clears the other replica's snapshots.
     ``gradients``: a directory for each recovered iteration's reduced gradient
-    (``gradtap/gradient_dump.py``). ``start`` may also be a :class:`ReplicaStart` (``--start-from-store``)."""
+    (``gradtap/gradient_dump.py``). ``start`` may also be a :class:`ReplicaStart` (``--start-from-store``).
+    ``snapshot_buffers``: copies of the state for writing snapshots in the background
+    (``store/snapshot_writer.py``); 0 writes them on the update path."""
     begin = start if isinstance(start, ReplicaStart) else replica_start(job, start, start_source)
     replica = Replica(job, begin.checkpoint)
     origin = ReplicaOrigin.of(replica, begin.waiting)
     uploader = uploader_for(job)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
                           keep=job.appliance.snapshot_keep, origin=origin, force=force,
-                          uploader=uploader, close_timeout_s=store_close_timeout(job))
+                          uploader=uploader, close_timeout_s=store_close_timeout(job), buffers=snapshot_buffers)
     gradient_log = gradient_log_for(job, replica, None if begin.waiting else origin)
     for stale in ("iterations.jsonl", "events.jsonl"):
         (out / stale).unlink(missing_ok=True)
@@ -230,6 +234,7 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
         "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": result.wall_s,
         "frames": result.frames, "bytes": result.bytes, "events": result.counters,
         "iterations": sink.lines, "stale": replica.stale, "locked": result.locked,
+        "snapshots": snapshots.counts(),
         "store": None if uploader is None else uploader.counts(),
         "gradient_log": None if gradient_log is None else gradient_log.counts(),
         "timings": [t.__dict__ for t in result.timings]}, indent=1))

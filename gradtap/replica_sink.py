@@ -10,6 +10,13 @@ After every applied iteration the sink can record the replica's state digest
 (``gradtap/digest.py``) so that ``gradtap verify`` checks every iteration, not only the
 snapshots kept.
 
+Snapshots are written in the background when the snapshots directory has buffers for it
+(``Snapshots(buffers=N)``, ``store/snapshot_writer.py``): the sink makes the writer, the
+update path copies the replica's state into a free buffer (``snapshot_taken`` in the report
+line: the snapshot's directory once written) and goes on; with no buffer free the snapshot is
+skipped (``snapshot_skipped``) and counted. Without buffers it is written on the update path
+(``snapshot``: its directory). The sink sends the snapshots' events to the control plane.
+
 A snapshot that cannot be written (the disk is full, the directory turned read-only) does
 not stop the appliance: the replica keeps following the trainer in memory, the failure is
 a ``snapshot.failed`` event (once per run of failures, and again if the reason changes),
@@ -37,6 +44,7 @@ from gradtap.merger.merger import IterationReport
 from gradtap.updater.replica import Begin, Replica
 from gradtap.store.gradient_log import GradientLog
 from gradtap.store.snapshot import Snapshots, SnapshotWriteError
+from gradtap.store.snapshot_writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +63,11 @@ class ReplicaSink:
         self.applied: list[int] = []
         self.lines: list[dict] = []
         self._unreported: list[dict] = []          # lines not yet appended to report_path
-        self._snapshot_failure: SnapshotWriteError | None = None
-        self._snapshots_missed = 0
+        self.writer: SnapshotWriter | None = None
+        if snapshots is not None:
+            snapshots.on_event = control.event
+            if snapshots.buffers:
+                self.writer = SnapshotWriter(snapshots, replica)   # Snapshots.close lets it finish
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None:
         r = self.replica
@@ -110,25 +121,24 @@ class ReplicaSink:
             self._report()
 
     def _snapshot(self, line: dict) -> None:
-        """Snapshot the replica; a failure is an event, and the replica goes on in memory."""
-        r, failing = self.replica, self._snapshot_failure
+        """Snapshot the replica (in the background when there is a writer); a failure is an
+        event (``Snapshots.note_failed``), and the replica goes on in memory."""
+        r = self.replica
+        if self.writer is not None:
+            taken = self.writer.take(r)
+            if taken is None:
+                line["snapshot_skipped"] = "writer busy"
+            else:
+                line["snapshot_taken"] = str(taken)
+            return
         try:
-            line["snapshot"] = str(self.snapshots.write_replica(r))
+            path = self.snapshots.write_replica(r)
         except SnapshotWriteError as exc:
             line["snapshot_failed"] = exc.reason
-            self._snapshot_failure = exc
-            self._snapshots_missed += 1
-            log.error("%s", exc)
-            if failing is None or failing.reason != exc.reason:
-                self.control.event("snapshot.failed", iteration=exc.iteration, directory=str(exc.directory),
-                                   reason=exc.reason, error=str(exc), needed_bytes=exc.needed_bytes,
-                                   free_bytes=exc.free_bytes, next_attempt=self.snapshots.next_due(r.iteration),
-                                   replica="updating in memory")
+            self.snapshots.note_failed(exc)
             return
-        if failing is not None:
-            self.control.event("snapshot.resumed", iteration=r.iteration, snapshot=line["snapshot"],
-                               missed=self._snapshots_missed)
-            self._snapshot_failure, self._snapshots_missed = None, 0
+        line["snapshot"] = str(path)
+        self.snapshots.note_written(r.iteration, path)
 
     def _report(self) -> None:
         """Append the lines not yet in ``report_path``, whole lines or none (a full disk

@@ -41,6 +41,20 @@ disk and ``LATEST`` still names the previous snapshot. The caller decides what f
 (the appliance logs an event, keeps updating its replica in memory, and tries again at the
 next snapshot due).
 
+Writing in the background. ``Snapshots`` writes on the caller's thread (:meth:`Snapshots.write`,
+:meth:`Snapshots.write_replica`). Given ``buffers`` >= 1, the appliance's sink hands due
+snapshots to :class:`gradtap.store.snapshot_writer.SnapshotWriter` instead: the update path
+copies the replica's state into one of ``buffers`` pre-allocated copies and goes on, and one
+thread writes it here as above; a snapshot due while every buffer is still waiting or being
+written is skipped and counted. :meth:`Snapshots.close` lets that writer finish first. Every
+write, from either thread, holds :attr:`Snapshots.write_lock`, so they never interleave.
+
+Counted. :meth:`Snapshots.counts` holds ``written``, ``failed`` and ``skipped`` (and the newest
+iteration written); the ``snapshot.*`` events say the same as it happens (``on_event``):
+``snapshot.failed`` once per run of failures (again if the reason changes) and
+``snapshot.resumed`` at the first success after them; ``snapshot.skipped`` at the first skip
+of a run of skips and ``snapshot.caught_up`` (the iterations skipped) when the next is taken.
+
 Ownership. A directory holds the snapshots of one replica: :class:`Snapshots` given the
 replica's :class:`~gradtap.updater.replica_origin.ReplicaOrigin` records it in
 ``ORIGIN.json`` and refuses a directory that holds another replica's snapshots, unless
@@ -56,7 +70,9 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +107,21 @@ class SnapshotWriteError(GradtapError):
         super().__init__(message)
         self.directory, self.iteration, self.reason = directory, iteration, reason
         self.needed_bytes, self.free_bytes = needed_bytes, free_bytes
+
+
+@dataclass
+class SnapshotCounters:
+    written: int = 0                     # snapshots complete on disk (LATEST named each)
+    failed: int = 0                      # writes that raised SnapshotWriteError
+    skipped: int = 0                     # due while every buffer of the background writer was busy: not taken
+    last_written: int | None = None      # the iteration of the newest written
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _no_events(kind: str, **fields) -> None:
+    del kind, fields
 
 
 class _HashingWriter:
@@ -276,18 +307,37 @@ class Snapshots:
         The durable tier (:class:`gradtap.store.uploader.Uploader`): every snapshot written
         is handed to it once, as hard links in a staging directory here, and :meth:`close` gives
         it ``close_timeout_s`` to upload the last one.
+    buffers:
+        Copies of the replica's state for writing in the background (each as large as the
+        replica's parameters and both moments: 12 B per parameter); 0: the sink writes each
+        snapshot on the update path (``gradtap/replica_sink.py``). :meth:`write` and
+        :meth:`write_replica` always write on the caller's thread.
+    on_event:
+        ``on_event(kind, **fields)`` for the ``snapshot.*`` events (``ControlPlane.event``; the
+        sink sets it); called from the update path and from the background writer's thread.
     """
 
     def __init__(self, directory: str | Path, job: str, *, every: int | None = None, keep: int = 3,
                  origin: ReplicaOrigin | None = None, force: bool = False, uploader=None,
-                 close_timeout_s: float = 60.0):
+                 close_timeout_s: float = 60.0, buffers: int = 0, on_event=_no_events):
         if every is not None and every < 1:
             raise ConfigError(f"snapshot every: {every} must be at least 1 iteration (or unset)")
         if keep < 1:
             raise ConfigError(f"snapshot keep: {keep} must be at least 1")
+        if buffers < 0:
+            raise ConfigError(f"snapshot buffers: {buffers} must be at least 0 (0: each snapshot is written on the "
+                              "update path; 1 or more: in the background)")
         self.directory = Path(directory)
-        self.job, self.every, self.keep = job, every, keep
+        self.job, self.every, self.keep, self.buffers = job, every, keep, buffers
         self.uploader, self.close_timeout_s = uploader, close_timeout_s
+        self.on_event = on_event
+        self.write_lock = threading.Lock()       # held for the whole of every write, whichever thread writes
+        self.counters = SnapshotCounters()
+        self._counting = threading.Lock()
+        self._failure: SnapshotWriteError | None = None   # the first of a run of failed writes
+        self._failed_run = 0
+        self._skips: list[int] = []              # iterations skipped since the last snapshot taken
+        self._background = None                  # the SnapshotWriter writing here (it attaches itself)
         self._handed: int | None = None          # the iteration last handed to the uploader
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -350,10 +400,20 @@ class Snapshots:
                 _discard(old)
         self._replace_small(ORIGIN, origin_json(origin))
 
+    def attach(self, writer) -> None:
+        """``writer`` (a :class:`gradtap.store.snapshot_writer.SnapshotWriter`) writes here in
+        the background: :meth:`close` lets it finish first."""
+        if self._background is not None:
+            raise GradtapError(f"{self.directory}: a background writer is already attached")
+        self._background = writer
+
     def close(self, replica=None) -> None:
-        """Release the directory; with ``replica``, first write its final snapshot (a clean
+        """Release the directory; first let the background writer write every snapshot taken
+        (it waits for the disk), then, with ``replica``, write its final snapshot (a clean
         shutdown), unless it is stale, whose state is not the trainer's."""
         try:
+            if self._background is not None:
+                self._background.close()
             if replica is not None and not replica.stale:
                 self.write_replica(replica)
         finally:
@@ -374,9 +434,23 @@ class Snapshots:
     def write(self, state: dict[str, Any], *, step: int) -> Path:
         """Write ``state`` (``Replica.state_dict()``) as a snapshot and point ``LATEST`` at it.
 
-        Returns its directory. Blocks until everything is on disk. Raises
-        :class:`SnapshotWriteError` when it does not fit or cannot be written.
+        Returns its directory. Blocks until everything is on disk (and until a write of
+        another thread is over). Raises :class:`SnapshotWriteError` when it does not fit or
+        cannot be written.
         """
+        with self.write_lock:
+            try:
+                final = self._write(state, step)
+            except Exception:
+                with self._counting:
+                    self.counters.failed += 1
+                raise
+        with self._counting:
+            self.counters.written += 1
+            self.counters.last_written = int(state["iteration"])
+        return final
+
+    def _write(self, state: dict[str, Any], step: int) -> Path:
         iteration = int(state["iteration"])
         final = self.directory / snapshot_name(iteration)
         try:
@@ -399,6 +473,51 @@ class Snapshots:
         self._upload(final, iteration)
         self._retain()
         return final
+
+    def counts(self) -> dict:
+        """``written``, ``failed``, ``skipped``, ``last_written`` (thread-safe)."""
+        with self._counting:
+            return self.counters.as_dict()
+
+    # -- the events of the update path's snapshots (the sink's and the background writer's) --
+
+    def note_written(self, iteration: int, path: Path) -> None:
+        """A due snapshot was written: ``snapshot.resumed`` if it ends a run of failures."""
+        if self._failure is not None:
+            self.on_event("snapshot.resumed", iteration=iteration, snapshot=str(path), missed=self._failed_run)
+            self._failure, self._failed_run = None, 0
+
+    def note_failed(self, exc: SnapshotWriteError) -> None:
+        """A due snapshot failed: logged, and ``snapshot.failed`` once per run of failures
+        (again when the reason changes); the replica goes on in memory."""
+        log.error("%s", exc)
+        failing, self._failure = self._failure, exc
+        self._failed_run += 1
+        if failing is None or failing.reason != exc.reason:
+            self.on_event("snapshot.failed", iteration=exc.iteration, directory=str(exc.directory),
+                          reason=exc.reason, error=str(exc), needed_bytes=exc.needed_bytes,
+                          free_bytes=exc.free_bytes, next_attempt=self.next_due(exc.iteration),
+                          replica="updating in memory")
+
+    def note_skipped(self, iteration: int, writing: int | None) -> None:
+        """The snapshot due at ``iteration`` was not taken: the background writer still
+        writes ``writing`` and no buffer is free. ``snapshot.skipped`` at the first of a run."""
+        with self._counting:
+            self.counters.skipped += 1
+        if not self._skips:
+            log.warning("%s: snapshot of iteration %d skipped: the disk is still writing iteration %s", self.directory,
+                        iteration, writing)
+            self.on_event("snapshot.skipped", iteration=iteration, writing=writing, directory=str(self.directory),
+                          reason="no free buffer: the disk is slower than the snapshot rate",
+                          next_attempt=self.next_due(iteration))
+        self._skips.append(iteration)
+
+    def note_taken(self, iteration: int) -> None:
+        """A due snapshot was taken (copied for the background writer): ``snapshot.caught_up``,
+        naming the iterations skipped, if it ends a run of skips."""
+        if self._skips:
+            self.on_event("snapshot.caught_up", iteration=iteration, skipped=self._skips)
+            self._skips = []
 
     def _upload(self, final: Path, iteration: int) -> None:
         """Hand ``final`` to the uploader as hard links (cheap: no data is copied), so that

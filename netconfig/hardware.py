@@ -81,8 +81,27 @@ class CpuPort(_Model):
     ip: IPv4Address | None = None
 
 
+#: What one CPU node can take in, Gbps, unless its topology says otherwise: the memory bandwidth of a
+#: two-socket server with eight DDR5-4800 channels per socket (4th/5th-generation Xeon Scalable:
+#: 2 x 8 x 4800 MT/s x 8 B = 614.4 GB/s = 4915.2 Gb/s), halved because every mirrored byte crosses
+#: memory at least twice (the NIC's DMA write into the capture ring, the parser's read). An upper
+#: bound, not a measurement: the parser's writes and the merger's reads add passes. Its PCIe I/O,
+#: 160 PCIe 5.0 lanes = ten x16 links of 504.32 Gb/s (32 GT/s x 16 x 128/130), is higher.
+#: docs/netconfig.md, "CPU-node ingest".
+DEFAULT_MAX_INGEST_GBPS = 2 * 8 * 4800e6 * 8 * 8 / 1e9 / 2
+
+#: A host name or address where a node's peers reach it (RFC 1123 labels, IPv4, or IPv6).
+HOST = r"^([A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*|[0-9a-fA-F:.]+)$"
+
+
 class CpuNode(_Model):
     name: str = Field(pattern=NAME)
     ports: list[CpuPort] = Field(min_length=1)
-    #: How many DP groups (gradtap appliances) this node may host.
+    #: How many gradtap appliances this node may host: one per DP group with streams on it.
     max_dp_groups: int = Field(1, ge=1)
+    #: Mirrored Gbps the node can take in over all its ports together (its host, not its NICs).
+    max_ingest_gbps: float = Field(DEFAULT_MAX_INGEST_GBPS, gt=0)
+    #: Where the node's mirror-group peers reach it (rank 0 of a group listens here); unset: its name.
+    address: str | None = Field(None, pattern=HOST, max_length=253)
+    #: The interface its mirror groups' own traffic (gloo over TCP) uses, e.g. a management link.
+    group_interface: str | None = Field(None, pattern=LINUX_IFNAME)

@@ -15,12 +15,12 @@ import json
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, model_validator
 
 from gradtap.core.errors import ConfigError
 from gradtap.netconfig.cost import CostModel
 from gradtap.netconfig.hardware import Vendor
+from gradtap.netconfig.ring import chunk_coverage, stream_hops
 from gradtap.netconfig.topology import Direction, MirrorPolicy, read_text
 from gradtap.netconfig.validation import format_validation_error
 
@@ -64,16 +64,85 @@ class PlannedSource(_Model):
     erspan_route: str | None = None
 
 
+class GroupNode(_Model):
+    """One CPU node of a DP group's mirror group: the streams it captures and what it lacks."""
+
+    name: str
+    #: Its rank in the group's torch.distributed process group: nodes sorted by name.
+    rank: int = Field(ge=0)
+    #: Names of the group's sources this node captures.
+    sources: list[str]
+    #: Sum of those sources' loads.
+    load_gbps: float
+    #: Allgather chunks none of its streams carries: of every bucket it steps, the node must be
+    #: sent these from its peers (or have them from nowhere, when it is the group's only node).
+    uncovered_chunks: list[int]
+    #: Bytes it lacks of its shard over the bytes its streams mirror, per iteration (the shards
+    #: split the gradient evenly; both phases of the ring are mirrored): ``exchange_share``.
+    exchange_share: float
+
+
 class GroupPlan(_Model):
     id: str
     size: int = Field(ge=2)
-    cpu_node: str
+    #: The CPU nodes the group's streams arrive at, in rank order; one node runs one appliance.
+    cpu_nodes: list[GroupNode] = Field(min_length=1)
     sources: list[PlannedSource]
     #: c_k: mirrored streams carrying allgather chunk k, k = 0..size-1.
     coverage: list[int]
     p_fail_exact: float
     #: FlowCheck Eq. (2); null when the sources are not single-direction streams of distinct hops.
     p_fail_eq2: float | None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_node(cls, data: object) -> object:
+        """Plans written before mirror groups named one ``cpu_node`` per group."""
+        if isinstance(data, dict) and "cpu_node" in data and "cpu_nodes" not in data:
+            data = {k: v for k, v in data.items() if k != "cpu_node"}
+            size, raw = data.get("size"), data.get("sources")
+            if not isinstance(raw, list) or not isinstance(size, int) or size < 2:
+                return data  # reported as the fields' own errors and a missing cpu_nodes
+            try:
+                sources = [PlannedSource.model_validate(s) for s in raw]
+            except ValidationError:
+                return data
+            if sources:
+                data["cpu_nodes"] = [n.model_dump() for n in group_nodes(size, sources)]
+        return data
+
+    @property
+    def spread(self) -> bool:
+        """Do the group's streams arrive at several CPU nodes (a mirror group)?"""
+        return len(self.cpu_nodes) > 1
+
+
+def exchange_share(n_ranks: int, n_nodes: int, uncovered: int, hops: int) -> float:
+    """Planned bytes a node lacks over the bytes its streams mirror, per iteration.
+
+    With G the gradient's bytes, an N-rank ring sends each hop N-1 chunks of G/N in the
+    reduce-scatter and N-1 in the allgather, so a node mirroring ``hops`` hops reads
+    ``hops * 2(N-1)/N * G``. It steps 1/W of the gradient (W = ``n_nodes``, shards even) and lacks
+    ``uncovered``/N of it: ``uncovered / (2 W (N-1) hops)``. The group's own protocol (coverage
+    bitmaps and digests, about 0.4 % measured: docs/group.md) comes on top.
+    """
+    return uncovered / (2 * n_nodes * (n_ranks - 1) * hops)
+
+
+def group_nodes(n_ranks: int, sources: list[PlannedSource]) -> list[GroupNode]:
+    """The CPU nodes of a group's sources, ranked by name, with the chunks each lacks."""
+    by_node: dict[str, list[PlannedSource]] = {}
+    for s in sources:
+        by_node.setdefault(s.cpu_node, []).append(s)
+    nodes = []
+    for rank, name in enumerate(sorted(by_node)):
+        mine = by_node[name]
+        hops = [h for s in mine for h in stream_hops(s.position, s.direction, n_ranks)]
+        uncovered = [k for k, c in enumerate(chunk_coverage(n_ranks, hops)) if c == 0]
+        nodes.append(GroupNode(name=name, rank=rank, sources=[s.name for s in mine],
+                               load_gbps=sum(s.load_gbps for s in mine), uncovered_chunks=uncovered,
+                               exchange_share=exchange_share(n_ranks, len(by_node), len(uncovered), len(hops))))
+    return nodes
 
 
 class SwitchInfo(_Model):
@@ -103,10 +172,17 @@ class CpuPortUse(_Model):
 
 class CpuNodeUse(_Model):
     name: str
+    #: DP groups with streams on this node (one appliance each).
     groups: list[str]
     load_gbps: float
+    #: The sum of its ports' speeds.
     capacity_gbps: float
     ports: list[CpuPortUse] = []
+    #: What the node can take in over all ports (topology ``max_ingest_gbps``); null in older plans.
+    max_ingest_gbps: float | None = None
+    #: Where its mirror-group peers reach it, and the interface for that traffic (topology).
+    address: str | None = None
+    group_interface: str | None = None
 
 
 class FabricUse(_Model):
@@ -178,25 +254,3 @@ def load_plan(path: str | Path) -> Plan:
         return Plan.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(path.name, exc, Plan)) from None
-
-
-def mirrors_section(group: GroupPlan) -> dict:
-    """The job spec's ``mirrors:`` section for the appliance of ``group``.
-
-    ``rank`` is the ring position (equal to the DP rank under NCCL's default ring order).
-    """
-    return {"mirrors": [{"name": s.name, "rank": s.position, "direction": s.direction,
-                         "encapsulation": s.encapsulation} for s in group.sources]}
-
-
-def mirrors_yaml(plan: Plan, group: GroupPlan) -> str:
-    """``mirrors_section`` as YAML, with comments saying where each stream is captured."""
-    lines = [f"# Mirror streams of DP group {group.id} (topology {plan.topology}), written by "
-             "`gradtap netconfig plan`.",
-             f"# The gradtap appliance for this group runs on CPU node {group.cpu_node}."]
-    for s in group.sources:
-        how = "switch-local SPAN" if s.encapsulation == "none" else (
-            f"{s.encapsulation.upper()} from {s.switch} to {s.erspan_dst_ip}; the appliance opens GRE/ERSPAN itself")
-        lines.append(f"# {s.name}: {s.node} {s.nic} ({s.switch} {s.port}) {s.direction} -> "
-                     f"{s.cpu_node} {s.cpu_nic} via {how}")
-    return "\n".join(lines) + "\n" + yaml.safe_dump(mirrors_section(group), sort_keys=False)

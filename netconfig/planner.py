@@ -1,24 +1,33 @@
 """Choose the mirror sources of every DP group and assign them to CPU-node ports.
 
-Per DP group (one gradtap appliance, so one CPU node), the planner greedily adds
-``mirror.sources_per_group`` sources -- a ring position and a direction -- each time
-taking the candidate that best improves chunk coverage (:mod:`gradtap.netconfig.ring`): the
-sorted coverage vector is compared lexicographically, so the minimum coverage is raised
-first, then the number of chunks at that minimum lowered. Ties prefer a switch-local
-destination, less mirror bandwidth, ring neighbours of the sources already chosen
-(FlowCheck's consecutive ranks) and low positions. For egress-only sources every choice
-of distinct ranks covers each chunk at least M-1 times; the ranking matters when
-ingress or both are allowed, where mirroring both ends of one link would waste a source.
+Per DP group, the planner greedily adds ``mirror.sources_per_group`` sources -- a ring position
+and a direction -- each time taking the candidate that best improves chunk coverage
+(:mod:`gradtap.netconfig.ring`): the sorted coverage vector is compared lexicographically, so the
+minimum coverage is raised first, then the number of chunks at that minimum lowered. Ties prefer
+a switch-local destination, less mirror bandwidth, ring neighbours of the sources already chosen
+(FlowCheck's consecutive ranks) and low positions. For egress-only sources every choice of
+distinct ranks covers each chunk at least M-1 times; the ranking matters when ingress or both
+are allowed, where mirroring both ends of one link would waste a source.
 
-A source is placed on an unused port of the group's CPU node: on the source's own leaf
-(SPAN) when possible, else through ERSPAN when the policy, the vendor and the addresses
-allow. A port takes several sources only if they belong to different groups (a group's
-streams must be lost independently) and their total bandwidth fits (every source at line rate,
-ERSPAN's per-frame overhead included, within ``mirror.cpu_port_max_utilization``); a port is
-either a SPAN destination or an ERSPAN receiver, never both. An ERSPAN stream must also fit the
-routed fabric: the path MTU, a route to its destination, one uplink at each end, the spine. Switch session limits are counted
-with each vendor's own session grouping. A group that cannot be served makes the whole
-topology infeasible: the error lists what is missing, and no partial plan is returned.
+A group's sources go to one CPU node (one gradtap appliance) when one node can take them all.
+When none can -- its ports, or its ``max_ingest_gbps`` over all its ports, fall short -- they
+are spread over several, which form a **mirror group** (docs/group.md): the same greedy choice
+runs over every open node's ports, and among equally good sources it prefers, after coverage and
+switch-local destinations, fewer nodes whose own streams leave an allgather chunk uncovered (a
+node holding one egress stream lacks 1/N of every bucket it steps and must be sent it; two hops,
+or a ``both`` mirror, carry every chunk), then fewer nodes. Spreading changes no stream, so the
+group's coverage and P(fail) are those of the same sources on one node.
+
+A source is placed on an unused port of a node: on the source's own leaf (SPAN) when possible,
+else through ERSPAN when the policy, the vendor and the addresses allow. A port takes several
+sources only if they belong to different groups (a group's streams must be lost independently)
+and their total bandwidth fits (every source at line rate, ERSPAN's per-frame overhead included,
+within ``mirror.cpu_port_max_utilization``); a node takes in at most its ``max_ingest_gbps``; a
+port is either a SPAN destination or an ERSPAN receiver, never both. An ERSPAN stream must also
+fit the routed fabric: the path MTU, a route to its destination, one uplink at each end, the
+spine. Switch session limits are counted with each vendor's own session grouping. A group that
+cannot be served makes the whole topology infeasible: the error says which limit stopped each
+port and node, and no partial plan is returned.
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ from gradtap.netconfig import vendors
 from gradtap.netconfig.encapsulation import mirrored_gbps, outer_ip_bytes
 from gradtap.netconfig.hardware import LeafSwitch
 from gradtap.netconfig.layout import DpGroup, Seat, dp_groups
-from gradtap.netconfig.plan import CpuNodeUse, CpuPortUse, FabricUse, GroupPlan, Plan, PlannedSource, SwitchInfo
+from gradtap.netconfig.plan import (CpuNodeUse, CpuPortUse, FabricUse, GroupPlan, Plan, PlannedSource, SwitchInfo,
+                                    group_nodes)
 from gradtap.netconfig.reliability import p_fail_eq2, p_fail_exact
 from gradtap.netconfig.ring import chunk_coverage, stream_hops
 from gradtap.netconfig.topology import Direction, Topology
@@ -81,6 +91,9 @@ class _State:
     ports: dict[str, list[_CpuPort]]
     slots: dict[str, int]
     switches: dict[str, LeafSwitch]
+    #: Per CPU node: Gbps it can take in (``max_ingest_gbps``) and Gbps planned so far.
+    ingest_limit: dict[str, float]
+    ingest: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     groups_of: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     on_switch: dict[str, list[tuple[str, Direction]]] = field(default_factory=lambda: defaultdict(list))
     fabric: _Fabric = field(default_factory=_Fabric)
@@ -100,9 +113,13 @@ class _Pick:
 
 @dataclass
 class _Selection:
-    node: str
+    nodes: list[str]
     picks: list[_Pick]
     reasons: set[str]
+
+    @property
+    def node(self) -> str:
+        return self.nodes[0]
 
     @property
     def erspan(self) -> int:
@@ -123,6 +140,7 @@ def plan_topology(topo: Topology) -> Plan:
                for n in topo.cpu_nodes},
         slots={n.name: n.max_dp_groups for n in topo.cpu_nodes},
         switches={sw.name: sw for sw in topo.leaf_switches},
+        ingest_limit={n.name: n.max_ingest_gbps for n in topo.cpu_nodes},
     )
     groups, problems = [], []
     for group in dp_groups(topo):
@@ -136,7 +154,7 @@ def plan_topology(topo: Topology) -> Plan:
                           f"{len(problems) + len(groups)} DP groups cannot be mirrored); no plan was made:\n"
                           + "\n".join(f"  - {p}" for p in shown))
     return Plan(topology=topo.name, mirror=topo.mirror, switches=_switch_infos(topo, groups),
-                groups=groups, cpu_nodes=_cpu_uses(state, groups), fabric=_fabric_use(topo, state),
+                groups=groups, cpu_nodes=_cpu_uses(topo, state, groups), fabric=_fabric_use(topo, state),
                 cost=topo.cost)
 
 
@@ -170,27 +188,43 @@ def _plan_group(topo: Topology, group: DpGroup, state: _State) -> GroupPlan:
     remote = [n for n in open_nodes if n not in local] if topo.mirror.erspan.allow else []
     best: _Selection | None = None
     for node in local + remote:
-        selection = _select(topo, group, candidates, node, state)
+        selection = _select(topo, group, candidates, [node], state)
         complete = len(selection.picks) == wanted
         if complete and selection.erspan == 0:
             best = selection
             break
         if best is None or (len(selection.picks), -selection.erspan) > (len(best.picks), -best.erspan):
             best = selection
-    if best is None or len(best.picks) < wanted:
-        if not local and not remote:
-            raise _Infeasible(f"{where}: no CPU node with a free DP-group slot is cabled to {', '.join(switches)}"
-                              + ("" if topo.mirror.erspan.allow else ", and mirror.erspan.allow is false"))
-        assert best is not None
-        reasons = sorted(best.reasons)[:_MAX_REASONS]
-        raise _Infeasible(f"{where}: needs {wanted} mirror sources on distinct ports of one CPU node, but the "
-                          f"best node, {best.node}, takes only {len(best.picks)}: " + "; ".join(reasons))
-    return _commit(topo, group, best, state)
+    if best is not None and len(best.picks) == wanted:
+        return _commit(topo, group, best, state)
+    if not local and not remote:
+        raise _Infeasible(f"{where}: no CPU node with a free DP-group slot is cabled to {', '.join(switches)}"
+                          + ("" if topo.mirror.erspan.allow else ", and mirror.erspan.allow is false"))
+    assert best is not None
+    # No one node takes the group's streams: spread them over several (a mirror group, docs/group.md).
+    spread = _select(topo, group, candidates, local + remote, state) if len(local + remote) > 1 else None
+    if spread is not None and len(spread.picks) == wanted:
+        return _commit(topo, group, spread, state)
+    message = (f"{where}: needs {wanted} mirror sources on distinct ports of one CPU node, but the best node, "
+               f"{best.node}, takes only {len(best.picks)}: " + "; ".join(sorted(best.reasons)[:_MAX_REASONS]))
+    if spread is not None:
+        more = sorted(spread.reasons - best.reasons)[:_MAX_REASONS]
+        message += (f"; spread over the {len(local + remote)} CPU nodes with a free DP-group slot "
+                    f"({_names(local + remote)}), only {len(spread.picks)} fit"
+                    + (f": also {'; '.join(more)}" if more else " (for the same reasons)"))
+    raise _Infeasible(message)
+
+
+def _names(nodes: list[str], shown: int = 4) -> str:
+    return ", ".join(nodes[:shown]) + (f" and {len(nodes) - shown} more" if len(nodes) > shown else "")
 
 
 def _select(topo: Topology, group: DpGroup, candidates: list[tuple[int, Direction, tuple[int, ...]]],
-            node: str, state: _State) -> _Selection:
-    ports = {id(p): _CpuPort(**vars(p)) for p in state.ports[node]}  # tentative copies
+            nodes: list[str], state: _State) -> _Selection:
+    """Greedily choose the group's sources and their ports among ``nodes`` (one node, or several
+    for a mirror group), against tentative copies of the state."""
+    ports = {node: [_CpuPort(**vars(p)) for p in state.ports[node]] for node in nodes}
+    ingest = {node: state.ingest[node] for node in nodes}
     on_switch = {k: list(v) for k, v in state.on_switch.items()}
     fabric = state.fabric.copy()
     picks: list[_Pick] = []
@@ -203,31 +237,45 @@ def _select(topo: Topology, group: DpGroup, candidates: list[tuple[int, Directio
             if position in taken:
                 continue
             seat = group.seats[position]
-            placed = _place(topo, state.switches[seat.switch], seat, direction, seat.speed_gbps * len(hops),
-                            ports.values(), picks, on_switch, fabric, reasons)
-            if placed is None:
-                continue
-            port, encapsulation, load, route = placed
-            score = _score(group, picks, position, direction, hops, load, encapsulation)
-            if best_score is None or score > best_score:
-                best, best_score = _Pick(position, direction, hops, seat, load, port, encapsulation, route), score
+            for index, node in enumerate(nodes):
+                placed = _place(topo, state.switches[seat.switch], seat, direction, seat.speed_gbps * len(hops),
+                                ports[node], picks, on_switch, fabric, reasons,
+                                state.ingest_limit[node] - ingest[node], len(nodes) > 1)
+                if placed is None:
+                    continue
+                port, encapsulation, load, route = placed
+                score = (*_score(group, picks, position, direction, hops, load, encapsulation, node),
+                         -index)  # the earlier node in the planner's order (in use, more local ports)
+                if best_score is None or score > best_score:
+                    best = _Pick(position, direction, hops, seat, load, port, encapsulation, route)
+                    best_score = score
         if best is None:
             break
         picks.append(best)
+        ingest[best.port.node] += best.load_gbps
         best.port.free_gbps -= best.load_gbps
         best.port.mode = "span" if best.encapsulation == "none" else "erspan"
         if best.encapsulation != "none":
             fabric.add(best.seat.switch, best.port.switch, best.load_gbps)
         on_switch.setdefault(best.seat.switch, []).append((_dest_key(best.port, best.encapsulation), best.direction))
-    return _Selection(node, picks, reasons)
+    return _Selection(list(dict.fromkeys(p.port.node for p in picks)) or nodes[:1], picks, reasons)
 
 
 def _score(group: DpGroup, picks: list[_Pick], position: int, direction: Direction, hops: tuple[int, ...],
-           load: float, encapsulation: str) -> tuple:
+           load: float, encapsulation: str, node: str) -> tuple:
+    """Higher is better: the group's coverage, a switch-local destination, then (for a mirror group)
+    fewer nodes whose own streams leave chunks uncovered (each must fetch them from its peers),
+    fewer nodes, less bandwidth, ring neighbours, low positions, simple directions."""
     coverage = chunk_coverage(group.size, [h for p in picks for h in p.hops] + list(hops))
     distance = min((min((position - p.position) % group.size, (p.position - position) % group.size)
                     for p in picks), default=0)
-    return (sorted(coverage), encapsulation == "none", -load, -distance, -position, -_DIRECTION_ORDER[direction])
+    node_hops: dict[str, list[int]] = defaultdict(list)
+    for p in picks:
+        node_hops[p.port.node].extend(p.hops)
+    node_hops[node].extend(hops)
+    lacking = sum(len(set(h)) == 1 for h in node_hops.values())  # one distinct hop misses one chunk
+    return (sorted(coverage), encapsulation == "none", -lacking, -len(node_hops), -load, -distance, -position,
+            -_DIRECTION_ORDER[direction])
 
 
 def _dest_key(port: _CpuPort, encapsulation: str) -> str:
@@ -236,9 +284,10 @@ def _dest_key(port: _CpuPort, encapsulation: str) -> str:
 
 def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction, line_gbps: float, ports,
            picks: list[_Pick], on_switch: dict[str, list[tuple[str, Direction]]], fabric: _Fabric,
-           reasons: set[str]) -> tuple[_CpuPort, str, float, str | None] | None:
+           reasons: set[str], ingest_free: float, name_nodes: bool) -> tuple[_CpuPort, str, float, str | None] | None:
     """The best port of the node for this source (local first, tightest fit) with its encapsulation,
-    load (``line_gbps`` plus ERSPAN overhead) and ERSPAN route; or None, with the reasons noted."""
+    load (``line_gbps`` plus ERSPAN overhead) and ERSPAN route; or None, with the reasons noted.
+    ``ingest_free``: what the node can still take in; ``name_nodes``: name the node in reasons."""
     spec = vendors.spec(switch.vendor)
     limit = session_limit(spec, switch, topo.mirror)
     erspan = f"erspan{topo.mirror.erspan.version}"
@@ -286,8 +335,15 @@ def _place(topo: Topology, switch: LeafSwitch, seat: Seat, direction: Direction,
             encapsulation = erspan
         load = mirrored_gbps(line_gbps, topo.mirror.frame_bytes, encapsulation, _ip_version(port.ip))
         if port.free_gbps < load - _EPS:
-            short.append(f"{port.nic} {port.free_gbps:.4g} of {port.speed_gbps:g}"
+            short.append(f"{port.node + ' ' if name_nodes else ''}{port.nic} {port.free_gbps:.4g} of "
+                         f"{port.speed_gbps:g}"
                          + (f" (needs {load:.4g} with {encapsulation.upper()})" if encapsulation != "none" else ""))
+            continue
+        if ingest_free < load - _EPS:
+            limit = next(n.max_ingest_gbps for n in topo.cpu_nodes if n.name == port.node)
+            reasons.add(f"CPU node {port.node} takes in at most {limit:g} Gbps (cpu_nodes max_ingest_gbps) and has "
+                        f"{max(ingest_free, 0):.4g} left, not the {load:.4g} Gbps that mirroring {direction} from "
+                        f"{seat.switch} needs")
             continue
         if encapsulation != "none":
             route = _erspan_route(topo, seat.switch, port, encapsulation, load, fabric, reasons)
@@ -366,12 +422,13 @@ def _uplink_free(topo: Topology, leaf: str) -> float | None:
 
 
 def _commit(topo: Topology, group: DpGroup, selection: _Selection, state: _State) -> GroupPlan:
-    real = {(p.node, p.nic): p for p in state.ports[selection.node]}
+    real = {(p.node, p.nic): p for node in selection.nodes for p in state.ports[node]}
     lags = {(sw.name, p.name): p.lag_members for sw in topo.leaf_switches for p in sw.ports if p.lag_members}
     sources = []
     for index, pick in enumerate(sorted(selection.picks, key=lambda p: p.position)):
         port = real[pick.port.node, pick.port.nic]
         port.free_gbps -= pick.load_gbps
+        state.ingest[port.node] += pick.load_gbps
         port.mode = "span" if pick.encapsulation == "none" else "erspan"
         if pick.encapsulation != "none":
             state.fabric.add(pick.seat.switch, port.switch, pick.load_gbps)
@@ -384,13 +441,14 @@ def _commit(topo: Topology, group: DpGroup, selection: _Selection, state: _State
             lag_members=list(lags.get((pick.seat.switch, pick.seat.port), [])),
             encapsulation=pick.encapsulation, erspan_dst_ip=None if pick.encapsulation == "none" else port.ip,
             erspan_route=pick.route))
-    state.groups_of[selection.node].append(group.id)
+    for node in selection.nodes:
+        state.groups_of[node].append(group.id)
     hops = [h for p in selection.picks for h in p.hops]
     mirror = topo.mirror
     coverage = chunk_coverage(group.size, hops)
     distinct_streams = len(set(hops)) == len(hops) == len(selection.picks)
     return GroupPlan(
-        id=group.id, size=group.size, cpu_node=selection.node, sources=sources, coverage=coverage,
+        id=group.id, size=group.size, cpu_nodes=group_nodes(group.size, sources), sources=sources, coverage=coverage,
         p_fail_exact=p_fail_exact(coverage, mirror.packets_per_iteration, mirror.loss_rate),
         p_fail_eq2=p_fail_eq2(group.size, len(hops), mirror.packets_per_iteration, mirror.loss_rate)
         if distinct_streams else None)
@@ -413,7 +471,8 @@ def _switch_infos(topo: Topology, groups: list[GroupPlan]) -> list[SwitchInfo]:
             for sw in topo.leaf_switches]
 
 
-def _cpu_uses(state: _State, groups: list[GroupPlan]) -> list[CpuNodeUse]:
+def _cpu_uses(topo: Topology, state: _State, groups: list[GroupPlan]) -> list[CpuNodeUse]:
+    described = {n.name: n for n in topo.cpu_nodes}
     load: dict[tuple[str, str], float] = defaultdict(float)
     port_groups: dict[tuple[str, str], list[str]] = defaultdict(list)
     for g in groups:
@@ -427,7 +486,9 @@ def _cpu_uses(state: _State, groups: list[GroupPlan]) -> list[CpuNodeUse]:
         ports = [CpuPortUse(nic=p.nic, switch=p.switch, port=p.port, speed_gbps=p.speed_gbps,
                             load_gbps=load[node, p.nic], groups=port_groups[node, p.nic]) for p in state.ports[node]]
         uses.append(CpuNodeUse(name=node, groups=list(gids), load_gbps=sum(p.load_gbps for p in ports),
-                               capacity_gbps=sum(p.speed_gbps for p in ports), ports=ports))
+                               capacity_gbps=sum(p.speed_gbps for p in ports), ports=ports,
+                               max_ingest_gbps=described[node].max_ingest_gbps, address=described[node].address,
+                               group_interface=described[node].group_interface))
     return uses
 
 

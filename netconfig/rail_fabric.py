@@ -18,7 +18,8 @@ from typing import NamedTuple
 from pydantic import BaseModel, ConfigDict, Field
 
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.hardware import CpuNode, CpuPort, GpuNic, GpuNode, LeafSwitch, SwitchPort, Vendor
+from gradtap.netconfig.hardware import (DEFAULT_MAX_INGEST_GBPS, CpuNode, CpuPort, GpuNic, GpuNode, LeafSwitch,
+                                        SwitchPort, Vendor)
 from gradtap.netconfig.validation import issue
 
 
@@ -46,6 +47,7 @@ class RailFabric(BaseModel):
     cpu_node_ports: int = Field(ge=1)
     cpu_port_speed_gbps: float = Field(gt=0)
     cpu_node_max_dp_groups: int = Field(1, ge=1)
+    cpu_node_max_ingest_gbps: float = Field(DEFAULT_MAX_INGEST_GBPS, gt=0)
 
 
 class Hardware(NamedTuple):
@@ -105,6 +107,7 @@ def expand_rail_fabric(fabric: RailFabric, source: str) -> Hardware:
                                for rail in range(fabric.gpus_per_node)])
                  for n in range(fabric.gpu_nodes)]
     cpu_nodes = [CpuNode(name=f"ckpt-p{pod}-r{rail}-{c}", max_dp_groups=fabric.cpu_node_max_dp_groups,
+                         max_ingest_gbps=fabric.cpu_node_max_ingest_gbps,
                          ports=[CpuPort(nic=f"nic{j}", switch=leaf_name(pod, rail),
                                         port=names[fabric.nodes_per_leaf + c * fabric.cpu_node_ports + j])
                                 for j in range(fabric.cpu_node_ports)])

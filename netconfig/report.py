@@ -60,7 +60,12 @@ def port_warnings(plan: Plan) -> list[str]:
 def report_dict(plan: Plan) -> dict:
     mirror = plan.mirror
     groups = [{
-        "id": g.id, "ranks": g.size, "cpu_node": g.cpu_node,
+        "id": g.id, "ranks": g.size, "cpu_nodes": [n.name for n in g.cpu_nodes],
+        # Per node of the group: its rank, streams, load and the share of its mirrored bytes its peers
+        # must send it (chunks its own streams lack of the shard it steps).
+        "nodes": [{"name": n.name, "rank": n.rank, "sources": n.sources, "load_gbps": n.load_gbps,
+                   "uncovered_chunks": n.uncovered_chunks, "exchange_share": n.exchange_share}
+                  for n in g.cpu_nodes],
         "sources": [f"{s.name}: position {s.position} {s.direction} {s.switch} {s.port} -> {s.cpu_node} "
                     f"{s.cpu_nic} ({'local' if s.encapsulation == 'none' else s.encapsulation})" for s in g.sources],
         "min_chunk_coverage": min(g.coverage), "p_fail_exact": g.p_fail_exact, "p_fail_eq2": g.p_fail_eq2,
@@ -84,7 +89,7 @@ def report_dict(plan: Plan) -> dict:
         "packets_per_iteration": mirror.packets_per_iteration,
         "sources_per_group": mirror.sources_per_group, "groups": groups, "switches": switches,
         "cpu_nodes": [{"name": n.name, "groups": n.groups, "load_gbps": n.load_gbps,
-                       "capacity_gbps": n.capacity_gbps,
+                       "capacity_gbps": n.capacity_gbps, "max_ingest_gbps": n.max_ingest_gbps,
                        "max_port_utilization": max((p.load_gbps / p.speed_gbps for p in n.ports), default=0.0)}
                       for n in plan.cpu_nodes],
         "cpu_port_max_utilization": mirror.cpu_port_max_utilization,
@@ -92,7 +97,8 @@ def report_dict(plan: Plan) -> dict:
         "erspan_routes": [f"{g.id} {s.name}: {s.erspan_route}" for g in plan.groups for s in g.sources
                           if s.erspan_route],
         "warnings": port_warnings(plan),
-        "job": {"dp_groups": len(plan.groups), "p_fail_exact": p_job, "p_fail_eq2": p_job_eq2,
+        "job": {"dp_groups": len(plan.groups), "mirror_groups": sum(g.spread for g in plan.groups),
+                "p_fail_exact": p_job, "p_fail_eq2": p_job_eq2,
                 "iterations_between_failures": _iterations(p_job)},
         "cost": cost_dict(plan),
     }

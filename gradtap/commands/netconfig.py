@@ -42,19 +42,33 @@ def _switch_and_netns(command):
                         help="the plan's switch this host is (if several mirror)")(command)
 
 
-def write_plan_dir(plan, out: Path) -> list[Path]:
-    """``plan.json``, ``report.json`` and one job-spec ``mirrors/<group>.yaml`` per DP group."""
-    from gradtap.netconfig.plan import mirrors_yaml, save_plan
+def write_plan_dir(plan, out: Path, rendezvous=None, job: str | None = None) -> list[Path]:
+    """``plan.json``, ``report.json`` and the job-spec sections: ``mirrors/<group>.yaml`` per DP group
+    on one CPU node, ``mirrors/<group>.<node>.yaml`` per node of a group spread over several (with its
+    ``appliance.mirror_group``; ``rendezvous`` a :class:`~gradtap.netconfig.job_specs.Rendezvous`).
+    With ``job`` (a job-spec path, ``{group}`` standing for the group id) each file is that job spec
+    completed with the sections, validated. Every file is checked before any is written."""
+    from gradtap.netconfig.job_specs import Rendezvous, complete_job, job_document, spec_files
+    from gradtap.netconfig.plan import save_plan
     from gradtap.netconfig.report import report_dict
 
+    texts = []
+    documents: dict[str, dict] = {}
+    for file in spec_files(plan, rendezvous or Rendezvous()):
+        if job is None:
+            texts.append((file.path, file.text()))
+            continue
+        path = job.replace("{group}", file.group.id)
+        if path not in documents:
+            documents[path] = job_document(path)
+        texts.append((file.path, complete_job(documents[path], file, path)))
     (out / "mirrors").mkdir(parents=True, exist_ok=True)
     save_plan(plan, out / "plan.json")
     (out / "report.json").write_text(json.dumps(report_dict(plan), indent=2) + "\n")
     written = [out / "plan.json", out / "report.json"]
-    for group in plan.groups:
-        path = out / "mirrors" / f"{group.id}.yaml"
-        path.write_text(mirrors_yaml(plan, group))
-        written.append(path)
+    for name, text in texts:
+        (out / name).write_text(text)
+        written.append(out / name)
     return written
 
 
@@ -73,24 +87,39 @@ def print_plan_report(report: dict, console: Console) -> None:
 
     groups = table(f"DP groups ({report['topology']}, loss p = {report['loss_rate']:g}, "
                    f"K = {report['packets_per_iteration']:g} packets/iteration)",
-                   "group", "ranks", "CPU node", "min\nc_k", "P(fail)\nexact", "P(fail)\nEq. 2",
+                   "group", "ranks", "CPU node(s)", "min\nc_k", "P(fail)\nexact", "P(fail)\nEq. 2",
                    "iterations\nbetween\nfailures", numeric=("ranks", "min\nc_k"))
     sources = table("Mirror sources per DP group", "group", "source: position, direction, switch port -> "
                                                             "CPU node NIC (encapsulation)")
+    members = table("Mirror groups: DP groups whose streams arrive at several CPU nodes", "group", "rank",
+                    "CPU node", "streams", "load\nGbps", "exchange\nshare", numeric=("rank", "load\nGbps",
+                                                                                      "exchange\nshare"),
+                    caption="exchange share: bytes of its shard its streams lack (its peers send them) over the "
+                            "bytes its streams mirror")
     for g in report["groups"]:
-        groups.add_row(g["id"], str(g["ranks"]), g["cpu_node"], str(g["min_chunk_coverage"]), _sci(g["p_fail_exact"]),
-                       _sci(g["p_fail_eq2"]), _between(g["iterations_between_failures"]))
+        groups.add_row(g["id"], str(g["ranks"]), ", ".join(g["cpu_nodes"]), str(g["min_chunk_coverage"]),
+                       _sci(g["p_fail_exact"]), _sci(g["p_fail_eq2"]), _between(g["iterations_between_failures"]))
         sources.add_row(g["id"], "\n".join(g["sources"]))
+        if len(g["nodes"]) > 1:
+            for n in g["nodes"]:
+                members.add_row(g["id"], str(n["rank"]), n["name"], ", ".join(n["sources"]), f"{n['load_gbps']:g}",
+                                f"{n['exchange_share']:.2%}")
     switches = table("Mirror sessions per switch", "switch", "vendor", "sources", "sessions", "limit", "free\nports",
                      numeric=("sources", "sessions", "limit", "free\nports"))
     for s in report["switches"]:
         switches.add_row(s["switch"], s["vendor"], str(s["sources"]), str(s["sessions"]),
                          "none" if s["session_limit"] is None else str(s["session_limit"]), str(s["free_ports"]))
-    nodes = table("CPU mirror nodes", "CPU node", "DP groups", "load\nGbps", "capacity\nGbps",
-                  numeric=("load\nGbps", "capacity\nGbps"))
+    nodes = table("CPU mirror nodes", "CPU node", "DP groups", "ingest\nGbps", "ports\nGbps", "ingest\nlimit",
+                  numeric=("ingest\nGbps", "ports\nGbps", "ingest\nlimit"),
+                  caption="ingest: every stream at line rate at once, against the ports' speeds and the node's "
+                          "max_ingest_gbps")
     for n in report["cpu_nodes"]:
-        nodes.add_row(n["name"], ", ".join(n["groups"]), f"{n['load_gbps']:g}", f"{n['capacity_gbps']:g}")
-    for t in (groups, sources, switches, nodes):
+        limit = n["max_ingest_gbps"]
+        nodes.add_row(n["name"], ", ".join(n["groups"]), f"{n['load_gbps']:g}", f"{n['capacity_gbps']:g}",
+                      "n/a" if limit is None else f"{limit:g}")
+    shown = (groups, sources, members, switches, nodes) if report["job"]["mirror_groups"] else \
+        (groups, sources, switches, nodes)
+    for t in shown:
         console.print(t)
     for route in report["erspan_routes"]:
         console.print(f"ERSPAN route: {route}")
@@ -100,7 +129,8 @@ def print_plan_report(report: dict, console: Console) -> None:
     for warning in report["warnings"]:
         console.print(f"warning: {warning}")
     job, cost = report["job"], report["cost"]
-    console.print(f"job: {job['dp_groups']} DP groups, P(any group fails per iteration) = "
+    console.print(f"job: {job['dp_groups']} DP groups ({job['mirror_groups']} over several CPU nodes), "
+                  f"P(any group fails per iteration) = "
                   f"{_sci(job['p_fail_exact'])} exact, {_sci(job['p_fail_eq2'])} Eq. 2; expected iterations "
                   f"between failures: {_between(job['iterations_between_failures'])}")
     print_cost(cost, console)
@@ -145,26 +175,43 @@ def print_cost(cost: dict, console: Console) -> None:
 @netconfig_app.command("plan")
 @_plan_file("TOPOLOGY", "cluster topology YAML")
 @click.option("--out", "-o", type=click.Path(path_type=Path), metavar="DIR",
-              help="write plan.json, report.json and mirrors/<group>.yaml here")
+              help="write plan.json, report.json and the job-spec sections mirrors/<group>[.<node>].yaml here")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON instead of tables")
-def plan_command(topology: Path, out: Path | None, as_json: bool) -> None:
-    """Choose mirror sources per DP group, assign CPU-node ports, and report reliability and cost."""
+@click.option("--job", metavar="JOB", help="with --out: write whole job specs, this one (a path; {group} stands for "
+                                           "the DP group id) completed with each group's and node's sections")
+@click.option("--rendezvous-port", type=int, default=29500, show_default=True, metavar="PORT",
+              help="mirror groups meet over TCP at their rank-0 node, from this port up")
+@click.option("--rendezvous-dir", metavar="DIR",
+              help="mirror groups meet through a file in DIR instead, a directory every CPU node mounts")
+@click.option("--group-timeout", type=float, default=60.0, show_default=True, metavar="SECONDS",
+              help="the mirror groups' longest wait for a peer")
+def plan_command(topology: Path, out: Path | None, as_json: bool, job: str | None, rendezvous_port: int,
+                 rendezvous_dir: str | None, group_timeout: float) -> None:
+    """Choose mirror sources per DP group, assign CPU-node ports (several nodes per group when one
+    cannot take its streams), and report reliability and cost."""
+    from pathlib import PurePosixPath
+
     from rich.console import Console
 
+    from gradtap.netconfig.job_specs import Rendezvous
     from gradtap.netconfig.planner import plan_topology
     from gradtap.netconfig.report import report_dict
     from gradtap.netconfig.topology import load_topology
 
+    if job and not out:
+        raise click.UsageError("--job completes the job specs written to --out DIR; give --out")
+    rendezvous = Rendezvous(rendezvous_port, PurePosixPath(rendezvous_dir) if rendezvous_dir else None,
+                            group_timeout)
     plan = plan_topology(load_topology(topology))
-    written = write_plan_dir(plan, out) if out else []
+    written = write_plan_dir(plan, out, rendezvous, job) if out else []
     if as_json:
         click.echo(json.dumps(report_dict(plan), indent=2))
     else:
         console = Console()
         print_plan_report(report_dict(plan), console)
         if written:
-            console.print(f"wrote {out / 'plan.json'}, {out / 'report.json'} and {len(plan.groups)} job-spec "
-                          f"mirror sections under {out / 'mirrors'}")
+            console.print(f"wrote {out / 'plan.json'}, {out / 'report.json'} and {len(written) - 2} "
+                          f"{'job specs' if job else 'job-spec sections'} under {out / 'mirrors'}")
 
 
 @netconfig_app.command("render")

@@ -71,16 +71,18 @@ def test_the_shipped_175b_topology_carries_the_papers_inputs_and_reproduces_its_
 
 
 def test_16_cpu_nodes_fit_only_with_nine_800g_ports_each():
-    """The planner packs six DP groups per CPU node when the hardware has the ports: each node
-    cabled with three 800G ports to each of three leaves (the ports the 48-node layout gives one
-    node per leaf). With the example's three ports per node, 16 nodes cannot take the groups."""
+    """The planner packs six DP groups per CPU node when the hardware has the ports and the node
+    says it takes 7.2 Tb/s in: each node cabled with three 800G ports to each of three leaves (the
+    ports the 48-node layout gives one node per leaf). With the default ingest limit (2457.6 Gb/s,
+    a two-socket server's memory bandwidth over two passes), or the example's three ports per
+    node, 16 nodes cannot take the groups, and the refusal names the limit."""
     topo = load_topology(EXAMPLES / "gpt-175b-1536gpu.yaml")
     by_leaf: dict[str, list] = {}
     for node in topo.cpu_nodes:
         by_leaf.setdefault(node.ports[0].switch, []).extend(node.ports)
     leaves = sorted(by_leaf)
     assert len(leaves) == 48
-    nine = [{"name": f"ckpt{i:02d}", "max_dp_groups": 6,
+    nine = [{"name": f"ckpt{i:02d}", "max_dp_groups": 6, "max_ingest_gbps": 7200,
              "ports": [{"nic": f"nic{j}", "switch": p.switch, "port": p.port}
                        for j, p in enumerate(p for leaf in leaves[3 * i:3 * i + 3] for p in by_leaf[leaf])]}
             for i in range(16)]
@@ -91,6 +93,10 @@ def test_16_cpu_nodes_fit_only_with_nine_800g_ports_each():
     assert all(s.encapsulation == "none" for g in packed.groups for s in g.sources)
     assert report_dict(packed)["cost"]["plan"]["gradtap_usd_per_day"]["total"] == pytest.approx(526.08)
 
+    default_ingest = [{k: v for k, v in n.items() if k != "max_ingest_gbps"} for n in nine]
+    with pytest.raises(ConfigError, match=r"(?s)infeasible \(64 of 96 DP groups.*CPU node ckpt00 takes in at most "
+                                          r"2457.6 Gbps \(cpu_nodes max_ingest_gbps\) and has 57.6 left"):
+        plan_topology(_with_cpu_nodes(topo, default_ingest))
     three = [{**n, "ports": n["ports"][:3]} for n in nine]
     with pytest.raises(ConfigError, match=r"infeasible \(64 of 96 DP groups"):
         plan_topology(_with_cpu_nodes(topo, three))

@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.plan import mirrors_section
+from gradtap.netconfig.job_specs import mirrors_section
 from gradtap.netconfig.planner import plan_topology
 from gradtap.netconfig.reliability import p_fail_eq2
 from gradtap.netconfig.ring import chunk_coverage, stream_hops
@@ -147,7 +147,8 @@ def test_table_2_plans_respect_capacity_sessions_and_independence(name):
     load = defaultdict(float)
     for g in plan.groups:
         assert len(g.sources) == 3 and len({(s.cpu_node, s.cpu_nic) for s in g.sources}) == 3
-        assert {s.cpu_node for s in g.sources} == {g.cpu_node}
+        assert [n.name for n in g.cpu_nodes] == [g.sources[0].cpu_node]
+        assert {s.cpu_node for s in g.sources} == {g.sources[0].cpu_node}
         assert all(s.encapsulation == "none" and s.dest_switch == s.switch for s in g.sources)
         assert g.p_fail_eq2 == pytest.approx(p_fail_eq2(g.size, 3, topo.mirror.packets_per_iteration, 1e-9))
         for s in g.sources:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from gradtap.core.errors import ConfigError
-from gradtap.netconfig.plan import Plan, SwitchInfo, load_plan, mirrors_yaml, save_plan
+from gradtap.netconfig.job_specs import spec_files
+from gradtap.netconfig.plan import Plan, SwitchInfo, load_plan, save_plan
 from gradtap.netconfig.planner import plan_topology
 from gradtap.netconfig.render import format_configs, render_plan, write_configs
 from gradtap.netconfig.report import report_dict
@@ -27,7 +28,7 @@ from tests.netconfig.topologies import EXAMPLES
 
 GOLDEN = Path(__file__).parent / "golden"
 REGENERATE = os.environ.get("GRADTAP_REGEN_GOLDEN") == "1"
-SMALL = ["flowcheck-testbed", "erspan-two-leaf"]
+SMALL = ["flowcheck-testbed", "erspan-two-leaf", "mirror-group-two-nodes"]
 LARGE = ["gpt-175b-1536gpu", "mt-nlg-530b-2240gpu", "gpt-1t-3072gpu"]
 
 
@@ -83,7 +84,7 @@ def test_plan_summary_matches_golden(example):
         report["switches"] = {"count": len(report["switches"]),
                               "max_sessions": max(s["sessions"] for s in report["switches"])}
     ends = {g.id: g for g in (plan.groups[0], plan.groups[-1])}
-    mirrors = "".join(mirrors_yaml(plan, g) for g in ends.values())
+    mirrors = "".join(f.text() for f in spec_files(plan) if f.group.id in ends)
     text = json.dumps(rounded(report), indent=2, allow_nan=False) + "\n"
     check_golden(GOLDEN / example / "report.json", text)
     check_golden(GOLDEN / example / "mirrors.yaml", mirrors)

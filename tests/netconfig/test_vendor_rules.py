@@ -33,7 +33,7 @@ SYNTHETIC = {"one-leaf-ingress": ("ingress",), "one-leaf-both": ("both",)}
 
 def test_every_shipped_topology_is_covered():
     assert SHIPPED == ["erspan-two-leaf", "flowcheck-testbed", "gpt-175b-1536gpu", "gpt-1t-3072gpu",
-                       "mt-nlg-530b-2240gpu"]
+                       "mirror-group-two-nodes", "mt-nlg-530b-2240gpu"]
 
 
 @cache

@@ -146,6 +146,10 @@ class GroupMerger(Merger):
         if shards.world != link.world or len(shards.owner) != len(plan.bucket_numels):
             raise ConfigError(f"mirror group: shards for {shards.world} nodes and {len(shards.owner)} buckets; "
                               f"the group has {link.world} nodes and the plan {len(plan.bucket_numels)} buckets")
+        if shards.placement and sorted(streams) != sorted(shards.placement[link.rank]):
+            raise ConfigError(f"mirror group: this node (rank {link.rank}) captures {sorted(streams)}, but "
+                              f"mirror_group.streams[{link.rank}] lists {sorted(shards.placement[link.rank])}; give "
+                              "this node the streams its spec lists, or correct the list (the same on every node)")
         super().__init__(plan, sorted(streams, key=order.index), sink, first_iteration, settle_ns)
         self.link, self.shards, self.order = link, shards, list(order)
         self.broken: GroupBroken | None = None
@@ -209,8 +213,8 @@ class GroupMerger(Merger):
         it.cover[b] = [(s, covered.copy()) for s, _, covered in copies]
         mine = Coverage.of(blocks, copies, self.link.digest_key)
         during = f"iteration {iteration} bucket {b}"
-        views = self._coverage(self.link.all_gather(mine.encode(iteration, b), f"{during} coverage"),
-                               iteration, b, len(blocks.index))
+        views = self._coverage(self.link.all_gather(self.shards.fingerprint + mine.encode(iteration, b),
+                                                    f"{during} coverage"), iteration, b, len(blocks.index))
         names = [n for r in range(self.link.world) for n in views[r].streams]
         rank_of = {n: r for r in range(self.link.world) for n in views[r].streams}
         group = sorted(names, key=self.order.index)
@@ -241,8 +245,12 @@ class GroupMerger(Merger):
 
     def _coverage(self, messages: list[bytes], iteration: int, b: int, k: int) -> list[Coverage]:
         views, seen = [], {}
+        mark = self.shards.fingerprint
         for r, message in enumerate(messages):
-            at_iteration, at_bucket, view = Coverage.decode(message, k, r)
+            if message[:len(mark)] != mark:
+                raise GroupDesync({r: "shards the buckets otherwise (the nodes' mirror_group.streams differ; they "
+                                      "must be the same list on every node)"}, f"iteration {iteration} bucket {b}")
+            at_iteration, at_bucket, view = Coverage.decode(message[len(mark):], k, r)
             if (at_iteration, at_bucket) != (iteration, b):
                 raise GroupDesync({r: f"at iteration {at_iteration} bucket {at_bucket}"},
                                   f"iteration {iteration} bucket {b} (this node, rank {self.link.rank})")

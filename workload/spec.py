@@ -371,6 +371,11 @@ class MirrorGroupSpec(_Strict):
                              "this long is reported gone")
     interface: str = Field("", description="network interface for the group's own traffic (unset: the one the "
                            "host name resolves to)")
+    streams: tuple[tuple[str, ...], ...] = Field((), description="the mirror streams each node of the group captures, "
+                                                 "by rank (the same list on every node; gradtap netconfig plan writes "
+                                                 "it): each node then owns buckets its own streams cover, so its peers "
+                                                 "send it least (workload/shards.py); unset: buckets are dealt by size "
+                                                 "alone")
 
     @field_validator("rendezvous")
     @classmethod
@@ -383,6 +388,19 @@ class MirrorGroupSpec(_Strict):
     def _rank_in_group(self) -> "MirrorGroupSpec":
         if self.rank >= self.world_size:
             raise ValueError(f"rank {self.rank} is outside the group (ranks 0..{self.world_size - 1})")
+        if self.streams:
+            if len(self.streams) != self.world_size:
+                raise ValueError(f"streams lists {len(self.streams)} nodes' streams; the group has {self.world_size} "
+                                 "nodes: give one list per rank, in rank order")
+            seen: dict[str, int] = {}
+            for rank, names in enumerate(self.streams):
+                if not names:
+                    raise ValueError(f"streams[{rank}] is empty: a node of a group needs a stream of its own")
+                for name in names:
+                    if name in seen:
+                        raise ValueError(f"streams: {name!r} is listed for ranks {seen[name]} and {rank}; a stream "
+                                         "arrives at one node")
+                    seen[name] = rank
         return self
 
 

@@ -212,3 +212,16 @@ def test_coverage_messages_round_trip_and_malformed_ones_are_refused():
     with pytest.raises(GroupDesync, match="rank 2"):
         Coverage.decode(cov.encode(5, 1)[:-3], 3, rank=2)
     assert union(blocks, [("a", data, np.array([True, True, True]))], 20).complete
+
+
+def test_a_node_capturing_other_streams_than_its_spec_lists_is_refused():
+    from gradtap.core.errors import ConfigError
+    from gradtap.merger.group import GroupMerger
+    from gradtap.merger.group_link import GroupLink
+    from gradtap.workload.spec import MirrorGroupSpec
+
+    plan = job_plan(group_job())
+    link = GroupLink(MirrorGroupSpec(rank=0, world_size=1, rendezvous="file:///tmp/unused"))
+    shards = Shards((0,) * len(plan.bucket_numels), 1, (("a",),))
+    with pytest.raises(ConfigError, match=r"captures \['b'\], but mirror_group.streams\[0\] lists \['a'\]"):
+        GroupMerger(plan, ["b"], Recorder(), link, shards, STREAMS)

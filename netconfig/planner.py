@@ -15,8 +15,10 @@ are spread over several, which form a **mirror group** (docs/group.md): the same
 runs over every open node's ports, and among equally good sources it prefers, after coverage and
 switch-local destinations, fewer nodes whose own streams leave an allgather chunk uncovered (a
 node holding one egress stream lacks 1/N of every bucket it steps and must be sent it; two hops,
-or a ``both`` mirror, carry every chunk), then fewer nodes. Spreading changes no stream, so the
-group's coverage and P(fail) are those of the same sources on one node.
+or a ``both`` mirror, carry every chunk), then fewer nodes. Since the greedy fills one node
+before the next, the spread is also tried with at most two streams a node and the placement with
+fewer lacking nodes kept (four sources on nodes of three: 2 + 2, not 3 + 1). Spreading changes no
+stream, so the group's coverage and P(fail) are those of the same sources on one node.
 
 A source is placed on an unused port of a node: on the source's own leaf (SPAN) when possible,
 else through ERSPAN when the policy, the vendor and the addresses allow. A port takes several
@@ -121,6 +123,10 @@ class _Selection:
     def node(self) -> str:
         return self.nodes[0]
 
+    def lacking(self) -> int:
+        """Nodes whose streams leave an allgather chunk uncovered (one distinct hop)."""
+        return sum(len({h for p in self.picks if p.port.node == node for h in p.hops}) == 1 for node in self.nodes)
+
     @property
     def erspan(self) -> int:
         return sum(p.encapsulation != "none" for p in self.picks)
@@ -202,7 +208,13 @@ def _plan_group(topo: Topology, group: DpGroup, state: _State) -> GroupPlan:
                           + ("" if topo.mirror.erspan.allow else ", and mirror.erspan.allow is false"))
     assert best is not None
     # No one node takes the group's streams: spread them over several (a mirror group, docs/group.md).
-    spread = _select(topo, group, candidates, local + remote, state) if len(local + remote) > 1 else None
+    spread = None
+    if len(local + remote) > 1:
+        # Greedy fills a node before the next, so four sources over nodes of three become 3 + 1 and
+        # leave one node lacking a chunk; at most two streams a node gives 2 + 2. Keep the better.
+        spread = max((_select(topo, group, candidates, local + remote, state, per_node)
+                      for per_node in (None, 2)),
+                     key=lambda s: (len(s.picks), -s.lacking(), -len(s.nodes)))
     if spread is not None and len(spread.picks) == wanted:
         return _commit(topo, group, spread, state)
     message = (f"{where}: needs {wanted} mirror sources on distinct ports of one CPU node, but the best node, "
@@ -220,9 +232,10 @@ def _names(nodes: list[str], shown: int = 4) -> str:
 
 
 def _select(topo: Topology, group: DpGroup, candidates: list[tuple[int, Direction, tuple[int, ...]]],
-            nodes: list[str], state: _State) -> _Selection:
+            nodes: list[str], state: _State, per_node: int | None = None) -> _Selection:
     """Greedily choose the group's sources and their ports among ``nodes`` (one node, or several
-    for a mirror group), against tentative copies of the state."""
+    for a mirror group, each taking at most ``per_node`` of them), against tentative copies of
+    the state."""
     ports = {node: [_CpuPort(**vars(p)) for p in state.ports[node]] for node in nodes}
     ingest = {node: state.ingest[node] for node in nodes}
     on_switch = {k: list(v) for k, v in state.on_switch.items()}
@@ -238,6 +251,8 @@ def _select(topo: Topology, group: DpGroup, candidates: list[tuple[int, Directio
                 continue
             seat = group.seats[position]
             for index, node in enumerate(nodes):
+                if per_node is not None and sum(p.port.node == node for p in picks) >= per_node:
+                    continue
                 placed = _place(topo, state.switches[seat.switch], seat, direction, seat.speed_gbps * len(hops),
                                 ports[node], picks, on_switch, fabric, reasons,
                                 state.ingest_limit[node] - ingest[node], len(nodes) > 1)

@@ -117,10 +117,12 @@ def test_what_each_node_lacks_is_what_runring_leaves_out_of_its_streams():
 
 
 def test_each_node_gets_streams_that_cover_what_it_steps_where_the_topology_allows():
-    # Four sources, two nodes of two streams: 2 + 2, both nodes carry every chunk.
-    plan = plan_of(two_nodes(sources_per_group=4))
-    assert [len(n.sources) for n in plan.groups[0].cpu_nodes] == [2, 2]
-    assert all(not n.uncovered_chunks and n.exchange_share == 0 for n in plan.groups[0].cpu_nodes)
+    # Four sources, two nodes of two streams: 2 + 2, both nodes carry every chunk; also on nodes
+    # that take three, which the greedy alone would fill 3 + 1.
+    for ingest in (200, 300):
+        plan = plan_of(two_nodes(sources_per_group=4, ingest=ingest))
+        assert [len(n.sources) for n in plan.groups[0].cpu_nodes] == [2, 2]
+        assert all(not n.uncovered_chunks and n.exchange_share == 0 for n in plan.groups[0].cpu_nodes)
     # Three sources, nodes of two: one node must hold one egress stream and lacks 1/8 of its shard.
     (a, b) = plan_of(two_nodes()).groups[0].cpu_nodes
     assert (a.uncovered_chunks, len(b.uncovered_chunks)) == ([], 1)

@@ -4,10 +4,12 @@ streams arrive at several CPU nodes, one per node with its ``appliance.mirror_gr
 Every node of a mirror group lists the same ``mirrors:`` in the same order (the group merger
 fetches a block from the first stream, in job order, that holds it) and captures only its own
 streams. Its ``mirror_group`` gives its rank (the group's nodes sorted by name), the group's size,
-the rendezvous and the timeout (docs/group.md)::
+the rendezvous, the timeout and every node's streams by rank, from which the nodes choose which
+buckets each steps so that each lacks least (``workload/shards.py``; docs/group.md)::
 
     appliance:
-      mirror_group: {rank: 1, world_size: 2, rendezvous: "tcp://10.0.9.1:29500", timeout_s: 60}
+      mirror_group: {rank: 1, world_size: 2, rendezvous: "tcp://10.0.9.1:29500", timeout_s: 60,
+                     streams: [[m0, m1], [m2]]}
 
 The rendezvous is ``tcp://HOST:PORT`` of the rank-0 node (its topology ``address``, else its
 name as a host name), ports counted up from :attr:`Rendezvous.port_base` so that no two groups
@@ -147,7 +149,7 @@ def spec_files(plan: Plan, rendezvous: Rendezvous = Rendezvous()) -> list[SpecFi
                 **mirrors_section(group),
                 "appliance": {"mirror_group": {
                     "rank": member.rank, "world_size": len(group.cpu_nodes), "rendezvous": urls[group.id],
-                    "timeout_s": rendezvous.timeout_s,
+                    "timeout_s": rendezvous.timeout_s, "streams": [n.sources for n in group.cpu_nodes],
                     **({"interface": node.group_interface} if node.group_interface else {})}}}
             nics = {s.name: s.cpu_nic for s in group.sources}
             mine = ", ".join(f"{name} (NIC {nics[name]})" for name in member.sources)

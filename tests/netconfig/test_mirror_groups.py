@@ -237,6 +237,11 @@ def check_specs(plan: Plan, out: Path, rendezvous: Rendezvous, whole: bool = Tru
         assert sorted(s.rank for s in specs) == list(range(len(specs)))
         assert {s.world_size for s in specs} == {len(group.cpu_nodes)}
         assert len({s.rendezvous for s in specs}) == 1 and {s.timeout_s for s in specs} == {rendezvous.timeout_s}
+        # Every node lists every node's streams by rank: its own are the ones placed on it.
+        owners = {s.name: s.cpu_node for s in group.sources}
+        for node, spec in zip(group.cpu_nodes, specs):
+            assert [{owners[name] for name in names} for names in spec.streams] == [{n.name} for n in group.cpu_nodes]
+            assert set(spec.streams[spec.rank]) == {name for name, owner in owners.items() if owner == node.name}
         url = specs[0].rendezvous
         rank0 = next(n.name for n, s in zip(group.cpu_nodes, specs) if s.rank == 0)
         assert rank0 == min(n.name for n in group.cpu_nodes)
@@ -270,7 +275,8 @@ def test_the_two_node_example_writes_each_nodes_mirror_group(tmp_path):
     a, b = (yaml.safe_load((tmp_path / "mirrors" / f"tp0-pp0.{n}.yaml").read_text()) for n in ("ckpt-a", "ckpt-b"))
     assert a["mirrors"] == b["mirrors"] and [m["name"] for m in a["mirrors"]] == ["m0", "m1", "m2"]
     assert a["appliance"]["mirror_group"] == {"rank": 0, "world_size": 2, "rendezvous": "tcp://10.0.9.1:29600",
-                                              "timeout_s": 30, "interface": "mgmt0"}
+                                              "timeout_s": 30, "streams": [["m0", "m1"], ["m2"]],
+                                              "interface": "mgmt0"}
     assert b["appliance"]["mirror_group"] == {**a["appliance"]["mirror_group"], "rank": 1}
     assert not (tmp_path / "mirrors" / "tp0-pp0.yaml").exists()
     text = (tmp_path / "mirrors" / "tp0-pp0.ckpt-b.yaml").read_text()

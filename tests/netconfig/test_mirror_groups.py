@@ -339,3 +339,54 @@ def test_plan_command_writes_whole_job_specs(tmp_path):
     assert refused.exit_code == 2 and "--job completes the job specs written to --out DIR" in refused.output
     save_plan(shipped_plan("mirror-group-two-nodes"), tmp_path / "plan.json")
     assert load_plan(tmp_path / "plan.json") == shipped_plan("mirror-group-two-nodes")
+
+
+@pytest.mark.slow
+def test_the_nodes_run_from_the_specs_the_plan_wrote_and_equal_the_single_appliance(tmp_path):
+    """End to end: plan a 3-rank group over two CPU nodes (2 + 1 streams), complete a simulated
+    job's spec with each node's sections, replay each node from its own spec alone (no --group
+    flags) in its own process; their joined snapshot is the single appliance's replica."""
+    import os
+    import subprocess
+    import sys
+
+    from gradtap.replay import run_replay
+    from tests.gradtap.test_group_cli import free_port
+    from tests.gradtap.test_group_replay import ITERATIONS, assert_group_snapshot, clipped_job
+    from tests.gradtap.test_replay import start_of, streams_of
+    from tests.simulator.test_simulate import simulate
+
+    doc = two_nodes(dp=3)
+    for node in doc["cpu_nodes"]:
+        node["address"] = "127.0.0.1"
+    plan = plan_of(doc)
+    assert [n.sources for n in plan.groups[0].cpu_nodes] == [["m0", "m1"], ["m2"]]
+    job = clipped_job()
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json", exclude_none=True)))
+    write_plan_dir(plan, tmp_path / "plan", Rendezvous(port_base=free_port(), timeout_s=120),
+                   job=str(tmp_path / "job.yaml"))
+    specs = [tmp_path / "plan" / "mirrors" / f"tp0-pp0.{n}.yaml" for n in ("ckpta", "ckptb")]
+    planned = load_job(specs[0])
+    simulate(tmp_path / "sim", planned, iterations=ITERATIONS)
+    paths = streams_of(tmp_path / "sim", planned)
+    _, single = run_replay(planned, paths, tmp_path / "single", start_of(tmp_path / "sim"), batch_frames=512)
+    root = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", "from gradtap.cli import main; main()", "replay", str(spec),
+                               *(f"{name}={paths[name]}" for name in names), "--start",
+                               str(tmp_path / "sim" / "truth" / "start.pt"), "--out", str(tmp_path / f"node{rank}")],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "COLUMNS": "120"})
+             for rank, (spec, names) in enumerate(zip(specs, (["m0", "m1"], ["m2"])))]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    for rank, (p, text) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, text
+        report = json.loads((tmp_path / f"node{rank}" / "replay.json").read_text())
+        assert [line["recovered"] for line in report["iterations"]] == [True] * ITERATIONS, text
+        assert not report["stale"] and report["group"]["rank"] == rank
+    assert_group_snapshot(tmp_path, planned, tmp_path / "sim", 2, single.replica)

@@ -1,5 +1,9 @@
 """The plan report: sessions per switch, CPU nodes and their load, failure probability, cost.
 
+Per DP group it lists its CPU nodes (several for a mirror group) with each node's rank, streams,
+load and expected exchange share (:func:`gradtap.netconfig.plan.exchange_share`); per CPU node
+its ingest against its ports' speeds and its ``max_ingest_gbps``.
+
 Cost is the expected USD a day with ordinary checkpoints against gradtap's CPU nodes
 (:mod:`gradtap.netconfig.cost`), for the plan's CPU nodes and for a reference count (FlowCheck's
 16 for the 175B layout), with what each CPU node must take at either count.
@@ -116,15 +120,18 @@ def _daily(cost: DailyCost) -> dict:
 def node_sizing(plan: Plan, cpu_nodes: int) -> dict:
     """What each of ``cpu_nodes`` CPU nodes must take if the plan's DP groups were spread evenly
     over them, against the planner's rules: every stream at line rate at once, a group's streams on
-    distinct ports, ports of the plan's own CPU-port speed filled to ``cpu_port_max_utilization``."""
+    distinct ports, ports of the plan's own CPU-port speed filled to ``cpu_port_max_utilization``,
+    and what the plan's CPU nodes take in (the smallest ``max_ingest_gbps``; null for older plans)."""
     groups_per_node = math.ceil(len(plan.groups) / cpu_nodes)
+    limits = [n.max_ingest_gbps for n in plan.cpu_nodes]
     group_gbps = max(sum(s.load_gbps for s in g.sources) for g in plan.groups)
     port_gbps = max(p.speed_gbps for n in plan.cpu_nodes for p in n.ports) * plan.mirror.cpu_port_max_utilization
     gbps = groups_per_node * group_gbps
     return {"cpu_nodes": cpu_nodes, "dp_groups_per_node": groups_per_node,
             "streams_per_node": groups_per_node * plan.mirror.sources_per_group, "gbps_per_node": gbps,
             "port_gbps": port_gbps,
-            "ports_per_node": max(math.ceil(gbps / port_gbps - 1e-9), plan.mirror.sources_per_group)}
+            "ports_per_node": max(math.ceil(gbps / port_gbps - 1e-9), plan.mirror.sources_per_group),
+            "ingest_limit_gbps": None if None in limits else min(limits)}
 
 
 def cost_dict(plan: Plan) -> dict:

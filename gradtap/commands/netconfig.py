@@ -94,8 +94,7 @@ def print_plan_report(report: dict, console: Console) -> None:
     members = table("Mirror groups: DP groups whose streams arrive at several CPU nodes", "group", "rank",
                     "CPU node", "streams", "load\nGbps", "exchange\nshare", numeric=("rank", "load\nGbps",
                                                                                       "exchange\nshare"),
-                    caption="exchange share: bytes of its shard its streams lack (its peers send them) over the "
-                            "bytes its streams mirror")
+                    caption="exchange share: bytes its peers send it / bytes its streams mirror")
     for g in report["groups"]:
         groups.add_row(g["id"], str(g["ranks"]), ", ".join(g["cpu_nodes"]), str(g["min_chunk_coverage"]),
                        _sci(g["p_fail_exact"]), _sci(g["p_fail_eq2"]), _between(g["iterations_between_failures"]))
@@ -111,8 +110,7 @@ def print_plan_report(report: dict, console: Console) -> None:
                          "none" if s["session_limit"] is None else str(s["session_limit"]), str(s["free_ports"]))
     nodes = table("CPU mirror nodes", "CPU node", "DP groups", "ingest\nGbps", "ports\nGbps", "ingest\nlimit",
                   numeric=("ingest\nGbps", "ports\nGbps", "ingest\nlimit"),
-                  caption="ingest: every stream at line rate at once, against the ports' speeds and the node's "
-                          "max_ingest_gbps")
+                  caption="ingest: all its streams at line rate; limit: max_ingest_gbps")
     for n in report["cpu_nodes"]:
         limit = n["max_ingest_gbps"]
         nodes.add_row(n["name"], ", ".join(n["groups"]), f"{n['load_gbps']:g}", f"{n['capacity_gbps']:g}",
@@ -167,9 +165,12 @@ def print_cost(cost: dict, console: Console) -> None:
     console.print(days)
     console.print(inputs)
     for name, _, size in runs:
+        limit = size["ingest_limit_gbps"]
+        ingest = "" if limit is None else (f"; a node takes in {limit:,.6g} Gbps"
+                                           + (" (exceeded)" if size["gbps_per_node"] > limit + 1e-9 else ""))
         console.print(f"CPU nodes, {name}: {size['cpu_nodes']} x {size['dp_groups_per_node']} DP groups = "
                       f"{size['streams_per_node']} streams, {size['gbps_per_node']:,.4g} Gbps at line rate per "
-                      f"node: {size['ports_per_node']} ports of {size['port_gbps']:g} Gbps")
+                      f"node: {size['ports_per_node']} ports of {size['port_gbps']:g} Gbps{ingest}")
 
 
 @netconfig_app.command("plan")

@@ -65,9 +65,10 @@ def test_the_shipped_175b_topology_carries_the_papers_inputs_and_reproduces_its_
     # groups, 18 streams, 7.2 Tbps: 9 ports of 800G.
     assert cost["sizing"]["plan"] == {"cpu_nodes": 48, "dp_groups_per_node": 2, "streams_per_node": 6,
                                       "gbps_per_node": 2400.0, "port_gbps": 800.0, "ports_per_node": 3,
-                                      "capacity_gbps_per_node": 2400.0}
+                                      "capacity_gbps_per_node": 2400.0, "ingest_limit_gbps": 2457.6}
     assert cost["sizing"]["reference"] == {"cpu_nodes": 16, "dp_groups_per_node": 6, "streams_per_node": 18,
-                                           "gbps_per_node": 7200.0, "port_gbps": 800.0, "ports_per_node": 9}
+                                           "gbps_per_node": 7200.0, "port_gbps": 800.0, "ports_per_node": 9,
+                                           "ingest_limit_gbps": 2457.6}  # 7.2 Tb/s a node is beyond it
 
 
 def test_16_cpu_nodes_fit_only_with_nine_800g_ports_each():
@@ -176,4 +177,8 @@ def test_the_cost_tables_fit_80_columns():
     text = out.getvalue()
     assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
     assert "526.08" in text and "5,760.00" in text and "1,578.24" in text and "10.95x" in text
-    assert "16 x 6 DP groups = 18 streams, 7,200 Gbps" in " ".join(text.split())
+    words = " ".join(text.split())
+    assert "16 x 6 DP groups = 18 streams, 7,200 Gbps" in words
+    # The plan's nodes fit the default ingest limit; FlowCheck's 16 would not.
+    assert "3 ports of 800 Gbps; a node takes in 2,457.6 Gbps CPU nodes, reference" in words
+    assert "9 ports of 800 Gbps; a node takes in 2,457.6 Gbps (exceeded)" in words

@@ -52,8 +52,8 @@ each. Keeping up in real time means processing an iteration within that time too
 **Replica lag with uploads running** (``--store``, issue 13): the same replay, ``--repeats``
 times each of three ways interleaved (so that background load hits them alike; the two with
 snapshots swap places every other repeat, as the disk's state after one run affects the next):
-no snapshot (as above); a snapshot every iteration (``Snapshots.write`` on the update path: the
-lag of the iteration that takes it includes it); and a snapshot every iteration handed to the
+no snapshot (as above); a snapshot every iteration (written in the background, as ``gradtap
+replay`` writes them: ``--snapshot-every`` below); and a snapshot every iteration handed to the
 background uploader of a ``file://`` store in ``--store-dir`` (default: beside the temporary
 output, so the upload reads and writes the same disk as the snapshots). Figure per run: the mean
 lag over the iterations; per way: the best run. The upload of iteration k's snapshot runs while
@@ -64,8 +64,19 @@ snapshot itself costs the update path. On GPT-2 small the process's anonymous me
 replay to replay (16 GB in the fourth, on a 23 GB machine shared with other jobs: the OOM killer
 ended it); there, ``--repeats 1`` with ``--store``.
 
+**Replica lag with local snapshots** (``--snapshot-every N``, issue 12): the same replay,
+``--repeats`` times each of three ways interleaved (the two with snapshots swap places every
+other repeat): no snapshot; a snapshot every N iterations written on the update path
+(``run_replay(snapshot_buffers=0)``: ``Snapshots.write`` in ``ReplicaSink``, the lag of the
+iteration that takes it includes the whole write); and the same snapshots written in the
+background (``snapshot_buffers=1``, ``store/snapshot_writer.py``: the update path copies the
+state into a buffer, a thread writes it; a snapshot due while the buffer is still being
+written is skipped and counted). Figure per run: the mean lag over the iterations; per way: the
+best run; and the snapshots written and skipped (``replay.json``). Target: background / no
+snapshot <= 1.2 (the copy of 12 B per parameter is what remains on the update path).
+
 Run: ``python -m benchmarks.replay [--iterations N] [--batch-frames N] [--cache DIR] [--store]
-[--config JOB]`` (another job than GPT-2 small: its figures, not issue 4's).
+[--snapshot-every N] [--config JOB]`` (another job than GPT-2 small: its figures, not issue 4's).
 """
 
 from __future__ import annotations
@@ -216,10 +227,55 @@ def lag_with_uploads(sim: Path, job: JobSpec, batch_frames: int, repeats: int, s
     ratio = best["snapshots + uploads (file://)"] / best["snapshot every iteration"]
     print(f"  snapshots + uploads / snapshots alone   {ratio:6.2f}   target <= 1.1: {'met' if ratio <= 1.1 else 'NOT met'}")
     print(f"  snapshots alone / no snapshot           {best['snapshot every iteration'] / best['no snapshot']:6.2f}   "
-          f"(the local snapshot, written on the update path)")
+          f"(the local snapshot, written in the background)")
     median = {name: sorted(sum(lags) / len(lags) for lags in v)[len(v) // 2] for name, v in runs.items()}
     print(f"  the same ratio of the runs' medians     "
           f"{median['snapshots + uploads (file://)'] / median['snapshot every iteration']:6.2f}")
+
+
+def lag_with_snapshots(sim: Path, job: JobSpec, batch_frames: int, repeats: int, every: int,
+                       out_dir: Path | None) -> None:
+    """The replica lag without snapshots, with one every ``every`` iterations written on the
+    update path, and with those written in the background (see the module's docstring)."""
+    snapshots = job.model_copy(update={"appliance": job.appliance.model_copy(
+        update={"snapshot_every": every, "snapshot_keep": 1})})
+    ways = {"no snapshot": (job, 1), "snapshots on the update path": (snapshots, 0),
+            "snapshots in the background": (snapshots, 1)}
+    pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
+    start = torch.load(sim / "truth" / "start.pt", weights_only=True)
+    runs: dict[str, list[list[float]]] = {name: [] for name in ways}
+    for k in range(repeats):
+        order = list(ways.items())
+        if k % 2:                       # the two with snapshots swap places: neither always follows the other
+            order[1], order[2] = order[2], order[1]
+        for name, (way, buffers) in order:
+            with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-", dir=out_dir) as tmp:
+                started = time.perf_counter()
+                result, sink = run_replay(way, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames,
+                                          snapshot_buffers=buffers)
+                closed = time.perf_counter() - started - result.wall_s
+                counts = json.loads((Path(tmp) / "replay.json").read_text())["snapshots"]
+            if sink.replica.stale or not all(r.recovered for r in result.reports):
+                raise SystemExit(f"{name}: the replay did not apply every iteration: {sink.lines}")
+            lags = [t.lag_s for t in result.timings]
+            runs[name].append(lags)
+            update = sum(t.update_s for t in result.timings) / len(result.timings)
+            print(f"run {k + 1}, {name:30s} lag per iteration {' '.join(f'{x:6.2f}' for x in lags)} s, "
+                  f"mean {sum(lags) / len(lags):6.2f} s; update (sink) {update:.2f} s per iteration (replay "
+                  f"{result.wall_s:.1f} s, then set-up, close and the final snapshot {closed:.1f} s; snapshots "
+                  f"written {counts['written']}, skipped {counts['skipped']})")
+    best = {name: min(sum(lags) / len(lags) for lags in v) for name, v in runs.items()}
+    spread = {name: max(sum(lags) / len(lags) for lags in v) / best[name] for name, v in runs.items()}
+    print(f"\nreplica lag with a snapshot every {every} iteration(s), mean over the iterations, best of {repeats} "
+          f"(worst run / best):")
+    for name, lag in best.items():
+        print(f"  {name:30s} {lag:8.3f} s   (x {spread[name]:.2f})")
+    background = best["snapshots in the background"] / best["no snapshot"]
+    print(f"  update path / no snapshot               {best['snapshots on the update path'] / best['no snapshot']:6.2f}")
+    print(f"  background / no snapshot                {background:6.2f}   target <= 1.2: "
+          f"{'met' if background <= 1.2 else 'NOT met'}")
+    print(f"  update path / background                "
+          f"{best['snapshots on the update path'] / best['snapshots in the background']:6.2f}")
 
 
 def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: AnonPeak) -> None:
@@ -281,7 +337,13 @@ def main() -> None:
     parser.add_argument("--store", action="store_true",
                         help="also the replica lag with a snapshot every iteration, without and with uploads")
     parser.add_argument("--store-dir", type=Path, default=None,
-                        help="where the --store runs write their snapshots and store (default: a temporary directory)")
+                        help="where the --store and --snapshot-every runs write their snapshots and store "
+                             "(default: a temporary directory)")
+    parser.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                        help="also the replica lag with a snapshot every N iterations, on the update path and in "
+                             "the background")
+    parser.add_argument("--skip-processing", action="store_true",
+                        help="only the --store / --snapshot-every comparisons, not the processing figures")
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     sim = capture(args.cache, args.iterations, args.config)
@@ -293,18 +355,22 @@ def main() -> None:
           f"{'' if size < available else ' (the captures do not fit in the page cache: reads hit the disk)'}; "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, {numba.get_num_threads()} Numba threads")
     params = job_params(job)
-    memcpy = memcpy_bandwidth(2)
-    best = None
-    memory = AnonPeak()
-    for k in range(args.repeats):
-        started = time.perf_counter()
-        result = replay_once(sim, job, args.batch_frames, params if k == 0 else None, memory if k == 0 else None)
-        print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot "
-              f"{time.perf_counter() - started:.1f} s)")
-        if best is None or result.wall_s < best.wall_s:
-            best = result
-    memcpy = max(memcpy, memcpy_bandwidth(2))
-    report(best, job, params, sim, memcpy, memory)
+    if not args.skip_processing:
+        memcpy = memcpy_bandwidth(2)
+        best = None
+        memory = AnonPeak()
+        for k in range(args.repeats):
+            started = time.perf_counter()
+            result = replay_once(sim, job, args.batch_frames, params if k == 0 else None, memory if k == 0 else None)
+            print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot "
+                  f"{time.perf_counter() - started:.1f} s)")
+            if best is None or result.wall_s < best.wall_s:
+                best = result
+        memcpy = max(memcpy, memcpy_bandwidth(2))
+        report(best, job, params, sim, memcpy, memory)
+    if args.snapshot_every is not None:
+        print()
+        lag_with_snapshots(sim, job, args.batch_frames, args.repeats, args.snapshot_every, args.store_dir)
     if args.store:
         print()
         lag_with_uploads(sim, job, args.batch_frames, args.repeats, args.store_dir)

@@ -32,12 +32,14 @@ from pathlib import Path  # noqa: E402
 
 from benchmarks._bandwidth import memcpy_bandwidth  # noqa: E402
 from gradtap.simulator.faults import FaultSpec  # noqa: E402
-from gradtap.simulator.run import PHASES, Simulation  # noqa: E402
+from gradtap.simulator.lanes import PHASES  # noqa: E402
+from gradtap.simulator.run import Simulation  # noqa: E402
 from gradtap.workload.spec import load_job  # noqa: E402
 
 TARGET_S = 60.0
 PHASE_NAMES = {"training": "training (fwd+bwd, buckets, step)", "reduction": "ring reduction",
-               "traffic": "packets + payloads", "frames": "frames + capture files", "truth": "ground truth"}
+               "traffic": "packets + payloads", "frames": "frames + capture files", "truth": "ground truth",
+               "waiting": "main thread waiting for writers"}
 
 
 def main(config: str = "configs/gpt2-small.yaml") -> None:
@@ -55,10 +57,13 @@ def main(config: str = "configs/gpt2-small.yaml") -> None:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
     print(f"  wall time              {wall:8.1f} s   (target < {TARGET_S:.0f} s: {'met' if wall < TARGET_S else 'NOT met'})")
-    print(f"  CPU time               {cpu:8.1f} s   (all threads of this process)")
-    print(f"  {'phase':34s} {'CPU s':>8s} {'wall s':>8s}")
+    print(f"  CPU time               {cpu:8.1f} s   (all threads of this process; {cpu / wall:.2f} cores busy "
+          f"on average)")
+    print(f"  {'phase':34s} {'CPU s':>8s} {'wall s':>8s} {'main s':>8s}   (main: the main thread's wall "
+          "time, the critical path)")
     for phase in PHASES:
-        print(f"  {PHASE_NAMES[phase]:34s} {summary.cpu_seconds[phase]:8.1f} {summary.wall_seconds[phase]:8.1f}")
+        print(f"  {PHASE_NAMES[phase]:34s} {summary.cpu_seconds[phase]:8.1f} {summary.wall_seconds[phase]:8.1f} "
+              f"{summary.main_wall_seconds[phase]:8.1f}")
     print(f"  frames written         {frames:8,d}     {frames / enc_cpu / 1e6:6.2f} Mframes per CPU-s encoding")
     print(f"  bytes written          {nbytes / 1e6:8.1f} MB  {nbytes / enc_cpu / 1e9:6.2f} GB per CPU-s encoding "
           f"({nbytes / enc_wall / 1e9:.2f} GB/s wall)")

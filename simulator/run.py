@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import shutil
 import time
-from contextlib import contextmanager
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,8 +34,9 @@ from gradtap.simulator.allreduce import chunk_index, plan_allreduce, ring_partia
 from gradtap.simulator.background import Background
 from gradtap.simulator.faults import FaultSpec, apply_mirror_faults
 from gradtap.simulator.frames import ErspanTunnel, Routes, encode_frames
+from gradtap.simulator.lanes import Lane, PhaseClock, wait_for
 from gradtap.simulator.traffic import ConnectionState, Timing, TrafficBuilder
-from gradtap.simulator.training import Trainer
+from gradtap.simulator.training import WIRE_NUMPY, Trainer
 from gradtap.simulator.truth import TruthWriter
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.spec import JobSpec, dump_job
@@ -65,32 +66,17 @@ class Summary:
     link_faults: dict[str, int]
     seconds_training: float = 0.0
     seconds_encoding: float = 0.0
-    #: Per phase of the run, CPU seconds of this process (``time.process_time``, every thread)
-    #: and wall seconds: "reduction" (the ring's additions), "traffic" (packet descriptors and
-    #: payloads), "frames" (frames, mirror faults, capture files), "truth" (ground truth files),
-    #: "training" (the rest: forward, backward, bucket buffers, optimizer step).
+    #: Per phase of the run (:data:`gradtap.simulator.lanes.PHASES`): CPU seconds (every
+    #: thread), wall seconds (on whichever thread ran it) and the main thread's wall seconds
+    #: (the critical path; the frames and the truth are written beside it).
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     wall_seconds: dict[str, float] = field(default_factory=dict)
+    main_wall_seconds: dict[str, float] = field(default_factory=dict)
 
 
-PHASES = ("training", "reduction", "traffic", "frames", "truth")
-
-
-class PhaseClock:
-    """CPU and wall seconds spent in each phase (``with clock("frames"): ...``)."""
-
-    def __init__(self):
-        self.cpu = dict.fromkeys(PHASES, 0.0)
-        self.wall = dict.fromkeys(PHASES, 0.0)
-
-    @contextmanager
-    def __call__(self, phase: str):
-        cpu, wall = time.process_time(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.cpu[phase] += time.process_time() - cpu
-            self.wall[phase] += time.perf_counter() - wall
+# Payload arenas the traffic builder uses in turn: one bucket's frames are written while the
+# next bucket is reduced and built.
+ARENAS = 2
 
 
 class _Stream:
@@ -103,6 +89,8 @@ class _Stream:
         path = out / "streams" / f"{m.name}.{fmt}"
         self.writer = PcapWriter(path, nanosecond=True) if fmt == "pcap" else PcapngWriter(path)
         self.summary = StreamSummary(m.name, path)
+        self.scratch = np.zeros(0, np.uint8)     # frames are encoded into it, batch after batch
+        self.lane: Lane | None = None
         # A stream over L3 is the switch's ERSPAN session; its id is the mirror's position + 1.
         self.tunnel = None if m.encapsulation == "none" else ErspanTunnel(m.encapsulation, session=index + 1)
 
@@ -126,7 +114,6 @@ class Simulation:
             raise ConfigError(f"--format: {fmt!r} is not 'pcap' or 'pcapng'")
         self.job, self.out, self.iterations, self.seed = job, Path(out), iterations, seed
         self.faults, self.timing, self.fmt = faults, timing, fmt
-        self._frames_scratch = np.zeros(0, np.uint8)
 
     def run(self, progress: Callable[[str, int, int], None] = lambda *_: None) -> Summary:
         job = self.job
@@ -154,25 +141,37 @@ class Simulation:
         streams = [_Stream(job, i, self.out, self.fmt, self.seed) for i in range(len(job.mirrors))]
         egress = {s.mirror.rank for s in streams if s.mirror.direction != "ingress"}
         ingress = {s.mirror.rank for s in streams if s.mirror.direction != "egress"}
-        builder = TrafficBuilder(wire_job, plan, routes, self.timing, self.faults.link(), rng, egress, ingress)
+        builder = TrafficBuilder(wire_job, plan, routes, self.timing, self.faults.link(), rng, egress, ingress,
+                                 arenas=ARENAS)
         background = Background(job, routes, {s.mirror.rank for s in streams}, rng)
         state = ConnectionState.initial(plan, rng)
         link_faults: dict[str, int] = {}
         captured_buckets = {b: i for i, b in enumerate(buckets)}
-        clock = {"t": EPOCH_NS, "encode_s": 0.0, "capturing": False}
+        clock = {"t": EPOCH_NS, "capturing": False}
         phases = PhaseClock()
+        for s in streams:
+            s.lane = Lane(s.mirror.name, phases, "frames")
+        truth_lane = Lane("truth", phases, "truth")
+        lanes = [s.lane for s in streams] + [truth_lane]
+        # The stream writes of the latest builds, oldest first: a build reuses the arena of the
+        # build ARENAS before it, so those writes must have finished.
+        in_flight: deque[list] = deque()
 
         scratch: dict[np.dtype, np.ndarray] = {}
 
         def partials_buffer(dtype, count):
             """``[n, count]`` rows for one bucket's partial sums, in one buffer reused by every
             bucket (grown to the largest), so its pages fault in once per run, not per bucket.
-            A bucket's rows are dead once its frames are written (the payloads are copied
-            into the traffic's arena) and its reduced row copied out."""
+            A bucket's rows are dead once it is built (the payloads are copied into the
+            traffic's arena) and its reduced row copied out."""
             buf = scratch.get(dtype)
             if buf is None or buf.shape[1] < count:
                 buf = scratch[dtype] = np.empty((n, count), dtype)
             return buf[:, :count]
+
+        def write(packets, src, dst, arena, raw):
+            """Hand a batch to every stream's lane; returns their futures."""
+            return [s.lane.submit(self._write_stream, s, packets, src, dst, arena, raw, routes) for s in streams]
 
         def allreduce(per_rank, bucket):
             """Reduce one bucket in ring order and, while capturing, put it on the wire."""
@@ -188,18 +187,17 @@ class Simulation:
                     return ring_sum(per_rank, chunks)
             with phases("reduction"):
                 rows = ring_partials(per_rank, chunks, out=partials_buffer(per_rank[0].dtype, len(chunks)))
-            if clock["capturing"]:
-                started = time.perf_counter()
-                with phases("traffic"):
-                    traffic = builder.build(i, rows, state, clock["t"])
-                for key, v in traffic.injected.items():
-                    link_faults[key] = link_faults.get(key, 0) + v
-                with phases("frames"):
-                    self._write_streams(streams, traffic.packets, traffic.src, traffic.dst, traffic.arena, [],
-                                        routes)
-                clock["t"] = traffic.end_ns + self.timing.step_latency_ns
-                clock["encode_s"] += time.perf_counter() - started
-            return rows[n - 1].copy()
+            while len(in_flight) >= ARENAS:
+                wait_for(phases, in_flight.popleft())
+            with phases("traffic"):
+                traffic = builder.build(i, rows, state, clock["t"])
+            for key, v in traffic.injected.items():
+                link_faults[key] = link_faults.get(key, 0) + v
+            in_flight.append(write(traffic.packets, traffic.src, traffic.dst, traffic.arena, []))
+            clock["t"] = traffic.end_ns + self.timing.step_latency_ns
+            reduced = rows[n - 1].copy()
+            truth_lane.submit(truth.add_gradient, reduced)
+            return reduced
 
         init = job.initial_state
         checkpoint = torch.load(init.checkpoint, weights_only=True) if init.checkpoint is not None else None
@@ -207,6 +205,8 @@ class Simulation:
                                 checkpoint)
         model = trainer.model
         truth = TruthWriter(self.out / "truth", job, self.seed)
+        grad_dtype = WIRE_NUMPY[job.ddp.grad_dtype]
+        total_numel = sum(b.numel for b in buckets)
         captured = []
         started, started_cpu = time.perf_counter(), time.process_time()
         try:
@@ -215,9 +215,9 @@ class Simulation:
                 trainer.step()
             truth.layout(params, buckets, job.ddp.grad_dtype, trainer.iteration)
             # When the trainer's state was start.pt: the moment the capture begins (the appliance
-            # numbers the captured iterations by it, gradtap/start.py).
-            with phases("truth"):
-                truth.start({**trainer.state_dict(), "time_ns": clock["t"]})
+            # numbers the captured iterations by it, gradtap/start.py). It is written while the
+            # next iteration trains, and the truth lane is waited for before each optimizer step.
+            truth_lane.submit(truth.start, {**trainer.state_dict(), "time_ns": clock["t"]})
             # The job as captured: its streams start from truth/start.pt, which the job names
             # (relative to job.yaml), so that a replay of it needs no --start.
             start = job.initial_state.model_copy(update={"seed": None, "checkpoint": Path("truth") / "start.pt"})
@@ -231,59 +231,62 @@ class Simulation:
                 with phases("traffic"):
                     bg, bg_src, bg_dst = background.packets(t0, job.nccl.mtu, 0)
                     raw = background.raw_frames(t0)
-                with phases("frames"):
-                    self._write_streams(streams, bg, bg_src, bg_dst, background.arena, raw, routes)
+                write(bg, bg_src, bg_dst, background.arena, raw)     # its arena is never reused
                 clock["t"] = t0 + self.timing.compute_gap_ns
-                result = trainer.step(buckets)
-                with phases("truth"):
-                    truth.iteration(it, result.reduced_buckets, model, trainer.optimizer,
-                                    (t0, clock["t"] + self.timing.step_latency_ns))
+                truth_lane.submit(truth.begin_iteration, it, total_numel, grad_dtype)
+                trainer.step(buckets, before_update=truth_lane.wait)
+                truth_lane.submit(truth.end_iteration, it, model, trainer.optimizer,
+                                  (t0, clock["t"] + self.timing.step_latency_ns))
                 captured.append(it)
                 state.advance(plan)
+            for lane in lanes:
+                lane.wait()
             progress("done", self.iterations, self.iterations)
         finally:
+            for lane in lanes:
+                lane.close()
             for s in streams:
                 s.writer.close()
             truth.close()
         total, total_cpu = time.perf_counter() - started, time.process_time() - started_cpu
         phases.cpu["training"] = total_cpu - sum(phases.cpu.values())
-        phases.wall["training"] = total - sum(phases.wall.values())
+        phases.wall["training"] = phases.main_wall["training"] = total - sum(phases.main_wall.values())
+        encoding = phases.main_wall["traffic"] + phases.main_wall["waiting"]
         return Summary(self.out, captured, [s.summary for s in streams], link_faults,
-                       total - clock["encode_s"], clock["encode_s"], phases.cpu, phases.wall)
+                       total - encoding, encoding, phases.cpu, phases.wall, phases.main_wall)
 
-    def _write_streams(self, streams, packets, src, dst, arena, raw, routes) -> None:
-        """Append frames to every stream that captures them: ``packets`` (time-ordered
-        descriptors with their sender and receiver positions) and ``raw`` non-RoCE frames
-        ``(ts_ns, src, dst, bytes)``; then apply that stream's mirror faults."""
-        for s in streams:
-            sel = s.select(src, dst)
-            data, offsets, lengths = encode_frames(packets[sel], routes, arena, self._frames_scratch)
-            if data.base is not self._frames_scratch and len(data) > len(self._frames_scratch):
-                self._frames_scratch = data      # the next batches encode into it (written before reuse)
-            ts = packets["ts_ns"][sel]
-            extra = [f for f in raw if (f[1] == s.mirror.rank and s.mirror.direction != "ingress")
-                     or (f[2] == s.mirror.rank and s.mirror.direction != "egress")]
-            if extra:
-                blob = np.frombuffer(b"".join(f[3] for f in extra), np.uint8)
-                offsets = np.concatenate([offsets, len(data) + np.cumsum([0] + [len(f[3]) for f in extra[:-1]])])
-                lengths = np.concatenate([lengths, [len(f[3]) for f in extra]]).astype(np.int32)
-                ts = np.concatenate([ts, [f[0] for f in extra]])
-                data = np.concatenate([data, blob])
-            order = np.argsort(ts, kind="stable")
-            if s.tunnel is not None:
-                data, offsets, lengths = s.tunnel.encapsulate(data, offsets, lengths, ts, order)
-            outcome = apply_mirror_faults(lengths[order], self.faults.for_stream(s.mirror.name), s.rng)
-            pick = order[outcome.index]
-            batch = FrameBatch(data=data, offsets=offsets[pick], caplens=outcome.caplen,
-                               wirelens=lengths[pick], ts_ns=np.maximum.accumulate(ts[pick]),
-                               linktype=LINKTYPE_ETHERNET)
-            s.writer.write_batch(batch)
-            s.summary.offered += len(lengths)
-            s.summary.frames += len(pick)
-            s.summary.bytes += int(outcome.caplen.sum())
-            s.summary.roce_frames += int((pick < len(sel)).sum())
-            for key, v in outcome.counts.items():
-                s.summary.faults[key] = s.summary.faults.get(key, 0) + v
+    def _write_stream(self, s: _Stream, packets, src, dst, arena, raw, routes) -> None:
+        """Append to stream ``s`` the frames it captures: those of ``packets`` (time-ordered
+        descriptors with their sender and receiver positions) and of ``raw`` non-RoCE frames
+        ``(ts_ns, src, dst, bytes)``; then apply its mirror faults. Runs on the stream's lane."""
+        sel = s.select(src, dst)
+        data, offsets, lengths = encode_frames(packets[sel], routes, arena, s.scratch)
+        if data.base is not s.scratch and len(data) > len(s.scratch):
+            s.scratch = data      # the next batches encode into it (written before reuse)
+        ts = packets["ts_ns"][sel]
+        extra = [f for f in raw if (f[1] == s.mirror.rank and s.mirror.direction != "ingress")
+                 or (f[2] == s.mirror.rank and s.mirror.direction != "egress")]
+        if extra:
+            blob = np.frombuffer(b"".join(f[3] for f in extra), np.uint8)
+            offsets = np.concatenate([offsets, len(data) + np.cumsum([0] + [len(f[3]) for f in extra[:-1]])])
+            lengths = np.concatenate([lengths, [len(f[3]) for f in extra]]).astype(np.int32)
+            ts = np.concatenate([ts, [f[0] for f in extra]])
+            data = np.concatenate([data, blob])
+        order = np.argsort(ts, kind="stable")
+        if s.tunnel is not None:
+            data, offsets, lengths = s.tunnel.encapsulate(data, offsets, lengths, ts, order)
+        outcome = apply_mirror_faults(lengths[order], self.faults.for_stream(s.mirror.name), s.rng)
+        pick = order[outcome.index]
+        batch = FrameBatch(data=data, offsets=offsets[pick], caplens=outcome.caplen,
+                           wirelens=lengths[pick], ts_ns=np.maximum.accumulate(ts[pick]),
+                           linktype=LINKTYPE_ETHERNET)
+        s.writer.write_batch(batch)
+        s.summary.offered += len(lengths)
+        s.summary.frames += len(pick)
+        s.summary.bytes += int(outcome.caplen.sum())
+        s.summary.roce_frames += int((pick < len(sel)).sum())
+        for key, v in outcome.counts.items():
+            s.summary.faults[key] = s.summary.faults.get(key, 0) + v
 
 
 def build_trainer(job: JobSpec, buckets, allreduce, seed: int, checkpoint: dict | None = None) -> Trainer:

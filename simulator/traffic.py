@@ -113,16 +113,23 @@ class IterationTraffic:
     packets: np.ndarray                      # PACKET_DTYPE
     src: np.ndarray                          # int16 ring position of the sender (-1: outside the ring)
     dst: np.ndarray
-    arena: np.ndarray                        # uint8 payload bytes (the builder's buffer: valid until its next build)
+    arena: np.ndarray                        # uint8 payload bytes (the builder's buffer: see TrafficBuilder)
     end_ns: int
     injected: dict[str, int] = field(default_factory=dict)
 
 
 class TrafficBuilder:
-    """Turns the plan plus one iteration's ring values into packets."""
+    """Turns the plan plus one iteration's ring values into packets.
+
+    The payloads of a build go into one of ``arenas`` buffers, used in turn: a build's
+    ``arena`` stays valid until ``arenas`` more builds have run (2 lets its frames be
+    written while the next bucket is built).
+    """
 
     def __init__(self, job: JobSpec, plan: WirePlan, routes: Routes, timing: Timing, faults: LinkFaults,
-                 rng: np.random.Generator, egress: set[int], ingress: set[int]):
+                 rng: np.random.Generator, egress: set[int], ingress: set[int], arenas: int = 1):
+        if arenas < 1:
+            raise ValueError(f"arenas = {arenas}; must be at least 1")
         self.job, self.plan, self.routes, self.timing, self.faults, self.rng = job, plan, routes, timing, faults, rng
         # Per protocol (indexed by Protocol): a FIFO slot, the receive size a CTS announces, and
         # where its buffer lies in a connection's receive memory.
@@ -140,15 +147,18 @@ class TrafficBuilder:
         src_e, dst_i = np.isin(f["src"], list(egress)), np.isin(f["dst"], list(ingress))
         self.payload_flows = src_e | dst_i
         self.ack_flows = np.isin(f["dst"], list(egress)) | np.isin(f["src"], list(ingress))
-        self._arena_buffer = np.zeros(0, np.uint8)
+        self._arena_buffers = [np.zeros(0, np.uint8) for _ in range(arenas)]
+        self._builds = 0
 
     # -- payloads ---------------------------------------------------------------------
     def _arena(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of the payload arena: one buffer reused by every :meth:`build` (grown
-        to the largest), so its pages fault in once per run, not once per bucket."""
-        if len(self._arena_buffer) < nbytes:
-            self._arena_buffer = np.empty(nbytes, np.uint8)
-        return self._arena_buffer[:nbytes]
+        """``nbytes`` of this build's payload arena: the next of the buffers reused in turn
+        (each grown to the largest), so their pages fault in once per run, not per bucket."""
+        k = self._builds % len(self._arena_buffers)
+        self._builds += 1
+        if len(self._arena_buffers[k]) < nbytes:
+            self._arena_buffers[k] = np.empty(nbytes, np.uint8)
+        return self._arena_buffers[k][:nbytes]
 
     def _payloads(self, msgs: np.ndarray, steps: np.ndarray, partials: np.ndarray,
                   cts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:

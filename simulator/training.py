@@ -160,11 +160,14 @@ class Trainer:
         self.buckets = _check_buckets(buckets, self._params)
         self.optimizer = make_optimizer(list(model.parameters()), optimizer)
 
-    def step(self, buckets: Sequence[Bucket] | None = None) -> IterationResult:
+    def step(self, buckets: Sequence[Bucket] | None = None,
+             before_update: Callable[[], None] | None = None) -> IterationResult:
         """Run one iteration on every rank, reduce, and step the optimizer.
 
         ``buckets``, if given, replaces the layout from this iteration on (DDP's
-        rebuild after iteration 0).
+        rebuild after iteration 0). ``before_update``, if given, is called once every bucket
+        is reduced, before clipping and the optimizer change the gradients and parameters
+        (e.g. to wait for a writer that still reads the previous state).
         """
         if buckets is not None:
             self.buckets = _check_buckets(buckets, self._params)
@@ -181,6 +184,8 @@ class Trainer:
             _check_reduced(result, bucket, self.wire_dtype)
             reduced.append(result)
             self._scatter(bucket, result)
+        if before_update is not None:
+            before_update()
         clip = self.optimizer_cfg.clip_grad_norm
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)

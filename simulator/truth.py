@@ -22,6 +22,7 @@ Layout of ``truth/`` (documented in the README):
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from pathlib import Path
 
@@ -64,6 +65,24 @@ def optimizer_arrays(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
     return out
 
 
+class _HashingFile:
+    """A file written front to back, hashed (sha256) as it is written."""
+
+    def __init__(self, f):
+        self.f, self.h = f, hashlib.sha256()
+        self.data_bytes = 0      # bytes after the header, counted by the writer
+
+    def write(self, data) -> None:
+        self.h.update(data)
+        self.f.write(data)
+
+    def close(self) -> None:
+        self.f.close()
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
 class TruthWriter:
     def __init__(self, root: Path, job: JobSpec, seed: int):
         self.root = root
@@ -72,6 +91,7 @@ class TruthWriter:
         self.files: dict[str, str] = {}
         self.iterations: list[int] = []
         self.spans: dict[int, tuple[int, int]] = {}
+        self._grad: tuple | None = None       # the open grad.npy: (iteration, dtype, numel, file)
 
     def _record(self, path: Path) -> None:
         self.files[str(path.relative_to(self.root))] = _sha256(path)
@@ -89,11 +109,50 @@ class TruthWriter:
 
     def iteration(self, iteration: int, reduced: tuple[np.ndarray, ...], model, optimizer,
                   span_ns: tuple[int, int]) -> None:
+        """All of one iteration's files at once: :meth:`begin_iteration`, :meth:`add_gradient`
+        of each bucket, :meth:`end_iteration`."""
+        self.begin_iteration(iteration, sum(len(r) for r in reduced), reduced[0].dtype)
+        for r in reduced:
+            self.add_gradient(r)
+        self.end_iteration(iteration, model, optimizer, span_ns)
+
+    def begin_iteration(self, iteration: int, numel: int, dtype: np.dtype) -> None:
+        """Open ``iter_NNNNNN/grad.npy`` for ``numel`` elements of ``dtype``, to be filled
+        bucket by bucket (:meth:`add_gradient`) as the reduction produces them. The file is
+        what ``np.save`` writes of the concatenated buckets; it is hashed as it is written."""
+        if self._grad is not None:
+            raise RuntimeError(f"iteration {self._grad[0]} of the truth is not ended")
         d = iteration_dir(self.root, iteration)
         d.mkdir(exist_ok=True)
-        np.save(d / "grad.npy", np.concatenate(reduced))
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(header, {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                                                      "fortran_order": False, "shape": (numel,)})
+        f = _HashingFile((d / "grad.npy").open("wb"))
+        f.write(header.getvalue())
+        self._grad = (iteration, np.dtype(dtype), numel, f)
+
+    def add_gradient(self, reduced: np.ndarray) -> None:
+        """Append one bucket's reduced values (the next in launch order) to grad.npy."""
+        iteration, dtype, numel, f = self._grad
+        if reduced.dtype != dtype or reduced.ndim != 1:
+            raise ValueError(f"iteration {iteration}: a bucket of {reduced.dtype} {reduced.shape} in a "
+                             f"gradient of {dtype}")
+        data = memoryview(np.ascontiguousarray(reduced)).cast("B")
+        f.write(data)
+        f.data_bytes += len(data)
+
+    def end_iteration(self, iteration: int, model, optimizer, span_ns: tuple[int, int]) -> None:
+        """Close grad.npy (all its elements written) and save the trainer's state after the
+        step (``state.npz``) from the live tensors: call before the next optimizer step."""
+        it, dtype, numel, f = self._grad
+        if it != iteration or f.data_bytes != numel * dtype.itemsize:
+            raise ValueError(f"iteration {iteration}: grad.npy of iteration {it} holds "
+                             f"{f.data_bytes // dtype.itemsize} of {numel} elements")
+        f.close()
+        self._grad = None
+        d = iteration_dir(self.root, iteration)
+        self.files[str((d / "grad.npy").relative_to(self.root))] = f.hexdigest()
         np.savez(d / "state.npz", **optimizer_arrays(model, optimizer, copy=False))
-        self._record(d / "grad.npy")
         self._record(d / "state.npz")
         self.iterations.append(iteration)
         self.spans[iteration] = span_ns

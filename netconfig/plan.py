@@ -111,6 +111,23 @@ class GroupPlan(_Model):
                 data["cpu_nodes"] = [n.model_dump() for n in group_nodes(size, sources)]
         return data
 
+    @model_validator(mode="after")
+    def _nodes_hold_the_sources(self) -> GroupPlan:
+        """``cpu_nodes`` must be what ``sources`` say: each source on the node it names, once, and
+        the nodes ranked by name (a plan file is read back, and may have been edited)."""
+        listed = [(name, node.name) for node in self.cpu_nodes for name in node.sources]
+        placed = sorted((s.name, s.cpu_node) for s in self.sources)
+        if sorted(listed) != placed:
+            def show(pairs: list[tuple[str, str]]) -> str:
+                return ", ".join(f"{name} on {node}" for name, node in sorted(pairs))
+            raise ValueError(f"cpu_nodes list {show(listed)}, but the sources are {show(placed)} (the plan is "
+                             "damaged; plan again)")
+        names = [node.name for node in self.cpu_nodes]
+        if names != sorted(names) or [node.rank for node in self.cpu_nodes] != list(range(len(names))):
+            raise ValueError(f"cpu_nodes {names} must be ranked 0..{len(names) - 1} in name order (the plan is "
+                             "damaged; plan again)")
+        return self
+
     @property
     def spread(self) -> bool:
         """Do the group's streams arrive at several CPU nodes (a mirror group)?"""

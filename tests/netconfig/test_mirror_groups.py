@@ -14,6 +14,8 @@ from pathlib import Path, PurePosixPath
 
 import pytest
 import yaml
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from gradtap.commands.netconfig import write_plan_dir
 from gradtap.configs import shipped
@@ -135,6 +137,36 @@ def test_each_node_gets_streams_that_cover_what_it_steps_where_the_topology_allo
     assert {s.direction for s in plan.groups[0].sources} == {"both"}
 
 
+@settings(max_examples=40, deadline=None)
+@given(dp=st.integers(3, 8), nodes=st.integers(1, 4), ports=st.integers(1, 3), cpu_speed=st.sampled_from([100, 200]),
+       ingest=st.sampled_from([100, 200, 300, 1000]), sources=st.integers(3, 4),
+       directions=st.sets(st.sampled_from(["egress", "ingress", "both"]), min_size=1))
+def test_any_spread_keeps_the_rules_or_is_refused(dp, nodes, ports, cpu_speed, ingest, sources, directions):
+    assume(sources <= dp)
+    doc = two_nodes(dp=dp, ingest=ingest, ports=ports, nodes=nodes, cpu_speed=cpu_speed, sources_per_group=sources,
+                    directions=sorted(directions))
+    try:
+        plan = plan_of(doc)
+    except ConfigError as exc:
+        assert "is infeasible" in str(exc) and "no plan was made" in str(exc)
+        return
+    check_placement(parse_topology(doc), plan)
+    (group,) = plan.groups
+    if ports >= sources and ingest == 1000 and cpu_speed == 200:
+        assert not group.spread  # the first node takes every candidate stream
+    sources_of = {s.name: s for s in group.sources}
+    coverage = [0] * dp
+    for node in group.cpu_nodes:
+        streams = [(sources_of[n].position, sources_of[n].direction) for n in node.sources]
+        missing, share = lacking_share(dp, len(group.cpu_nodes), streams)
+        assert node.uncovered_chunks == missing and node.exchange_share == pytest.approx(share, rel=1e-12)
+        for position, direction in streams:
+            for hop in {"egress": [position], "ingress": [position - 1], "both": [position, position - 1]}[direction]:
+                for chunk in allgather_chunks_sent(hop % dp, dp):
+                    coverage[chunk] += 1
+    assert group.coverage == coverage
+
+
 def test_a_group_that_fits_one_node_stays_on_one():
     for name in SHIPPED:
         if name == "mirror-group-two-nodes":
@@ -203,6 +235,20 @@ def test_an_older_plan_with_one_cpu_node_per_group_loads(tmp_path):
     data["groups"][0]["sources"] = 7
     (tmp_path / "plan.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError, match=r"groups\[0\]"):
+        load_plan(tmp_path / "plan.json")
+
+
+def test_a_plan_whose_nodes_contradict_its_sources_is_refused(tmp_path):
+    data = json.loads(shipped_plan("mirror-group-two-nodes").model_dump_json())
+    data["groups"][0]["cpu_nodes"][1]["sources"] = ["m9"]
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"groups\[0\]: cpu_nodes list m0 on ckpt-a, m1 on ckpt-a, m9 on ckpt-b, "
+                                          r"but the sources are .*m2 on ckpt-b \(the plan is damaged"):
+        load_plan(tmp_path / "plan.json")
+    data = json.loads(shipped_plan("mirror-group-two-nodes").model_dump_json())
+    data["groups"][0]["cpu_nodes"].reverse()
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"must be ranked 0..1 in name order"):
         load_plan(tmp_path / "plan.json")
 
 

@@ -52,7 +52,7 @@ each. Keeping up in real time means processing an iteration within that time too
 **Replica lag with uploads running** (``--store``, issue 13): the same replay, ``--repeats``
 times each of three ways interleaved (so that background load hits them alike; the two with
 snapshots swap places every other repeat, as the disk's state after one run affects the next):
-no snapshot (as above); a snapshot every iteration (written in the background, as ``gradtap
+no snapshot (as above); a snapshot every iteration (written on the update path, as ``gradtap
 replay`` writes them: ``--snapshot-every`` below); and a snapshot every iteration handed to the
 background uploader of a ``file://`` store in ``--store-dir`` (default: beside the temporary
 output, so the upload reads and writes the same disk as the snapshots). Figure per run: the mean
@@ -69,7 +69,7 @@ ended it); there, ``--repeats 1`` with ``--store``.
 other repeat): no snapshot; a snapshot every N iterations written on the update path
 (``run_replay(snapshot_buffers=0)``: ``Snapshots.write`` in ``ReplicaSink``, the lag of the
 iteration that takes it includes the whole write); and the same snapshots written in the
-background (``snapshot_buffers=1``, ``store/snapshot_writer.py``: the update path copies the
+background (``snapshot_buffers=BUFFERS``, 1, ``store/snapshot_writer.py``: the update path copies the
 state into a buffer, a thread writes it; a snapshot due while the buffer is still being
 written is skipped and counted). Figure per run: the mean lag over the iterations; per way: the
 best run; and the snapshots written and skipped (``replay.json``). Target: background / no
@@ -97,6 +97,7 @@ import torch
 from benchmarks._bandwidth import memcpy_bandwidth
 from gradtap.replay import run_replay
 from gradtap.replay import ReplayResult
+from gradtap.store.snapshot_writer import BUFFERS
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params, job_plan
 from gradtap.workload.spec import JobSpec, load_job
@@ -227,7 +228,7 @@ def lag_with_uploads(sim: Path, job: JobSpec, batch_frames: int, repeats: int, s
     ratio = best["snapshots + uploads (file://)"] / best["snapshot every iteration"]
     print(f"  snapshots + uploads / snapshots alone   {ratio:6.2f}   target <= 1.1: {'met' if ratio <= 1.1 else 'NOT met'}")
     print(f"  snapshots alone / no snapshot           {best['snapshot every iteration'] / best['no snapshot']:6.2f}   "
-          f"(the local snapshot, written in the background)")
+          f"(the local snapshot, written on the update path)")
     median = {name: sorted(sum(lags) / len(lags) for lags in v)[len(v) // 2] for name, v in runs.items()}
     print(f"  the same ratio of the runs' medians     "
           f"{median['snapshots + uploads (file://)'] / median['snapshot every iteration']:6.2f}")
@@ -240,7 +241,7 @@ def lag_with_snapshots(sim: Path, job: JobSpec, batch_frames: int, repeats: int,
     snapshots = job.model_copy(update={"appliance": job.appliance.model_copy(
         update={"snapshot_every": every, "snapshot_keep": 1})})
     ways = {"no snapshot": (job, 1), "snapshots on the update path": (snapshots, 0),
-            "snapshots in the background": (snapshots, 1)}
+            "snapshots in the background": (snapshots, BUFFERS)}
     pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     runs: dict[str, list[list[float]]] = {name: [] for name in ways}

@@ -36,7 +36,6 @@ from gradtap.store_tier import gradient_log_for, store_close_timeout, uploader_f
 from gradtap.updater.replica import Replica
 from gradtap.updater.replica_origin import ReplicaOrigin
 from gradtap.store.snapshot import Snapshots
-from gradtap.store.snapshot_writer import BUFFERS
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
 from gradtap.workload.wire_plan import WirePlan
@@ -184,7 +183,7 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
                resync: list[dict] | None = None, force: bool = False,
                start_source: str = "the start state",
                gradients: Path | None = None,
-               snapshot_buffers: int = BUFFERS) -> tuple[ReplayResult, ReplicaSink]:
+               snapshot_buffers: int = 0) -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
     whose ``iteration`` is the capture's first iteration, or, when it has a ``time_ns``, the
     first that began after it: ``gradtap/start.py``), writing into ``out``:
@@ -196,7 +195,8 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     ``gradients``: a directory for each recovered iteration's reduced gradient
     (``gradtap/gradient_dump.py``). ``start`` may also be a :class:`ReplicaStart` (``--start-from-store``).
     ``snapshot_buffers``: copies of the state for writing snapshots in the background
-    (``store/snapshot_writer.py``); 0 writes them on the update path."""
+    (``store/snapshot_writer.py``: a snapshot due while they are all being written is skipped);
+    0 writes each on the update path, so that every snapshot the schedule names exists."""
     begin = start if isinstance(start, ReplicaStart) else replica_start(job, start, start_source)
     replica = Replica(job, begin.checkpoint)
     origin = ReplicaOrigin.of(replica, begin.waiting)

@@ -46,7 +46,7 @@ from gradtap.store.uploader import NICE
 log = logging.getLogger(__name__)
 
 FLAT = ("param", "exp_avg", "exp_avg_sq")      # the FlatState arrays a snapshot copies
-BUFFERS = 1             # the appliance's default: one copy (12 B per parameter) keeps the disk busy
+BUFFERS = 1             # the sensible number: one copy (12 B per parameter) keeps the disk busy
 
 
 class StateBuffer:

@@ -59,6 +59,7 @@ from gradtap.updater.intrinsics import div32, fma32, widen
 
 IMPLEMENTATIONS = ("single_tensor", "foreach", "fused")
 CHUNK = 4096        # elements per work span: a span's p, g, m, v (64 KiB) stay in L2
+CACHE_LINE = 64     # bytes; the state arrays start on one (``updater.state.aligned_empty``)
 FUSED_LANES = 8     # Vectorized<float>::size() of the AVX2 build that runs torch._fused_adam_
 BODY, TAIL = 0, 1   # work-span forms (TAIL only in fused: the last n % 8 of a tensor)
 
@@ -116,22 +117,33 @@ def step_constants(implementation: str, *, decoupled: bool, lr: float, betas: tu
         bias2_sqrt=np.float32(bias2_sqrt), eps=np.float32(eps), neg_step=np.float32(-(lr / bias1)))
 
 
-def work_spans(sizes: list[int] | tuple[int, ...], implementation: str, chunk: int = CHUNK) -> np.ndarray:
+def work_spans(sizes: list[int] | tuple[int, ...], implementation: str, chunk: int = CHUNK,
+               start: int = 0) -> np.ndarray:
     """The work list of a bucket whose tensors have ``sizes`` elements, laid out densely in
     that order: rows ``(lo, hi, form)``, disjoint, covering ``[0, sum(sizes))``.
 
-    Spans hold at most ``chunk`` elements. For fused each tensor's last ``n % 8`` elements
-    form their own ``TAIL`` span, and body spans never cross a tensor boundary.
+    Spans hold at most ``chunk`` elements and are cut where the flat state arrays cross a
+    multiple of ``chunk``, the bucket's first element sitting at flat index ``start``. With
+    the default chunk (a whole number of cache lines) and state arrays that start on a cache
+    line, every span but a tensor's first then starts on one, so the vector loop over it
+    reads and writes no line-splitting vector (parameters, moments; the wire gradient has
+    its own alignment). For fused each tensor's last ``n % 8`` elements form their own
+    ``TAIL`` span, and body spans never cross a tensor boundary. Where spans are cut does not
+    change a result: every element of a body is stepped by the same operations.
     """
+    def cut(lo: int, hi: int) -> list[tuple[int, int, int]]:
+        first = ((start + lo) // chunk + 1) * chunk - start     # the first flat boundary past lo
+        bounds = [lo, *range(first, hi, chunk), hi] if lo < hi else []
+        return [(a, b, BODY) for a, b in zip(bounds, bounds[1:])]
+
     rows: list[tuple[int, int, int]] = []
     if implementation != "fused":
-        total = int(sum(sizes))
-        rows = [(lo, min(lo + chunk, total), BODY) for lo in range(0, total, chunk)]
+        rows = cut(0, int(sum(sizes)))
     else:
         offset = 0
         for n in sizes:
             body = n - n % FUSED_LANES
-            rows += [(offset + lo, offset + min(lo + chunk, body), BODY) for lo in range(0, body, chunk)]
+            rows += cut(offset, offset + body)
             if body < n:
                 rows.append((offset + body, offset + n, TAIL))
             offset += n

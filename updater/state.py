@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import ConfigError
-from gradtap.updater.kernels import work_spans
+from gradtap.updater.kernels import CACHE_LINE, work_spans
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.spec import OptimizerSpec, ParamSpec
 
@@ -68,8 +68,21 @@ class FlatLayout:
 
     @cached_property
     def _work(self) -> dict[str, list[np.ndarray]]:
-        return {impl: [work_spans([self.params[i].numel for i in b.params], impl) for b in self.buckets]
+        return {impl: [work_spans([self.params[i].numel for i in b.params], impl, start=start)
+                       for b, start in zip(self.buckets, self.bucket_start)]
                 for impl in ("single_tensor", "foreach", "fused")}
+
+
+def aligned_empty(n: int) -> np.ndarray:
+    """An uninitialised 1-D float32 array of ``n`` elements whose data starts on a cache line.
+
+    NumPy aligns large arrays to 16 bytes only (glibc's ``mmap`` chunks start 16 bytes into
+    a page), so every other 32-byte vector of a kernel would straddle two cache lines; the
+    work spans (``FlatLayout.work``) are cut on cache lines of arrays laid out like this.
+    """
+    raw = np.empty(4 * n + CACHE_LINE, np.uint8)
+    skip = -raw.ctypes.data % CACHE_LINE
+    return raw[skip:skip + 4 * n].view(np.float32)
 
 
 @dataclass
@@ -86,7 +99,12 @@ class FlatState:
     lr: float
 
     def copy(self) -> "FlatState":
-        return FlatState(self.param.copy(), self.exp_avg.copy(), self.exp_avg_sq.copy(),
+        def copy(a: np.ndarray) -> np.ndarray:
+            out = aligned_empty(a.size)
+            out[:] = a
+            return out
+
+        return FlatState(copy(self.param), copy(self.exp_avg), copy(self.exp_avg_sq),
                          self.step, self.iteration, self.lr)
 
 
@@ -144,7 +162,7 @@ def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout,
     params = layout.params
     model = checkpoint["model"]
     keys = model_keys(model, params)
-    flat = [np.empty(layout.total, np.float32) for _ in range(3)]
+    flat = [aligned_empty(layout.total) for _ in range(3)]
     for i, spec in enumerate(params):
         flat[0][layout.param(i)] = _check_tensor("parameter", model[spec.name], spec)
     optimizer = checkpoint["optimizer"]

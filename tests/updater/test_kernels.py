@@ -197,10 +197,44 @@ def test_step_constants_are_the_floats_torch_uses(implementation, case):
 
 def test_work_spans():
     rows = work_spans([20, 5, 16], "fused", chunk=8)
-    assert rows.tolist() == [[0, 8, 0], [8, 16, 0], [16, 20, 1], [20, 25, 1], [25, 33, 0], [33, 41, 0]]
+    assert rows.tolist() == [[0, 8, 0], [8, 16, 0], [16, 20, 1], [20, 25, 1], [25, 32, 0], [32, 40, 0],
+                             [40, 41, 0]]
     rows = work_spans([20, 5, 16], "single_tensor", chunk=16)
     assert rows.tolist() == [[0, 16, 0], [16, 32, 0], [32, 41, 0]]
     assert work_spans([], "fused").shape == (0, 3)
+    # The bucket starts at flat index 3: spans are cut where the flat arrays cross multiples
+    # of the chunk (flat 8, 16, 32, 40), fused tails stay each tensor's last n % 8.
+    rows = work_spans([20, 5, 16], "fused", chunk=8, start=3)
+    assert rows.tolist() == [[0, 5, 0], [5, 13, 0], [13, 16, 0], [16, 20, 1], [20, 25, 1],
+                             [25, 29, 0], [29, 37, 0], [37, 41, 0]]
+    rows = work_spans([20, 5, 16], "single_tensor", chunk=16, start=3)
+    assert rows.tolist() == [[0, 13, 0], [13, 29, 0], [29, 41, 0]]
+    assert work_spans([16], "fused", chunk=8, start=8).tolist() == [[0, 8, 0], [8, 16, 0]]
+
+
+@pytest.mark.parametrize("implementation,root", EVERY_PATH)
+def test_results_do_not_depend_on_where_spans_are_cut(implementation, root):
+    """Spans cut on the cache lines of a bucket that starts anywhere in the flat arrays
+    (``work_spans(start=)``) give the bits of spans cut from the bucket's start."""
+    require(root)
+    rng = np.random.default_rng(4)
+    sizes = [9001, 7, 3000, 16]
+    n = sum(sizes)
+    start = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    start[2] = np.abs(start[2])
+    g = rng.standard_normal(n).astype(np.float32)
+    c = step_constants(implementation, decoupled=False, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1,
+                       step=3)
+
+    def step(chunk, first):
+        p, m, v = (a.copy() for a in start)
+        adam_step(implementation, p, g, m, v, work_spans(sizes, implementation, chunk=chunk, start=first), c,
+                  sqrt=root)
+        return np.concatenate([p, m, v]).view(np.uint32)
+
+    reference = step(kernels.CHUNK, 0)
+    for chunk, first in ((kernels.CHUNK, 5), (kernels.CHUNK, 4093), (1000, 13), (16, 1)):
+        assert np.array_equal(step(chunk, first), reference), (chunk, first)
 
 
 def test_validation():

@@ -33,8 +33,9 @@ with ``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)`` DDP d
 
 After the allreduce: optional ``torch.nn.utils.clip_grad_norm_(model.parameters(),
 max_norm)`` (its defaults otherwise), the learning rate of
-:func:`gradtap.workload.schedule.learning_rate`, then ``optimizer.step()``. Per-rank buffers of every bucket are kept in the result, so an
-iteration holds ``N`` copies of the gradient in memory.
+:func:`gradtap.workload.schedule.learning_rate`, then ``optimizer.step()``. Per-rank buffers
+of every bucket are in the result (until the next step), so an iteration holds ``N`` copies
+of the gradient in memory.
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ class IterationResult:
     """One iteration. ``per_rank_buckets[b][r]`` is rank r's wire buffer of bucket b,
     ``reduced_buckets[b]`` the allreduce result (both in the wire numpy dtype, see
     ``WIRE_NUMPY``); ``losses[r]`` is rank r's loss before the step and ``lr`` the
-    learning rate the step used."""
+    learning rate the step used. The per-rank buffers are the trainer's own, reused by
+    its next step: copy them to keep them longer."""
 
     iteration: int
     per_rank_buckets: tuple[tuple[np.ndarray, ...], ...]
@@ -159,6 +161,16 @@ class Trainer:
         self._params = _match_params(model, params)
         self.buckets = _check_buckets(buckets, self._params)
         self.optimizer = make_optimizer(list(model.parameters()), optimizer)
+        # Buffers every step reuses, allocated at the first (their pages are faulted in once,
+        # not once per iteration): each rank's wire buffers of all buckets, back to back in
+        # launch order; the fp32 staging of one bucket for a low-precision wire dtype; the
+        # reduced gradient that the parameters' .grad are views of.
+        numel = sum(p.numel() for p in self._params)
+        dtype = WIRE_DTYPES[wire_dtype]
+        self._wire = [torch.empty(0, dtype=dtype) for _ in range(world_size)]
+        self._wire_numel = numel
+        self._staging = torch.empty(0, dtype=torch.float32)
+        self._grad = torch.empty(0, dtype=torch.float32)
 
     def step(self, buckets: Sequence[Bucket] | None = None,
              before_update: Callable[[], None] | None = None) -> IterationResult:
@@ -176,14 +188,18 @@ class Trainer:
         for rank in range(self.world_size):
             loss = self._backward(rank, it)
             losses.append(loss)
-            per_rank.append([to_wire_array(self._wire_buffer(b)) for b in self.buckets])
+            per_rank.append(self._wire_buffers(rank))
         reduced = []
+        if len(self._grad) == 0:
+            self._grad = torch.empty(self._wire_numel, dtype=torch.float32)
+        start = 0
         for b, bucket in enumerate(self.buckets):
             contributions = [per_rank[r][b] for r in range(self.world_size)]
             result = self.allreduce(contributions, bucket)
             _check_reduced(result, bucket, self.wire_dtype)
             reduced.append(result)
-            self._scatter(bucket, result)
+            self._scatter(bucket, result, self._grad[start:start + bucket.numel])
+            start += bucket.numel
         if before_update is not None:
             before_update()
         clip = self.optimizer_cfg.clip_grad_norm
@@ -212,29 +228,42 @@ class Trainer:
         loss.backward()
         return float(loss.detach())
 
-    def _wire_buffer(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's buffer of ``bucket`` as it goes on the wire."""
+    def _wire_buffers(self, rank: int) -> list[np.ndarray]:
+        """This rank's buffer of every bucket as it goes on the wire (views of the rank's
+        reused buffer, in launch order)."""
         n = self.world_size
-        buffer = torch.empty(bucket.numel, dtype=self._params[bucket.params[0]].dtype)
-        for i, offset in zip(bucket.params, bucket.offsets):
-            p = self._params[i]
-            if p.grad is None:
-                raise PlanError(f"parameter {i} ({tuple(p.shape)}) got no gradient; DDP "
-                                "would need find_unused_parameters=True, which is not modelled")
-            view = buffer[offset:offset + p.numel()].view(p.shape)
-            if self.wire_dtype == "fp32" and self.predivide:
-                torch.mul(p.grad, 1.0 / n, out=view)
+        if len(self._wire[rank]) == 0:
+            self._wire[rank] = torch.empty(self._wire_numel, dtype=WIRE_DTYPES[self.wire_dtype])
+        out, start = [], 0
+        for bucket in self.buckets:
+            wire = self._wire[rank][start:start + bucket.numel]
+            start += bucket.numel
+            if self.wire_dtype == "fp32":
+                buffer = wire
             else:
-                view.copy_(p.grad)
-        if self.wire_dtype == "fp32":
-            return buffer
-        compressed = buffer.to(WIRE_DTYPES[self.wire_dtype])
-        return compressed.div_(n) if self.predivide else compressed
+                if len(self._staging) < bucket.numel:
+                    self._staging = torch.empty(bucket.numel, dtype=torch.float32)
+                buffer = self._staging[:bucket.numel]
+            for i, offset in zip(bucket.params, bucket.offsets):
+                p = self._params[i]
+                if p.grad is None:
+                    raise PlanError(f"parameter {i} ({tuple(p.shape)}) got no gradient; DDP "
+                                    "would need find_unused_parameters=True, which is not modelled")
+                view = buffer[offset:offset + p.numel()].view(p.shape)
+                if self.wire_dtype == "fp32" and self.predivide:
+                    torch.mul(p.grad, 1.0 / n, out=view)
+                else:
+                    view.copy_(p.grad)
+            if self.wire_dtype != "fp32":
+                wire.copy_(buffer)           # the rounding of buffer.to(dtype)
+                if self.predivide:
+                    wire.div_(n)
+            out.append(to_wire_array(wire))
+        return out
 
-    def _scatter(self, bucket: Bucket, reduced: np.ndarray) -> None:
-        """Decompress the reduced buffer and hand each parameter its slice as ``.grad``."""
-        dtype = self._params[bucket.params[0]].dtype
-        buffer = torch.empty(bucket.numel, dtype=dtype)
+    def _scatter(self, bucket: Bucket, reduced: np.ndarray, buffer: torch.Tensor) -> None:
+        """Decompress the reduced buffer into ``buffer`` (float32, the bucket's numel) and
+        hand each parameter its slice as ``.grad``."""
         # One copy (and conversion) straight from the reduced array, which stays the caller's.
         buffer.copy_(_wire_view(reduced, self.wire_dtype))
         if not self.predivide:

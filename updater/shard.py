@@ -15,23 +15,33 @@ node then stacks the very tensors, in the very order, the single replica stacks,
 same torch call gives the same total and coefficient (``tests/updater/test_shard.py``
 checks them against ``clip_grad_norm_`` itself).
 
-Memory: the shard keeps the whole flat state (as loaded from the trainer's checkpoint) and
-updates its slice; the other slices stay as loaded and are never written out
-(:meth:`ShardReplica.shard_state`).
+**Memory.** A shard holds only its slice: parameters, both moments and the widened gradient
+of its own buckets (:class:`ShardLayout`: its parameters, renumbered, laid out as in the
+whole flat state, so its arrays are exactly the elements :attr:`ShardReplica.shard` of the
+whole one). It loads them from the trainer's full checkpoint tensor by tensor, touching no
+other parameter's tensors (with ``torch.load(..., mmap=True)`` the others are never read
+from disk), through the same checks as the whole replica (``updater/state.py``'s
+``from_checkpoint`` over the shard's part of the checkpoint). Offers and resyncs load the
+slice the same way. A shard has no whole ``state_dict``: its file is
+:meth:`ShardReplica.shard_state`, the group's checkpoint ``store/shard_snapshot.assemble``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from gradtap.core.errors import GradtapError
+from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.updater import selfcheck
 from gradtap.updater.clipping import GradNorms
 from gradtap.updater.replica import Replica
+from gradtap.updater.state import FlatLayout, from_checkpoint
 from gradtap.workload.buckets import Bucket
+from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.shards import Shards
 from gradtap.workload.spec import JobSpec
 
@@ -42,7 +52,17 @@ _NORM = np.dtype("<f4")
 
 class ShardNorms(GradNorms):
     """A clipped iteration's per-parameter norms, some taken here and the rest put in from
-    the group's other shards."""
+    the group's other shards. ``local``: the job's index of each of the shard's parameters,
+    when :meth:`add` is given the shard's own numbering (default: the job's)."""
+
+    def __init__(self, n_params: int, local: Sequence[int] | None = None):
+        super().__init__(n_params)
+        self._local = None if local is None else list(local)
+
+    def add(self, param_indices: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+        if self._local is not None:
+            param_indices = [self._local[i] for i in param_indices]
+        super().add(param_indices, grads)
 
     def own(self) -> dict[int, torch.Tensor]:
         return {i: n for i, n in enumerate(self._norms) if n is not None}
@@ -76,23 +96,115 @@ def decode_norms(message: bytes, source: str) -> dict[int, torch.Tensor]:
     return {int(i): values[k] for k, i in enumerate(index)}
 
 
+class ShardLayout(FlatLayout):
+    """The flat layout of one shard: its buckets ``own`` (contiguous, in launch order) of the
+    job's ``buckets``, their parameters renumbered ``0..m-1`` in the job's order
+    (:attr:`local` gives each one's index in the job). Buckets keep the job's indices
+    (``bucket(b)``, ``buckets[b]``, ``work(b, ...)``: b a bucket of the shard), with their
+    parameters in the shard's numbering; offsets are in the shard's arrays."""
+
+    def __init__(self, params, buckets: Sequence[Bucket], own: Sequence[int]):
+        own = list(own)
+        if own and own != list(range(own[0], own[0] + len(own))):
+            raise GradtapError(f"ShardLayout: buckets {own} are not a contiguous range")
+        self.local = sorted(i for b in own for i in buckets[b].params)
+        number = {g: k for k, g in enumerate(self.local)}
+        mine = [dataclasses.replace(buckets[b], params=tuple(number[i] for i in buckets[b].params)) for b in own]
+        super().__init__([params[i] for i in self.local], mine)
+        self.first = own[0] if own else 0
+        self._inner = FlatLayout(self.params, mine)        # the shard's own buckets, numbered from 0
+        self.buckets = tuple(mine[b - self.first] if b in own else buckets[b] for b in range(len(buckets)))
+
+    def bucket(self, b: int) -> slice:
+        return self._inner.bucket(b - self.first)
+
+    def work(self, b: int, implementation: str) -> np.ndarray:
+        return self._inner.work(b - self.first, implementation)
+
+
 class ShardReplica(Replica):
-    """The shard of ``job``'s replica that node ``rank`` of a group sharded as ``shards`` steps."""
+    """The shard of ``job``'s replica that node ``rank`` of a group sharded as ``shards`` steps,
+    its slice loaded from the trainer's full ``checkpoint`` (see the module docstring)."""
 
     def __init__(self, job: JobSpec, checkpoint: Mapping[str, Any], shards: Shards, rank: int, *,
                  buckets: tuple[Bucket, ...] | None = None):
-        super().__init__(job, checkpoint, buckets=buckets)
-        if len(shards.owner) != len(self.layout.buckets) or not 0 <= rank < shards.world:
+        # Replica.__init__ would load the whole state; these are its attributes, with the slice.
+        buckets = job_buckets(job) if buckets is None else buckets
+        if len(shards.owner) != len(buckets) or not 0 <= rank < shards.world:
             raise GradtapError(f"ShardReplica: shards of {len(shards.owner)} buckets over {shards.world} nodes, "
-                               f"rank {rank}; the job has {len(self.layout.buckets)} buckets")
+                               f"rank {rank}; the job has {len(buckets)} buckets")
+        self.job, self.cfg, self.wire = job, job.optimizer, job.ddp.grad_dtype
         self.shards, self.rank = shards, rank
         self._own = shards.buckets_of(rank)
+        self.whole = FlatLayout(job_params(job), buckets)      # where the shard sits in the whole state
+        self.layout = ShardLayout(self.whole.params, buckets, self._own)
+        self.state, self._keys = self._load(checkpoint)
+        self.stale = False
+        self.offers: dict[int, Mapping[str, Any]] = {}
+        self._reached = -1
+        self.root = selfcheck.root_source(self.cfg)
+        self._open = None
+        self._grad32: np.ndarray | None = None
+
+    def _load(self, checkpoint: Mapping[str, Any]):
+        """The shard's flat state from the trainer's full ``checkpoint``: ``from_checkpoint``
+        over the shard's parameters (their tensors only), and the step of the whole."""
+        state, keys = from_checkpoint(self._part(checkpoint), self.layout, self.cfg)
+        whole = checkpoint["optimizer"].get("state", {})
+        if not self.layout.local and whole:       # no parameter of its own: the step is the whole's
+            state.step = int(float(whole[0]["step"]))
+        return state, keys
+
+    def _part(self, checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """The shard's part of a trainer checkpoint, its parameters renumbered as the shard's;
+        ``ConfigError`` for a checkpoint that is not the job's as a whole."""
+        for key in ("model", "optimizer"):
+            if key not in checkpoint:
+                raise ConfigError(f"checkpoint has no {key!r} entry; expected the dict "
+                                  "{'model': state_dict, 'optimizer': state_dict, 'iteration': k}")
+        n, local = len(self.whole.params), self.layout.local
+        groups = checkpoint["optimizer"].get("param_groups", [])
+        if len(groups) != 1 or list(groups[0].get("params", [])) != list(range(n)):
+            raise ConfigError(f"checkpoint optimizer: expected one param group over parameters 0..{n - 1} (the "
+                              "model's parameters in order)")
+        state = checkpoint["optimizer"].get("state", {})
+        lacking = [i for i in range(n) if i not in state] if state else []
+        if lacking:
+            raise ConfigError(f"checkpoint optimizer: parameter {lacking[0]} ({self.whole.params[lacking[0]].name!r}) "
+                              "has no state while others do")
+        names = {self.whole.params[i].name for i in local}
+        part: dict[str, Any] = {
+            "model": {k: v for k, v in checkpoint["model"].items() if k in names},
+            "optimizer": {"state": {k: state[i] for k, i in enumerate(local)} if state else {},
+                          "param_groups": [{**groups[0], "params": list(range(len(local)))}]}}
+        if state and not local:       # no parameter of its own: the step is the whole's
+            part["iteration"] = checkpoint.get("iteration", int(float(state[0]["step"])))
+        elif "iteration" in checkpoint:
+            part["iteration"] = checkpoint["iteration"]
+        return part
+
+    def check_offer(self, checkpoint: Mapping[str, Any]) -> int:
+        return super().check_offer(self._part(checkpoint))
+
+    def resync(self, checkpoint: Mapping[str, Any]) -> None:
+        self.state, self._keys = self._load(checkpoint)
+        self._open = None
+        self.stale = False
+
+    def relayout(self, buckets: tuple[Bucket, ...]) -> None:
+        raise GradtapError("relayout(): a shard of a mirror group keeps the bucket layout it was sharded by; "
+                           "a group needs the job's final layout from the start (ddp.layout: rebuilt or explicit)")
+
+    def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
+        raise GradtapError(f"state_dict(): node rank {self.rank} holds only elements {self.shard.start}.."
+                           f"{self.shard.stop} of the replica; take shard_state(), or join the group's snapshot "
+                           "(store/shard_snapshot.assemble)")
 
     def stepped_buckets(self) -> list[int]:
         return list(self._own)
 
     def _new_norms(self) -> GradNorms:
-        return ShardNorms(len(self.layout.params))
+        return ShardNorms(len(self.whole.params), self.layout.local)
 
     def apply_bucket(self, bucket: int, grad: np.ndarray) -> None:
         if bucket not in self._own:
@@ -117,10 +229,10 @@ class ShardReplica(Replica):
 
     @property
     def shard(self) -> slice:
-        """This shard's elements of the flat state (empty when it owns no bucket)."""
+        """This shard's elements of the whole flat state (empty when it owns no bucket)."""
         if not self._own:
             return slice(0, 0)
-        return slice(self.layout.bucket(self._own[0]).start, self.layout.bucket(self._own[-1]).stop)
+        return slice(self.whole.bucket(self._own[0]).start, self.whole.bucket(self._own[-1]).stop)
 
     def shard_state(self) -> dict[str, np.ndarray]:
         """The shard's flat ``param``, ``exp_avg`` and ``exp_avg_sq`` (copies), with its bucket
@@ -128,6 +240,6 @@ class ShardReplica(Replica):
         if self.open_iteration is not None:
             raise GradtapError(f"shard_state(): iteration {self.open_iteration} is half applied")
         sl = self.shard
-        return {"param": self.state.param[sl].copy(), "exp_avg": self.state.exp_avg[sl].copy(),
-                "exp_avg_sq": self.state.exp_avg_sq[sl].copy(), "buckets": np.asarray(self._own, np.int64),
+        return {"param": self.state.param.copy(), "exp_avg": self.state.exp_avg.copy(),
+                "exp_avg_sq": self.state.exp_avg_sq.copy(), "buckets": np.asarray(self._own, np.int64),
                 "elements": np.asarray([sl.start, sl.stop], np.int64)}

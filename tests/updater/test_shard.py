@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.core.errors import GradtapError
+from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.updater.clipping import GradNorms
 from gradtap.updater.replica import Replica
 from gradtap.updater.shard import ShardNorms, ShardReplica, decode_norms, encode_norms
@@ -139,3 +139,39 @@ def test_the_gathered_total_norm_is_clip_grad_norms_bit_for_bit(tmp_path):
     clipped = np.concatenate([p.grad.numpy() for p in params]).view(np.uint32)
     assert np.array_equal(np.concatenate([g * np.uint32(got[0][2]).view(np.float32) for g in gs]).view(np.uint32),
                           clipped)
+
+
+def test_a_shard_holds_and_loads_only_its_slice():
+    """Its arrays are its elements alone; the other parameters' tensors are never read (here
+    float64, which the whole replica refuses); offers resync the slice; a shard without
+    buckets keeps the whole's step; and it has no whole state_dict."""
+    j = job(**CLIPPED)
+    buckets = job_buckets(j)
+    whole = Replica.from_job(j)
+    rng = np.random.default_rng(4)
+    for it in range(3):
+        whole.apply(it, np.concatenate([r.view(np.uint8) for r in random_reduced(j, rng)]))
+    later = whole.state_dict()
+    shards = Shards.balanced([b.numel for b in buckets], 2)
+    part = ShardReplica(j, later, shards, 0)
+    sl = part.shard
+    assert 0 < sl.stop - sl.start < whole.layout.total
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        assert getattr(part.state, name).size == sl.stop - sl.start
+        assert np.array_equal(getattr(part.state, name), getattr(whole.state, name)[sl])
+    assert (part.step, part.iteration) == (whole.step, whole.iteration)
+    theirs = {part.whole.params[i].name for b in shards.buckets_of(1) for i in buckets[b].params}
+    spoilt = {**later, "model": {k: v.double() if k in theirs else v for k, v in later["model"].items()}}
+    assert np.array_equal(ShardReplica(j, spoilt, shards, 0).state.param, part.state.param)
+    with pytest.raises(ConfigError, match="float32"):
+        Replica(j, spoilt)
+    start = ShardReplica(j, Replica.from_job(j).state_dict(), shards, 0)
+    start.stale = True
+    start.offer(later)
+    assert start.begin(whole.iteration).value == "resynced"
+    start.abort()
+    assert np.array_equal(start.state.exp_avg_sq, part.state.exp_avg_sq) and start.step == whole.step
+    idle = ShardReplica(j, later, Shards((0,) * len(buckets), 2), 1)
+    assert idle.state.param.size == 0 and (idle.step, idle.iteration) == (whole.step, whole.iteration)
+    with pytest.raises(GradtapError, match="holds only elements"):
+        part.state_dict()

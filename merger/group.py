@@ -9,9 +9,10 @@ of the replica. Per iteration and bucket, in order, the nodes:
    coverage bitmap and a keyed 16-byte digest of each block it covers (``merger/digest.py``,
    under a key drawn afresh at every rendezvous);
 2. **send the owner what it lacks**: from those, every node derives the same fetch list
-   (:func:`fetch_mask`): a block that no stream of the owner covers comes from the first
-   stream (in the job's stream order) that does, and every remote copy of a block whose
-   copies' digests differ comes too. Blocks all copies agree on, the owner already holds,
+   (:func:`fetch_mask`): a block that no stream of the owner covers comes from one of the
+   streams that do, taken in turn block by block (in the job's stream order), so that the
+   sending is spread over the nodes; and every remote copy of a block whose copies' digests
+   differ comes too. Blocks all copies agree on, the owner already holds,
    travel nowhere. At a mirror loss of 1e-6 that is nearly nothing but the digests.
 
 The owner then merges its own copies and the fetched ones with ``merger/union.py``, the
@@ -121,16 +122,17 @@ def fetch_mask(cov: np.ndarray, digests: np.ndarray, at_owner: np.ndarray) -> np
 
     ``cov``/``digests``: every stream of the group in the job's stream order; ``at_owner``:
     ``bool[streams]``, the streams the owner holds. Every remote copy of a block whose
-    covered copies' digests differ; for a block the owner's streams do not cover, the first
-    covering stream's copy."""
+    covered copies' digests differ; for a block j the owner's streams do not cover, the copy
+    of the (j mod c)-th of the c streams covering it (their copies agree: any one will do, and
+    taking them in turn spreads the sending over the nodes)."""
     first = np.argmax(cov, axis=0)                                   # first covering stream per block
     k = cov.shape[1]
     ref = digests[first, np.arange(k)]                               # [k, DIGEST_BYTES]
     differ = (cov & (digests != ref[None]).any(axis=2)).any(axis=0)
     owner_has = (cov & at_owner[:, None]).any(axis=0)
-    firsts = np.zeros_like(cov)
-    firsts[first, np.arange(k)] = cov.any(axis=0)
-    return ~at_owner[:, None] & cov & (differ[None] | (~owner_has[None] & firsts))
+    turn = np.arange(k) % np.maximum(cov.sum(axis=0), 1)             # which covering stream's turn
+    chosen = cov & (np.cumsum(cov, axis=0) - 1 == turn[None])
+    return ~at_owner[:, None] & cov & (differ[None] | (~owner_has[None] & chosen))
 
 
 class GroupMerger(Merger):

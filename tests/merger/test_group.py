@@ -195,9 +195,13 @@ def test_fetch_mask_takes_only_missing_and_disputed_copies():
     digests = np.zeros((3, k, 16), np.uint8)
     digests[2, 3, 0] = 1                                  # stream 2 disagrees on block 3
     fetch = fetch_mask(cov, digests, np.array([True, False, False]))
-    # block 0: the owner has it; 1: missing at the owner, first from stream 1; 2: owner has it;
-    # 3: disputed, every remote copy.
-    assert fetch.tolist() == [[False] * 4, [False, True, False, True], [False, False, False, True]]
+    # block 0: the owner has it; 1: missing at the owner, covered by streams 1 and 2, whose turn
+    # is 1 mod 2: stream 2; 2: owner has it; 3: disputed, every remote copy.
+    assert fetch.tolist() == [[False] * 4, [False, False, False, True], [False, True, False, True]]
+    # blocks the owner lacks, each covered by both others: taken from them in turn
+    cov = np.array([[0] * 6, [1] * 6, [1] * 6], bool)
+    fetch = fetch_mask(cov, np.zeros((3, 6, 16), np.uint8), np.array([True, False, False]))
+    assert fetch.tolist() == [[False] * 6, [True, False] * 3, [False, True] * 3]
 
 
 def test_coverage_messages_round_trip_and_malformed_ones_are_refused():

@@ -211,6 +211,30 @@ def _fused_span(p, g, m, v, c, half, tail):
 
 
 @njit(**JIT)
+def _plain(c):
+    """Whether a step needs none of the per-element choices of ``_fused_span``: the gradient
+    as it arrives (pre-divided, not clipped: ``clip`` is exactly 1), no L2 term, and the
+    lerp from ``m`` (``1 − β1 < 0.5``). Adam and AdamW with torch's default betas, and any
+    step whose clip coefficient clamps to 1."""
+    return not c.divide and c.clip == 1 and not c.use_l2 and c.lerp_small
+
+
+@njit(**JIT)
+def _fused_plain_span(p, g, m, v, c, half):
+    """``_fused_span`` of a body span in a :func:`_plain` step: the same operations, without
+    the multiply by a clip coefficient of 1 (``x · 1 = x``) and without the branches that
+    LLVM keeps inside the loop there (about 3 % of the compute per element)."""
+    for i in range(p.size):
+        gi = widen(g[i], half)
+        mi = fma32(c.lerp_weight, gi - m[i], m[i])
+        vi = fma32(c.one_minus_beta2 * gi, gi, v[i] * c.beta2)
+        m[i] = mi
+        v[i] = vi
+        denom = div32(np.sqrt(vi), c.bias2_sqrt) + c.eps
+        p[i] = p[i] * c.decay + div32(c.neg_step * mi, denom)
+
+
+@njit(**JIT)
 def _widen_span(g, out, c, half):
     for i in range(out.size):
         out[i] = _grad(g, i, c, half)
@@ -265,9 +289,13 @@ def _params_all(p, m, root, work, c):
 
 @njit(**JIT_PARALLEL)
 def _fused(p, g, m, v, work, c, half):
+    plain = _plain(c)
     for w in prange(work.shape[0]):
         lo, hi = work[w, 0], work[w, 1]
-        _fused_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, work[w, 2] == TAIL)
+        if plain and work[w, 2] == BODY:
+            _fused_plain_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half)
+        else:
+            _fused_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, work[w, 2] == TAIL)
 
 
 def _check(name: str, a: np.ndarray, n: int, dtype, writeable: bool = False) -> None:

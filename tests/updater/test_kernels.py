@@ -330,3 +330,39 @@ def test_results_do_not_depend_on_the_thread_count(implementation, root):
     finally:
         numba.set_num_threads(before)
     assert all(np.array_equal(results[0], r) for r in results[1:])
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
+def test_the_plain_fused_loop_is_the_generic_one(wire):
+    """The fused kernel steps the body of a step that needs no per-element choice (gradient
+    as it arrives, clip 1, no L2 term, lerp from m) with a loop of its own: it must give the
+    generic loop's bits, special values included, and be taken exactly for those steps."""
+    rng = np.random.default_rng(11)
+    n = 4099
+    g_wire, _ = wire_gradient(rng, n, wire)
+    start = [rng.standard_normal(n).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 10, n)
+             for _ in range(3)]
+    start[2] = np.abs(start[2])
+    for a in start:
+        a[:8] = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3.4e38]
+        rng.shuffle(a)
+    half = wire == "fp16"
+    for kind, betas, wd in (("adamw", (0.9, 0.999), 0.01), ("adam", (0.95, 0.9999), 0.0)):
+        c = step_constants("fused", decoupled=kind == "adamw", lr=1e-3, betas=betas, eps=1e-8,
+                           weight_decay=wd, step=7)
+        assert kernels._plain(c)
+        plain, generic = ([a.copy() for a in start] for _ in range(2))
+        kernels._fused_plain_span(plain[0], g_wire, plain[1], plain[2], c, half)
+        kernels._fused_span(generic[0], g_wire, generic[1], generic[2], c, half, False)
+        for a, b in zip(plain, generic):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    plain_c = step_constants("fused", decoupled=True, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                             step=7)
+    for other in (step_constants("fused", decoupled=True, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                 weight_decay=0.01, step=7, world=4),
+                  plain_c._replace(clip=np.float32(0.5)),
+                  step_constants("fused", decoupled=False, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                                 weight_decay=0.01, step=7),
+                  step_constants("fused", decoupled=True, lr=1e-3, betas=(0.3, 0.999), eps=1e-8,
+                                 weight_decay=0.01, step=7)):
+        assert not kernels._plain(other)

@@ -34,6 +34,7 @@ from gradtap.simulator.allreduce import chunk_index, plan_allreduce, ring_partia
 from gradtap.simulator.background import Background
 from gradtap.simulator.faults import FaultSpec, apply_mirror_faults
 from gradtap.simulator.frames import ErspanTunnel, Routes, encode_frames
+from gradtap.simulator.heap import retained_heap
 from gradtap.simulator.lanes import Lane, PhaseClock, wait_for
 from gradtap.simulator.traffic import ConnectionState, Timing, TrafficBuilder
 from gradtap.simulator.training import WIRE_NUMPY, Trainer
@@ -116,6 +117,11 @@ class Simulation:
         self.faults, self.timing, self.fmt = faults, timing, fmt
 
     def run(self, progress: Callable[[str, int, int], None] = lambda *_: None) -> Summary:
+        # The ranks' backward passes free and allocate the same large blocks again and again.
+        with retained_heap():
+            return self._run(progress)
+
+    def _run(self, progress: Callable[[str, int, int], None]) -> Summary:
         job = self.job
         if job.model.factory is None:
             raise ConfigError("model.factory: the simulator trains a real model, so the job must name a "

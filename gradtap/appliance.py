@@ -94,12 +94,13 @@ class Appliance:
         self.group = None
         if group is None:
             merger = self._single(job, start, options)
+            plan = job_plan(job) if job.nccl.resolved else None
         else:
             merger = self._group(job, start, options, group)
+            plan = self.group.plan
         try:
             self.numbering = Numbering(start, self.replica, self.control)
-            self.pipeline = Pipeline(job, job_plan(job) if job.nccl.resolved else None, list(streams), self.sink,
-                                     start.first_iteration,
+            self.pipeline = Pipeline(job, plan, list(streams), self.sink, start.first_iteration,
                                      on_lockon_failed=lambda failure: self.control.event("lockon.failed",
                                                                                          **failure.as_event()),
                                      on_anchor=self.numbering.placed,
@@ -243,6 +244,7 @@ class Appliance:
                                    diverged=0 if self.attestations is None else self.attestations.diverged,
                                    store=None if self.uploader is None else self.uploader.counts(),
                                    gradient_log=None if self.gradient_log is None else self.gradient_log.counts(),
+                                   listening=self.ready.is_set(),
                                    group=None if self.group is None else self.group.report())
 
     def _capture_stats(self) -> dict[str, dict]:

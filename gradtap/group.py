@@ -34,7 +34,7 @@ from gradtap.start import Numbering, ReplicaStart, replica_start
 from gradtap.store.shard_snapshot import ShardSnapshots
 from gradtap.updater.replica import Begin
 from gradtap.updater.shard import ShardReplica
-from gradtap.workload.layout import job_buckets, job_plan
+from gradtap.workload.layout import job_plan
 from gradtap.workload.shards import Shards
 from gradtap.workload.spec import JobSpec, MirrorGroupSpec
 from gradtap.workload.wire_plan import WirePlan
@@ -150,10 +150,12 @@ def group_merger(link: GroupLink, shards: Shards, job: JobSpec):
 
 @dataclass
 class GroupNode:
-    """This appliance's part of mirror group ``spec``: its shard of the replica, the link to
-    its peers, the sink that steps the shard and the pipeline's merger factory."""
+    """This appliance's part of mirror group ``spec``: the job's wire plan, its shard of the
+    replica (the group's bucket owners: ``Shards.of_group``), the link to its peers, the sink
+    that steps the shard and the pipeline's merger factory."""
 
     spec: MirrorGroupSpec
+    plan: WirePlan
     replica: ShardReplica
     link: GroupLink
     sink: GroupSink
@@ -205,13 +207,14 @@ def join_group(job: JobSpec, streams: list[str], start: ReplicaStart, group: Mir
     ``ConfigError`` for what a group node cannot do (yet): :func:`check_group_node`."""
     check_group_node(job, streams, start)
     out.mkdir(parents=True, exist_ok=True)
-    shards = Shards.balanced([b.numel for b in job_buckets(job)], group.world_size)
+    plan = job_plan(job)
+    shards = Shards.of_group(job, plan, group)
     replica = ShardReplica(job, start.checkpoint, shards, group.rank)
     snapshots = ShardSnapshots(out / "snapshots", job.name, group.rank, group.world_size,
                                every=job.appliance.snapshot_every, keep=job.appliance.snapshot_keep)
     link = GroupLink(group)
     sink = GroupSink(replica, control, link, report_path=out / "iterations.jsonl", snapshots=snapshots)
-    return GroupNode(group, replica, link, sink, group_merger(link, shards, job))
+    return GroupNode(group, plan, replica, link, sink, group_merger(link, shards, job))
 
 
 def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, group: MirrorGroupSpec, *,
@@ -232,7 +235,7 @@ def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dic
     node = join_group(job, list(pcaps), begin, group, out, control)
     try:
         numbering = Numbering(begin, node.replica, control)
-        result = replay(job, job_plan(job), pcaps, node.sink, batch_frames=batch_frames, numbering=numbering,
+        result = replay(job, node.plan, pcaps, node.sink, batch_frames=batch_frames, numbering=numbering,
                         merger=node.merger,
                         on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()),
                         **({} if progress is None else {"progress": progress}))

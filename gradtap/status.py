@@ -31,6 +31,8 @@ class ApplianceStatus:
                                          # submitted, uploaded, skipped, failed, last_uploaded; None: no store
     gradient_log: dict[str, int] | None = None   # the gradient log's counters (store/gradient_log.py):
                                                  # logged, dropped (gaps), failed, last_logged; None: no log
+    listening: bool = False              # every capture worker has its source open (frames from now on
+                                         # are captured; before, a live port's are not)
     group: dict | None = None            # a mirror-group node (gradtap/group.py, GroupNode.report): rank,
                                          # world_size, rendezvous, buckets and elements of its shard, peers
                                          # (rank -> "up" or why it is gone), sent_bytes (and sent_by_kind:

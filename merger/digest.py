@@ -28,8 +28,9 @@ of the NH key. A sender who cannot see the key (it is drawn by ``os.urandom`` at
 and crosses only the group's own link) thus hits a collision with probability about 2^-127
 per pair of blocks; 2^40 crafted blocks leave it below 2^-87.
 
-**Speed.** The NH sums are the work: one 32x32->64 multiply and two adds per 4 bytes and
-sum, which LLVM vectorises; SipHash runs once per block on 40 bytes. Blocks are spread
+**Speed.** The NH sums are the work: per 8 bytes and sum, one 32x32->64 multiply and two
+32-bit adds, over the block and the key read as 64-bit words in place (little-endian: a
+word's low half is the first 32-bit word); SipHash runs once per block on 40 bytes. Blocks are spread
 over Numba's threads (``prange``), each writing its own row of the output.
 ``benchmarks/digest.py`` measures GB/s against memcpy in the same run;
 ``tests/merger/test_digest.py`` checks it against a plain-Python twin and SipHash's
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -151,45 +153,31 @@ def _siphash128(data, k0, k1, out):
     _final(v0, v1, v2, v3, out, 0)
 
 
-@njit(**JIT, inline="always")
-def _word(data, at, end):
-    """The little-endian ``uint32`` at ``data[at:at+4]``, zeros past ``end``."""
-    if at + 4 <= end:
-        return (np.uint64(data[at]) | (np.uint64(data[at + 1]) << np.uint64(8))
-                | (np.uint64(data[at + 2]) << np.uint64(16)) | (np.uint64(data[at + 3]) << np.uint64(24)))
-    w = np.uint64(0)
-    for i in range(4):
-        if at + i < end:
-            w |= np.uint64(data[at + i]) << np.uint64(8 * i)
-    return w
-
-
 @njit(**JIT)
-def _block(words, lo, n, nh, k0, k1, out, row):
-    """The digest of the block of ``n`` bytes at byte ``4 * lo`` of ``words`` (``uint32``, the
-    block's bytes word-aligned) into ``out[row]``."""
+def _block(w64, lo, n, k64, k0, k1, out, row):
+    """The digest of the block of ``n`` bytes starting at ``w64[lo]`` (``uint64``, the block's
+    bytes 8-byte aligned; bytes past ``n`` in its last word are ignored) into ``out[row]``.
+    ``k64``: the NH key's words in pairs, little-endian (word ``2i`` low, ``2i + 1`` high), as
+    ``w64`` holds the block's (so lane t's key pair for word pair i is ``k64[i + 2t]``)."""
     h0 = np.uint64(0)
     h1 = np.uint64(0)
     h2 = np.uint64(0)
     h3 = np.uint64(0)
     pairs = n // 8
-    for i in range(pairs):
-        a = np.uint64(words[lo + 2 * i])
-        b = np.uint64(words[lo + 2 * i + 1])
-        j = 2 * i
-        h0 += ((a + np.uint64(nh[j])) & _M32) * ((b + np.uint64(nh[j + 1])) & _M32)
-        h1 += ((a + np.uint64(nh[j + 4])) & _M32) * ((b + np.uint64(nh[j + 5])) & _M32)
-        h2 += ((a + np.uint64(nh[j + 8])) & _M32) * ((b + np.uint64(nh[j + 9])) & _M32)
-        h3 += ((a + np.uint64(nh[j + 12])) & _M32) * ((b + np.uint64(nh[j + 13])) & _M32)
-    if n % 8:
-        tail = words[lo + 2 * pairs:lo + 2 * pairs + 2].view(np.uint8)
-        a = _word(tail, 0, n % 8)
-        b = _word(tail, 4, n % 8)
-        j = 2 * pairs
-        h0 += ((a + np.uint64(nh[j])) & _M32) * ((b + np.uint64(nh[j + 1])) & _M32)
-        h1 += ((a + np.uint64(nh[j + 4])) & _M32) * ((b + np.uint64(nh[j + 5])) & _M32)
-        h2 += ((a + np.uint64(nh[j + 8])) & _M32) * ((b + np.uint64(nh[j + 9])) & _M32)
-        h3 += ((a + np.uint64(nh[j + 12])) & _M32) * ((b + np.uint64(nh[j + 13])) & _M32)
+    for i in range(pairs + (1 if n % 8 else 0)):
+        w = w64[lo + i]
+        if i == pairs:                 # the zero-padded tail
+            w &= (np.uint64(1) << np.uint64(8 * (n % 8))) - np.uint64(1)
+        a = w & _M32
+        b = w >> np.uint64(32)
+        k = k64[i]
+        h0 += ((a + (k & _M32)) & _M32) * ((b + (k >> np.uint64(32))) & _M32)
+        k = k64[i + 2]
+        h1 += ((a + (k & _M32)) & _M32) * ((b + (k >> np.uint64(32))) & _M32)
+        k = k64[i + 4]
+        h2 += ((a + (k & _M32)) & _M32) * ((b + (k >> np.uint64(32))) & _M32)
+        k = k64[i + 6]
+        h3 += ((a + (k & _M32)) & _M32) * ((b + (k >> np.uint64(32))) & _M32)
     v0, v1, v2, v3 = _init(k0, k1)
     v0, v1, v2, v3 = _compress(v0, v1, v2, v3, h0)
     v0, v1, v2, v3 = _compress(v0, v1, v2, v3, h1)
@@ -201,21 +189,21 @@ def _block(words, lo, n, nh, k0, k1, out, row):
 
 
 @njit(**JIT_PARALLEL)
-def _blocks(data, start, nbytes, which, nh, k0, k1, out):
-    """Every block ``j`` with ``which[j]``: its digest into ``out[j]``. Blocks at a 4-byte
-    aligned start are read in place; others are first gathered into an aligned buffer."""
-    words = data[:len(data) - len(data) % 4].view(np.uint32)
+def _blocks(data, start, nbytes, which, k64, k0, k1, out):
+    """Every block ``j`` with ``which[j]``: its digest into ``out[j]``. A block at an 8-byte
+    aligned start is read in place; another is first gathered into an aligned buffer."""
+    w64 = data[:len(data) - len(data) % 8].view(np.uint64)
     for j in prange(len(start)):
         if not which[j]:
             continue
         lo, n = start[j], nbytes[j]
-        if lo % 4 == 0 and lo + n + (8 - n % 8) % 8 <= len(data):
-            _block(words, lo // 4, n, nh, k0, k1, out, j)
+        if lo % 8 == 0 and lo + (n + 7) // 8 * 8 <= len(w64) * 8:
+            _block(w64, lo // 8, n, k64, k0, k1, out, j)
         else:
-            buf = np.empty(MAX_BLOCK_BYTES // 4 + 2, np.uint32)
-            for w in range((n + 7) // 8 * 2):
-                buf[w] = np.uint32(_word(data, lo + 4 * w, lo + n))
-            _block(buf, 0, n, nh, k0, k1, out, j)
+            buf = np.zeros(MAX_BLOCK_BYTES // 8 + 1, np.uint64)
+            for b in range(n):
+                buf[b >> 3] |= np.uint64(data[lo + b]) << np.uint64(8 * (b & 7))
+            _block(buf, 0, n, k64, k0, k1, out, j)
 
 
 def block_digests(data: np.ndarray, start: np.ndarray, nbytes: np.ndarray, which: np.ndarray,
@@ -227,6 +215,8 @@ def block_digests(data: np.ndarray, start: np.ndarray, nbytes: np.ndarray, which
     start = np.ascontiguousarray(start, np.int64)
     nbytes = np.ascontiguousarray(nbytes, np.int64)
     which = np.ascontiguousarray(which, np.bool_)
+    if sys.byteorder != "little":
+        raise GradtapError("block_digests reads words little-endian in place; this host is big-endian")
     if data.dtype != np.uint8 or data.ndim != 1:
         raise GradtapError(f"block_digests: data must be 1-D uint8, not {data.ndim}-D {data.dtype}")
     if not len(start) == len(nbytes) == len(which):
@@ -240,9 +230,9 @@ def block_digests(data: np.ndarray, start: np.ndarray, nbytes: np.ndarray, which
     out = np.zeros((len(start), DIGEST_BYTES), np.uint8)
     if len(chosen):
         data = np.ascontiguousarray(data)
-        if data.ctypes.data % 4:
-            data = data.copy()          # the in-place word reads need a word-aligned buffer
-        _blocks(data, start, nbytes, which, key.nh, key.sip[0], key.sip[1], out)
+        if data.ctypes.data % 8:
+            data = data.copy()          # the in-place word reads need an 8-byte aligned buffer
+        _blocks(data, start, nbytes, which, key.nh.view(np.uint64), key.sip[0], key.sip[1], out)
     return out
 
 

@@ -1,10 +1,11 @@
 """Background threads of the simulator, and the CPU and wall time of each phase of a run.
 
 The main thread trains and reduces (the ring's values feed the next step, so that work is
-the run's critical path); what only writes files runs beside it, on a :class:`Lane` per file
-(each mirror stream's capture, the ground truth). Each lane runs its jobs one after another in
+the run's critical path); what only turns those values into files runs beside it, on lanes:
+one builds each bucket's packets from its partial sums, one per mirror stream encodes and
+writes its capture, one writes the ground truth. Each lane runs its jobs one after another in
 the order they were submitted, so a file is written exactly as a single thread would write it,
-and every random draw of a stream (its mirror faults) happens in the same order. The heavy
+and every random draw (link faults, each stream's mirror faults) happens in the same order. The heavy
 parts of those jobs (Numba kernels compiled ``nogil``, NumPy copies, sha256, file writes)
 release the GIL, so the lanes use the second core while the main thread computes.
 """

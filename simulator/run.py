@@ -75,9 +75,11 @@ class Summary:
     main_wall_seconds: dict[str, float] = field(default_factory=dict)
 
 
-# Payload arenas the traffic builder uses in turn: one bucket's frames are written while the
-# next bucket is reduced and built.
+# Payload arenas the traffic builder uses in turn, and buffers of partial sums the reduction
+# uses in turn: one bucket's frames are written while the next bucket is built, and one
+# bucket is built while the next is reduced.
 ARENAS = 2
+PARTIALS = 2
 
 
 class _Stream:
@@ -153,31 +155,46 @@ class Simulation:
         state = ConnectionState.initial(plan, rng)
         link_faults: dict[str, int] = {}
         captured_buckets = {b: i for i, b in enumerate(buckets)}
-        clock = {"t": EPOCH_NS, "capturing": False}
+        clock = {"t": EPOCH_NS, "capturing": False, "buckets": 0}
         phases = PhaseClock()
         for s in streams:
             s.lane = Lane(s.mirror.name, phases, "frames")
         truth_lane = Lane("truth", phases, "truth")
-        lanes = [s.lane for s in streams] + [truth_lane]
+        traffic_lane = Lane("traffic", phases, "traffic")
+        lanes = [traffic_lane] + [s.lane for s in streams] + [truth_lane]
         # The stream writes of the latest builds, oldest first: a build reuses the arena of the
         # build ARENAS before it, so those writes must have finished.
         in_flight: deque[list] = deque()
+        # The builds of the latest buckets, oldest first: a bucket's partial sums go into the
+        # buffer of the bucket PARTIALS before it, so that build must have finished.
+        builds: deque = deque()
 
-        scratch: dict[np.dtype, np.ndarray] = {}
+        scratch: dict[tuple, np.ndarray] = {}
 
-        def partials_buffer(dtype, count):
-            """``[n, count]`` rows for one bucket's partial sums, in one buffer reused by every
-            bucket (grown to the largest), so its pages fault in once per run, not per bucket.
-            A bucket's rows are dead once it is built (the payloads are copied into the
-            traffic's arena) and its reduced row copied out."""
-            buf = scratch.get(dtype)
+        def partials_buffer(dtype, count, slot):
+            """``[n, count]`` rows for one bucket's partial sums, in one of PARTIALS buffers
+            used in turn (each grown to the largest), so their pages fault in once per run,
+            not per bucket. A bucket's rows are dead once it is built (the payloads are copied
+            into the traffic's arena) and its reduced row copied out."""
+            buf = scratch.get((dtype, slot))
             if buf is None or buf.shape[1] < count:
-                buf = scratch[dtype] = np.empty((n, count), dtype)
+                buf = scratch[(dtype, slot)] = np.empty((n, count), dtype)
             return buf[:, :count]
 
         def write(packets, src, dst, arena, raw):
             """Hand a batch to every stream's lane; returns their futures."""
             return [s.lane.submit(self._write_stream, s, packets, src, dst, arena, raw, routes) for s in streams]
+
+        def build(i, rows):
+            """On the traffic lane, one bucket after another: its packets, handed to the streams."""
+            while len(in_flight) >= ARENAS:
+                for f in in_flight.popleft():
+                    f.result()
+            traffic = builder.build(i, rows, state, clock["t"])
+            for key, v in traffic.injected.items():
+                link_faults[key] = link_faults.get(key, 0) + v
+            in_flight.append(write(traffic.packets, traffic.src, traffic.dst, traffic.arena, []))
+            clock["t"] = traffic.end_ns + self.timing.step_latency_ns
 
         def allreduce(per_rank, bucket):
             """Reduce one bucket in ring order and, while capturing, put it on the wire."""
@@ -191,16 +208,13 @@ class Simulation:
                 # Nothing goes on the wire: the reduced values alone, one row written, not n.
                 with phases("reduction"):
                     return ring_sum(per_rank, chunks)
+            while len(builds) >= PARTIALS:
+                wait_for(phases, [builds.popleft()])
+            slot = clock["buckets"] % PARTIALS
+            clock["buckets"] += 1
             with phases("reduction"):
-                rows = ring_partials(per_rank, chunks, out=partials_buffer(per_rank[0].dtype, len(chunks)))
-            while len(in_flight) >= ARENAS:
-                wait_for(phases, in_flight.popleft())
-            with phases("traffic"):
-                traffic = builder.build(i, rows, state, clock["t"])
-            for key, v in traffic.injected.items():
-                link_faults[key] = link_faults.get(key, 0) + v
-            in_flight.append(write(traffic.packets, traffic.src, traffic.dst, traffic.arena, []))
-            clock["t"] = traffic.end_ns + self.timing.step_latency_ns
+                rows = ring_partials(per_rank, chunks, out=partials_buffer(per_rank[0].dtype, len(chunks), slot))
+            builds.append(traffic_lane.submit(build, i, rows))
             reduced = rows[n - 1].copy()
             truth_lane.submit(truth.add_gradient, reduced)
             return reduced
@@ -241,6 +255,7 @@ class Simulation:
                 clock["t"] = t0 + self.timing.compute_gap_ns
                 truth_lane.submit(truth.begin_iteration, it, total_numel, grad_dtype)
                 trainer.step(buckets, before_update=truth_lane.wait)
+                traffic_lane.wait()              # clock["t"], the connection state and rng are its
                 truth_lane.submit(truth.end_iteration, it, model, trainer.optimizer,
                                   (t0, clock["t"] + self.timing.step_latency_ns))
                 captured.append(it)

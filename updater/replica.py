@@ -38,7 +38,7 @@ import torch
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.updater import kernels, selfcheck
 from gradtap.updater.clipping import GradNorms
-from gradtap.updater.state import (FlatLayout, ModelKeys, from_checkpoint, model_state_dict,
+from gradtap.updater.state import (FlatLayout, ModelKeys, aligned_empty, from_checkpoint, model_state_dict,
                                    optimizer_state_dict, param_group)
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.layout import job_buckets, job_params
@@ -212,7 +212,7 @@ class Replica:
                               self.state.exp_avg_sq[sl], work, c, wire=self.wire, sqrt=self.root)
         else:
             if self._grad32 is None:
-                self._grad32 = np.empty(self.layout.total, np.float32)
+                self._grad32 = aligned_empty(self.layout.total)
             widened = self._grad32[sl]
             kernels.widen_gradient(g, widened, work, c, wire=self.wire)
             b = self.layout.buckets[bucket]
@@ -281,7 +281,7 @@ class Replica:
         new = FlatLayout(self.layout.params, buckets)
         for name in ("param", "exp_avg", "exp_avg_sq"):
             old = getattr(self.state, name)
-            moved = np.empty_like(old)
+            moved = aligned_empty(old.size)
             for i in range(len(new.params)):
                 moved[new.param(i)] = old[self.layout.param(i)]
             setattr(self.state, name, moved)

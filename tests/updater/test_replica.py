@@ -301,6 +301,8 @@ def test_relayout_follows_ddps_rebuild():
     reference.step(0, reduced)
     replica.apply(0, np.concatenate(reduced))
     replica.relayout(rebuilt)
+    for name in ("param", "exp_avg", "exp_avg_sq"):     # the kernels' spans are cut on cache lines
+        assert getattr(replica.state, name).ctypes.data % 64 == 0, name
     reference.buckets = rebuilt
     for it in range(1, 4):
         reduced = random_reduced(j, rng)

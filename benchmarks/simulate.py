@@ -14,7 +14,9 @@ CPU time is the measure to compare on a shared host: wall time there depends on 
 runs. The run's critical path is its main thread (training and the ring reduction; packets,
 frames and the ground truth are made on background lanes, ``simulator/lanes.py``), so on an
 idle host the wall time is at least the main thread's CPU time and the process's CPU time
-over the number of cores; the benchmark prints both. ``OMP_WAIT_POLICY`` is set to ``PASSIVE`` unless the environment sets it: PyTorch's
+over the number of cores; the benchmark prints both.
+
+``OMP_WAIT_POLICY`` is set to ``PASSIVE`` unless the environment sets it: PyTorch's
 OpenMP threads otherwise spin while they wait for each other, and on a host whose cores are
 busy with other work the spinning doubled the training's CPU time (4.0 -> 1.6 CPU-s per
 forward+backward of GPT-2-small, and 10-14 s -> 4-5 s wall, with the load average at 8 on

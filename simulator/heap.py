@@ -1,13 +1,13 @@
 """Freed memory kept in the process's heap while the simulator runs (glibc ``mallopt``).
 
-Each rank's backward pass allocates its gradients afresh, and GPT-2's tied embedding makes
-three 154 MB temporaries per rank; glibc serves blocks that large with ``mmap`` and hands
-them back with ``munmap`` when they are freed, so the next rank's backward faults in and the
-kernel zeroes the same amount of fresh pages again (2 million page faults, 4 of the run's 22
-system CPU-seconds for one GPT-2-small iteration of 8 ranks). Inside :func:`retained_heap`
-every block comes from the heap and freed blocks stay there for the next allocation of the
-same size. On leaving, glibc's defaults are set back and the free memory returned to the
-system (``malloc_trim``). Where the C library has no ``mallopt`` (not glibc), nothing changes.
+Each rank's backward pass allocates its gradients and temporaries afresh (GPT-2's tied
+embedding alone has a 154 MB gradient per rank). glibc serves blocks that large with
+``mmap`` and unmaps them when they are freed, so the next rank's backward faults in, and the
+kernel zeroes, as many fresh pages again: 2 million page faults and 4 of the 22 system
+CPU-seconds of one GPT-2-small iteration of 8 ranks. Inside :func:`retained_heap` every block
+comes from the heap, and freed blocks stay there for the next allocations. On leaving,
+glibc's defaults are set back and the free memory is returned to the system
+(``malloc_trim``). Where the C library has no ``mallopt`` (not glibc), nothing changes.
 The values computed are the same either way: PyTorch aligns every tensor to 64 bytes.
 """
 

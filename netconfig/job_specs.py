@@ -2,7 +2,7 @@
 streams arrive at several CPU nodes, one per node with its ``appliance.mirror_group``.
 
 Every node of a mirror group lists the same ``mirrors:`` in the same order (the group merger
-fetches a block from the first stream, in job order, that holds it) and captures only its own
+takes a block an owner lacks from the streams that hold it in turn, in job order) and captures only its own
 streams. Its ``mirror_group`` gives its rank (the group's nodes sorted by name), the group's size,
 the rendezvous, the timeout and every node's streams by rank, from which the nodes choose which
 buckets each steps so that each lacks least (``workload/shards.py``; docs/group.md)::

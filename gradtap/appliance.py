@@ -125,7 +125,7 @@ class Appliance:
         # First: refuses an --out that cannot be written or holds another replica's snapshots.
         self.uploader = uploader_for(job)
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                                   keep=job.appliance.snapshot_keep,
+                                   keep=job.appliance.snapshot_keep, buffers=job.appliance.snapshot_buffers,
                                    origin=origin, force=options.force,
                                    uploader=self.uploader, close_timeout_s=store_close_timeout(job))
         self.gradient_log = gradient_log_for(job, self.replica, None if start.waiting else origin)
@@ -242,6 +242,7 @@ class Appliance:
                                    skipped=self.pipeline.skipped,
                                    attested=0 if self.attestations is None else self.attestations.attested,
                                    diverged=0 if self.attestations is None else self.attestations.diverged,
+                                   snapshots=self.snapshots.counts() if self.snapshots is not None else None,
                                    store=None if self.uploader is None else self.uploader.counts(),
                                    gradient_log=None if self.gradient_log is None else self.gradient_log.counts(),
                                    listening=self.ready.is_set(),

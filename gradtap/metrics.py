@@ -15,6 +15,9 @@ twice and nothing can drift:
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating;
 - ``gradtap_attestations_total{result}``: the trainer's fingerprints the replica ``matched``, and
   those that were a ``mismatch`` (each an ``integrity.mismatch`` event: ``gradtap/attestation.py``);
+- ``gradtap_snapshots_total{result}``: local snapshots ``written``, ``skipped`` (due while the
+  background writer was still busy with the one before: ``appliance.snapshot_buffers``) and
+  ``failed`` (``store/snapshot.py``);
 - ``gradtap_store_snapshots_total{result}``: snapshots the durable tier ``uploaded``, ``skipped``
   (replaced by a newer one while the store was slow) and upload attempts that ``failed``
   (``store/uploader.py``); absent without a store.
@@ -69,18 +72,17 @@ class ApplianceCollector:
         attestations.add_metric(["matched"], s.attested)
         attestations.add_metric(["mismatch"], s.diverged)
         yield from (frames, nbytes, drops, events, iterations, stages, attestations)
-        if s.store is not None:
-            store = CounterMetricFamily("gradtap_store_snapshots", "snapshots sent to the durable store",
-                                        labels=["result"])
-            for result in ("uploaded", "skipped", "failed"):
-                store.add_metric([result], s.store[result])
-            yield store
-        if s.gradient_log is not None:
-            records = CounterMetricFamily("gradtap_gradient_log_records", "iterations' gradients for the store's log",
-                                         labels=["result"])
-            for result in ("logged", "dropped", "failed"):
-                records.add_metric([result], s.gradient_log[result])
-            yield records
+        for name, doc, counts, results in (
+                ("gradtap_snapshots", "local snapshots of the replica", s.snapshots, ("written", "skipped", "failed")),
+                ("gradtap_store_snapshots", "snapshots sent to the durable store", s.store,
+                 ("uploaded", "skipped", "failed")),
+                ("gradtap_gradient_log_records", "iterations' gradients for the store's log", s.gradient_log,
+                 ("logged", "dropped", "failed"))):
+            if counts is not None:
+                family = CounterMetricFamily(name, doc, labels=["result"])
+                for result in results:
+                    family.add_metric([result], counts[result])
+                yield family
         if s.group is not None:
             yield from _group_metrics(s.group)
         locked = GaugeMetricFamily("gradtap_stream_locked", "1 once the stream has locked on to the job's "

@@ -27,6 +27,9 @@ class ApplianceStatus:
     skipped: int = 0                     # captured iterations before the replica's start: not applied
     attested: int = 0                    # the trainer's fingerprints the replica matched
     diverged: int = 0                    # ... and those it did not (each a fallback)
+    snapshots: dict[str, int] | None = None  # local snapshots (store/snapshot.py): written, failed, skipped
+                                             # (due while the background writer was busy), last_written;
+                                             # None: not written by this appliance (a group node's shards)
     store: dict[str, int] | None = None  # the durable tier's upload counters (store/uploader.py):
                                          # submitted, uploaded, skipped, failed, last_uploaded; None: no store
     gradient_log: dict[str, int] | None = None   # the gradient log's counters (store/gradient_log.py):

@@ -420,6 +420,11 @@ class ApplianceSpec(_Strict):
     control_endpoint: str | None = Field(None, description="trainer URL that receives fallback events (HTTP POST)")
     snapshot_every: int = Field(1, ge=1, description="write a snapshot every K iterations")
     snapshot_keep: int = Field(3, ge=1, description="snapshots kept on disk (the newest ones)")
+    snapshot_buffers: int = Field(1, ge=0, description="copies of the replica's state (12 bytes per parameter "
+                                  "each) that `gradtap run` writes snapshots from in the background, so the "
+                                  "replica never waits for the disk (a snapshot due while all are being written "
+                                  "is skipped and counted); 0: written on the update path. `gradtap replay` "
+                                  "writes every due snapshot on the update path")
     lockon_timeout_s: float = Field(60.0, gt=0, description="a stream not locked on this long after its first "
                                     "frame (capture time) is reported: lockon.failed")
     lockon_frames: int = Field(5_000_000, gt=0, description="... or after this many frames")

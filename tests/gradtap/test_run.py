@@ -57,6 +57,10 @@ def test_run_over_pcap_sources_serves_metrics_and_ends_cleanly(tmp_path):
               for line in body.splitlines() if line.startswith("gradtap_frames_total{")}
     assert set(frames) == {f'stream="{m.name}"' for m in job.mirrors} and all(v > 0 for v in frames.values())
     assert 'gradtap_iterations_total{result="recovered"} 3.0' in body
+    counts = appliance.status().snapshots              # written in the background (appliance.snapshot_buffers)
+    assert counts["written"] >= 1 and counts["failed"] == 0, counts
+    assert counts["last_written"] == appliance.replica.iteration, counts         # the final one, at the end
+    assert f'gradtap_snapshots_total{{result="written"}} {float(counts["written"])}' in body
     assert 'gradtap_decode_events_total{event="data.written"' in body
     assert "gradtap_replica_stale 0.0" in body
 

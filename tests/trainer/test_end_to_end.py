@@ -118,8 +118,11 @@ class Network:
 
     def __init__(self, sim: Path, job, out: Path, start: dict, token_file: Path, endpoint: str,
                  lose: int | None = None):
+        # snapshot_buffers 0: every due snapshot on the update path, so the one the killed trainer
+        # resumes from exists when it restarts (in the background it may still be being written,
+        # or be skipped while the one before is: tests/store/test_snapshot_writer.py)
         appliance = job.appliance.model_copy(update={"control_endpoint": endpoint, "control_token_file": token_file,
-                                                     "snapshot_keep": ITERATIONS})
+                                                     "snapshot_keep": ITERATIONS, "snapshot_buffers": 0})
         job = job.model_copy(update={"appliance": appliance})
         self.gap = job.appliance.iteration_gap_ns
         streams = {m.name: SourceSpec("pcap", (str(sim / "streams" / f"{m.name}.pcap"),), {}) for m in job.mirrors}

@@ -24,8 +24,13 @@ bit (up to a digest collision, which untrusted traffic cannot aim at without the
 
 **Lockstep.** The rounds happen in the same order on every node: the buckets of an
 iteration in launch order, then the iteration's *finish* round, iterations in order. A node
-joins a bucket's round when its own streams complete the bucket, or when the iteration is
-due by its own streams (the local merger's deadline). The finish round shares what each
+joins a bucket's round when its own streams complete the bucket, or when the iteration has
+settled by its own streams (each retired it, or none placed a frame of it for ``settle_ns``
+by the capture's clock: the local merger's settle rule), or is due by them (the local
+merger's deadline). A node that joins early waits in the round for its peers to complete,
+settle or reach their deadline, up to the group's timeout: the rounds agree by construction,
+and the last iteration before a pause is merged once the pause is ``settle_ns`` long, not
+when the next iteration's traffic comes. The finish round shares what each
 node saw (buckets left incomplete, blocks contradicted after hand-off, mismatches,
 coverage), so every node tells its sink the same :class:`IterationReport`.
 
@@ -189,12 +194,15 @@ class GroupMerger(Merger):
                 self._skip(g)
                 continue
             it = self.iterations[g]
-            due = self._due(g)
+            # Settled (the local merger's notion: every own stream retired it, or none placed a
+            # frame of it for settle_ns): its own streams will bring no more of it, so waiting
+            # for the deadline (the next iteration's traffic) would gain nothing.
+            ready = self._due(g) or self._settled(g)
             for b in np.flatnonzero(~it.handed):
-                if not due and not self._local(g, int(b)).complete:
+                if not ready and not self._local(g, int(b)).complete:
                     return
                 self._exchange(g, int(b))
-            if due or self._settled(g):
+            if ready:
                 self._finish(g)
             else:
                 return

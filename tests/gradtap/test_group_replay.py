@@ -42,9 +42,18 @@ def clipped_job(job=None):
 
 def node(rank, world, rendezvous, job_doc, pcaps, out, start, die_at, results):
     """One appliance of the group: ``run_group_replay`` over its captures; its shard's state and
-    report lines go on ``results``. ``die_at``: exit abruptly on the first bucket of that iteration."""
+    report lines go on ``results``, and the iterations it finished before the end of its input
+    in ``out/before-close.json``. ``die_at``: exit abruptly on the first bucket of that iteration."""
     from gradtap.group import GroupSink, run_group_replay
+    from gradtap.merger.group import GroupMerger
     from gradtap.workload.spec import MirrorGroupSpec
+
+    closing = GroupMerger.close
+
+    def close(self):
+        (out / "before-close.json").write_text(json.dumps([r.iteration for r in self.finished]))
+        return closing(self)
+    GroupMerger.close = close
 
     if die_at is not None:
         applied = GroupSink.bucket
@@ -162,12 +171,7 @@ def starve(sim: Path, job, ordinal: int) -> None:
 @pytest.mark.slow
 def test_only_the_group_completes_the_buckets(tmp_path, simulated):
     job, sim, single = simulated
-    lossy = tmp_path / "sim"
-    (lossy / "streams").mkdir(parents=True)
-    (lossy / "truth").mkdir()
-    for m in job.mirrors:
-        (lossy / "streams" / f"{m.name}.pcap").write_bytes((sim / "streams" / f"{m.name}.pcap").read_bytes())
-    (lossy / "truth" / "start.pt").write_bytes((sim / "truth" / "start.pt").read_bytes())
+    lossy = copy_sim(sim, tmp_path / "sim", job)
     starve(lossy, job, ordinal=1)
     buckets = len(job_buckets(job))
     for m in job.mirrors:          # no node of one stream could complete any bucket of iteration 2 alone
@@ -180,6 +184,56 @@ def test_only_the_group_completes_the_buckets(tmp_path, simulated):
     assert_shards_equal(job, got, single)
     for _, lines, _ in got.values():
         assert all(c < 1 for c in lines[1]["coverage"].values()), lines[1]
+
+
+def copy_sim(sim: Path, into: Path, job) -> Path:
+    (into / "streams").mkdir(parents=True)
+    (into / "truth").mkdir()
+    for m in job.mirrors:
+        (into / "streams" / f"{m.name}.pcap").write_bytes((sim / "streams" / f"{m.name}.pcap").read_bytes())
+    (into / "truth" / "start.pt").write_bytes((sim / "truth" / "start.pt").read_bytes())
+    return into
+
+
+def quiet_tail(path: Path, after_ns: int) -> None:
+    """Append to the capture one frame no parser takes (ARP), ``after_ns`` after its last frame:
+    the capture's clock runs on past the last iteration, as a live capture's does in a pause."""
+    batch = read_pcap(path)
+    end = int(batch.offsets[-1] + batch.caplens[-1])
+    arp = bytes(6) + bytes.fromhex("020000000001") + b"\x08\x06" + bytes(46)
+    data = np.concatenate([np.asarray(batch.data[:end]), np.frombuffer(arp, np.uint8)])
+    with PcapWriter(path) as w:
+        w.write_batch(FrameBatch(data, np.append(batch.offsets, end).astype(np.int64),
+                                 np.append(batch.caplens, len(arp)).astype(np.int32),
+                                 np.append(batch.wirelens, len(arp)).astype(np.int32),
+                                 np.append(batch.ts_ns, batch.ts_ns[-1] + after_ns).astype(np.int64),
+                                 batch.linktype))
+
+
+@pytest.mark.slow
+def test_the_last_iteration_is_merged_once_settled(tmp_path, simulated):
+    """The capture's last iteration, which no node's stream completes alone, is merged as soon
+    as the nodes' streams have been quiet for the iteration gap: before the end of input (which
+    makes every iteration due), with no following iteration to reach its deadline."""
+    job, sim, single = simulated
+    lossy = copy_sim(sim, tmp_path / "sim", job)
+    starve(lossy, job, ordinal=ITERATIONS - 1)
+    buckets = len(job_buckets(job))
+    for m in job.mirrors:          # no node of one stream could complete any bucket of the last iteration alone
+        _, alone = run_replay(job, {m.name: lossy / "streams" / f"{m.name}.pcap"}, tmp_path / f"alone-{m.name}",
+                              start_of(lossy), batch_frames=512, digests=False)
+        (lost,) = [line for line in alone.lines if line["iteration"] == ITERATIONS]
+        assert not lost["recovered"] and sorted(lost["missing_blocks"]) == list(range(buckets)), lost
+    for m in job.mirrors:
+        quiet_tail(lossy / "streams" / f"{m.name}.pcap", 2 * job.appliance.iteration_gap_ns)
+    got, codes = run_group(tmp_path, job, lossy, [["m-egress"], ["m-ingress"], ["m-both"]])
+    assert codes == [0, 0, 0]
+    assert_shards_equal(job, got, single)
+    assert_group_snapshot(tmp_path, job, lossy, 3, single)
+    for rank, (_, lines, _) in got.items():
+        assert all(c < 1 for c in lines[-1]["coverage"].values()), lines[-1]
+        before = json.loads((tmp_path / f"node{rank}" / "before-close.json").read_text())
+        assert before == list(range(1, ITERATIONS + 1)), (rank, before)
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from tests.simulator.test_simulate import make_job
 
 STREAMS = ["a", "b", "c"]
 ITERATIONS = 3
+SETTLE_NS = 400                       # the iteration gap: less than the scenario's 500 ns between iterations
 NODE_TIMEOUT_S = 120
 
 
@@ -87,8 +88,11 @@ class Recorder:
                           "lost": sorted(report.lost_peers)})
 
 
-def node(rank, world, rendezvous, streams, group_only, die_at, out):
-    """One appliance of the group: merge its streams, put what it handed and reported on ``out``."""
+def node(rank, world, rendezvous, streams, group_only, die_at, out, quiet_ns=None):
+    """One appliance of the group: merge its streams, put what it handed and reported on ``out``,
+    and the iterations it finished before :meth:`close` (the end of input). ``quiet_ns``: the
+    last iteration is still in flight on every stream (not retired), and the capture's clock
+    is ``quiet_ns`` past its last frame (the merger settles after ``SETTLE_NS``)."""
     from gradtap.merger.group import GroupMerger
     from gradtap.merger.group_link import GroupLink
     from gradtap.workload.spec import MirrorGroupSpec
@@ -98,22 +102,32 @@ def node(rank, world, rendezvous, streams, group_only, die_at, out):
     sink = Recorder(die_at)
     link = GroupLink(MirrorGroupSpec(rank=rank, world_size=world, rendezvous=rendezvous, timeout_s=30))
     merger = GroupMerger(plan, streams, sink, link, Shards.balanced(plan.bucket_numels, world), STREAMS,
-                         first_iteration=10)
-    for s in streams:
-        merger.update(s, data[s], [])
-    merger.advance()
+                         first_iteration=10, settle_ns=SETTLE_NS)
+    if quiet_ns is None:
+        for s in streams:
+            merger.update(s, data[s], [])
+        merger.advance()
+    else:
+        last = data[streams[0]][-1]
+        for s in streams:
+            a = data[s][-1]
+            merger.heard(a.index, a.end_ns)
+            merger.update(s, data[s][:-1], [(a.index, a.start_ns, a.grad, a.got)])
+        merger.advance(last.end_ns + quiet_ns)
+    before = [r.iteration for r in merger.finished]
     merger.close()
     link.close()
-    out.put((rank, sink.buckets, sink.done, link.sent_bytes))
+    out.put((rank, sink.buckets, sink.done, link.sent_bytes, before))
 
 
-def run_group(tmp_path, nodes: list[list[str]], group_only=False, die=None):
-    """Run one process per node; returns rank -> (buckets, reports, bytes sent), and each exit code."""
+def run_group(tmp_path, nodes: list[list[str]], group_only=False, die=None, quiet_ns=None):
+    """Run one process per node; returns rank -> (buckets, reports, bytes sent, iterations finished
+    before the end of input), and each exit code."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
     procs = [ctx.Process(target=node, args=(r, len(nodes), rendezvous, s, group_only,
-                                            die[1] if die and die[0] == r else None, out), daemon=True)
+                                            die[1] if die and die[0] == r else None, out, quiet_ns), daemon=True)
              for r, s in enumerate(nodes)]
     try:
         for p in procs:
@@ -122,10 +136,10 @@ def run_group(tmp_path, nodes: list[list[str]], group_only=False, die=None):
         alive = len(nodes) - (1 if die else 0)
         while len(results) < alive:
             try:
-                rank, buckets, done, sent = out.get(timeout=NODE_TIMEOUT_S)
+                rank, *got = out.get(timeout=NODE_TIMEOUT_S)
             except queue.Empty:
                 pytest.fail(f"mirror group nodes hung: {alive - len(results)} of {alive} did not finish")
-            results[rank] = (buckets, done, sent)
+            results[rank] = tuple(got)
         for p in procs:
             p.join(NODE_TIMEOUT_S)
         return results, [p.exitcode for p in procs]
@@ -155,9 +169,9 @@ def test_the_group_merges_as_one_merger_with_every_stream(tmp_path, nodes):
     results, codes = run_group(tmp_path, nodes)
     assert codes == [0] * len(nodes)
     shards = Shards.balanced(plan.bucket_numels, len(nodes))
-    handed = sorted(x for buckets, _, _ in results.values() for x in buckets)
+    handed = sorted(x for buckets, *_ in results.values() for x in buckets)
     assert handed == sorted(want.buckets)
-    for rank, (buckets, done, _) in results.items():
+    for rank, (buckets, done, *_) in results.items():
         assert all(shards.owner[b] == rank for _, b, _ in buckets)
         assert done == want.done, rank
     assert any(d["mismatches"] for d in want.done)     # the lying stream was outvoted across nodes
@@ -172,8 +186,23 @@ def test_only_the_group_completes_a_bucket(tmp_path):
     assert [d["recovered"] for d in want.done] == [True] * ITERATIONS
     results, codes = run_group(tmp_path, [["a"], ["b"], ["c"]], group_only=True)
     assert codes == [0, 0, 0]
-    assert sorted(x for buckets, _, _ in results.values() for x in buckets) == sorted(want.buckets)
-    assert all(done == want.done for _, done, _ in results.values())
+    assert sorted(x for buckets, *_ in results.values() for x in buckets) == sorted(want.buckets)
+    assert all(done == want.done for _, done, *_ in results.values())
+
+
+@pytest.mark.parametrize("quiet", [True, False], ids=["settled", "not-settled"])
+def test_a_node_joins_the_rounds_once_its_streams_settle(tmp_path, quiet):
+    """The last iteration, which no node's stream completes alone and no iteration follows, is
+    merged by the group once each node's streams have been quiet for the settle time (the local
+    merger's rule), before the end of input; a node whose streams have not settled yet waits."""
+    plan, want = single(group_only=True)
+    results, codes = run_group(tmp_path, [["a"], ["b"], ["c"]], group_only=True,
+                               quiet_ns=SETTLE_NS if quiet else SETTLE_NS - 1)
+    assert codes == [0, 0, 0]
+    assert sorted(x for buckets, *_ in results.values() for x in buckets) == sorted(want.buckets)
+    for _, done, _, before in results.values():
+        assert done == want.done
+        assert before == ([10, 11, 12] if quiet else [10, 11])
 
 
 def test_a_node_killed_mid_iteration_is_reported_by_the_survivors(tmp_path):
@@ -182,7 +211,7 @@ def test_a_node_killed_mid_iteration_is_reported_by_the_survivors(tmp_path):
     victim = shards.owner[0]
     results, codes = run_group(tmp_path, [["a"], ["b"], ["c"]], die=(victim, 11))
     assert codes[victim] == 3 and [c for r, c in enumerate(codes) if r != victim] == [0, 0]
-    for rank, (buckets, done, _) in results.items():
+    for rank, (buckets, done, *_) in results.items():
         assert [d["iteration"] for d in done] == [10, 11]
         assert done[0]["recovered"] and not done[1]["recovered"]
         assert done[1]["lost"] == [victim], rank

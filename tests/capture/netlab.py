@@ -34,6 +34,14 @@ def sysctl(ns: str, path: str, value: str) -> None:
         f.write(value)
 
 
+def quiet_netns(name: str) -> None:
+    """Create namespace ``name`` with IPv6 off before any link comes up (no router or
+    neighbour solicitations: its links carry only what a test sends)."""
+    netns.create(name)
+    for conf in ("all", "default"):
+        sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+
+
 class VethLab:
     def __init__(self, prefix: str, mtu: int = 9000):
         self.tx, self.rx = f"{prefix}-tx", f"{prefix}-rx"
@@ -41,9 +49,7 @@ class VethLab:
 
     def build(self) -> None:
         for name in (self.tx, self.rx):
-            netns.create(name)
-            for conf in ("all", "default"):
-                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+            quiet_netns(name)
         with NetNS(self.tx) as ns:
             ns.link("add", ifname="tx0", kind="veth", peer={"ifname": "rx0", "net_ns_fd": self.rx})
             ns.link("set", index=ns.link_lookup(ifname="tx0")[0], address=TX_MAC.hex(":"), mtu=self.mtu,
@@ -153,9 +159,7 @@ class BridgeLab:
 
     def _build(self) -> None:
         for name in (self.sw, self.cpu, *self.nodes):
-            netns.create(name)
-            for conf in ("all", "default"):
-                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+            quiet_netns(name)
         with NetNS(self.sw) as sw:
             sw.link("add", ifname="br0", kind="bridge")
             bridge = sw.link_lookup(ifname="br0")[0]

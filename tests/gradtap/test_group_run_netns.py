@@ -38,7 +38,7 @@ from gradtap.store.shard_snapshot import assemble
 from gradtap.updater.replica import Replica
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import dump_job, parse_job
-from tests.capture.netlab import in_netns, remove_stale, sysctl
+from tests.capture.netlab import in_netns, quiet_netns, remove_stale
 from tests.gradtap.test_live import MIRRORED, PAUSE_S, RATE, iterations_of, job_doc
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow, pytest.mark.timeout(600),
@@ -85,9 +85,7 @@ class GroupLab:
 
     def _build(self) -> None:
         for name in (self.tx, self.br, *self.nodes):
-            netns.create(name)
-            for conf in ("all", "default"):
-                sysctl(name, f"net/ipv6/conf/{conf}/disable_ipv6", "1")
+            quiet_netns(name)
         with NetNS(self.br) as br:
             br.link("add", ifname="br0", kind="bridge")
             bridge = br.link_lookup(ifname="br0")[0]

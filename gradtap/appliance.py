@@ -57,6 +57,7 @@ class RunOptions:
     poll_s: float = 0.05
     digests: bool = False                 # a state digest per iteration, for `gradtap verify`
     force: bool = False                   # clear an --out holding another replica's snapshots
+    start: Path | None = None             # --start: from one of --out's own snapshots, the run continues its replica
     control_token_file: Path | None = None  # --control-token-file (default: the job's, else OUT/control.token)
 
 
@@ -126,7 +127,7 @@ class Appliance:
         self.uploader = uploader_for(job)
         self.snapshots = Snapshots(self.out / "snapshots", job.name, every=job.appliance.snapshot_every,
                                    keep=job.appliance.snapshot_keep, buffers=job.appliance.snapshot_buffers,
-                                   origin=origin, force=options.force,
+                                   origin=origin, force=options.force, continues=options.start,
                                    uploader=self.uploader, close_timeout_s=store_close_timeout(job))
         self.gradient_log = gradient_log_for(job, self.replica, None if start.waiting else origin)
         # The fallback POST carries the control token, the one the control server checks.

@@ -183,7 +183,7 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
                resync: list[dict] | None = None, force: bool = False,
                start_source: str = "the start state",
                gradients: Path | None = None,
-               snapshot_buffers: int = 0) -> tuple[ReplayResult, ReplicaSink]:
+               snapshot_buffers: int = 0, continues: Path | None = None) -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
     whose ``iteration`` is the capture's first iteration, or, when it has a ``time_ns``, the
     first that began after it: ``gradtap/start.py``), writing into ``out``:
@@ -196,13 +196,15 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     (``gradtap/gradient_dump.py``). ``start`` may also be a :class:`ReplicaStart` (``--start-from-store``).
     ``snapshot_buffers``: copies of the state for writing snapshots in the background
     (``store/snapshot_writer.py``: a snapshot due while they are all being written is skipped);
-    0 writes each on the update path, so that every snapshot the schedule names exists."""
+    0 writes each on the update path, so that every snapshot the schedule names exists.
+    ``continues``: the path ``start`` was loaded from (``--start``), so that a start from one of
+    ``out``'s own snapshots continues its replica (``Snapshots(continues=)``)."""
     begin = start if isinstance(start, ReplicaStart) else replica_start(job, start, start_source)
     replica = Replica(job, begin.checkpoint)
     origin = ReplicaOrigin.of(replica, begin.waiting)
     uploader = uploader_for(job)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,
-                          keep=job.appliance.snapshot_keep, origin=origin, force=force,
+                          keep=job.appliance.snapshot_keep, origin=origin, force=force, continues=continues,
                           uploader=uploader, close_timeout_s=store_close_timeout(job), buffers=snapshot_buffers)
     gradient_log = gradient_log_for(job, replica, None if begin.waiting else origin)
     for stale in ("iterations.jsonl", "events.jsonl"):

@@ -303,6 +303,10 @@ class Snapshots:
         origin is recorded or checked (a directory of snapshots only).
     force:
         Clear a directory holding another replica's snapshots instead of refusing it.
+    continues:
+        Where the replica's start state was loaded from (``--start``). When that is one of
+        this directory's snapshots, the run continues the replica the directory records: its origin is kept, not refused for the new start state, provided
+        the job and its spec sections are the same (a restart in place after a crash).
     uploader:
         The durable tier (:class:`gradtap.store.uploader.Uploader`): every snapshot written
         is handed to it once, as hard links in a staging directory here, and :meth:`close` gives
@@ -318,8 +322,8 @@ class Snapshots:
     """
 
     def __init__(self, directory: str | Path, job: str, *, every: int | None = None, keep: int = 3,
-                 origin: ReplicaOrigin | None = None, force: bool = False, uploader=None,
-                 close_timeout_s: float = 60.0, buffers: int = 0, on_event=_no_events):
+                 origin: ReplicaOrigin | None = None, force: bool = False, continues: Path | None = None,
+                 uploader=None, close_timeout_s: float = 60.0, buffers: int = 0, on_event=_no_events):
         if every is not None and every < 1:
             raise ConfigError(f"snapshot every: {every} must be at least 1 iteration (or unset)")
         if keep < 1:
@@ -358,7 +362,7 @@ class Snapshots:
                 else:
                     stale.unlink(missing_ok=True)
             if origin is not None:
-                self._claim(origin, force)
+                self._claim(origin, force, continues)
             if (self.directory / LATEST).exists():
                 other = verify(named_latest(self.directory)).get("job")
                 if other != job:
@@ -372,13 +376,18 @@ class Snapshots:
             self._lock.close()
             raise
 
-    def _claim(self, origin: ReplicaOrigin, force: bool) -> None:
-        """Make the directory ``origin``'s: it already is, it holds nothing, or (``force``)
-        it is cleared; otherwise refuse it."""
+    def _claim(self, origin: ReplicaOrigin, force: bool, continues: Path | None) -> None:
+        """Make the directory ``origin``'s: it already is, the run continues from one of its
+        snapshots (``continues``), it holds nothing, or (``force``) it is cleared; otherwise
+        refuse it."""
         recorded_path = self.directory / ORIGIN
         text = recorded_path.read_text() if recorded_path.exists() else None
         recorded = None if text is None else parse_origin(text)
         if recorded == origin:
+            return
+        if recorded is not None and continues is not None and self._holds(continues) \
+                and recorded.differences(origin) == ["the start state"]:
+            log.info("%s: continuing %s from its snapshot %s", self.directory, recorded.describe(), continues)
             return
         held = text is not None or (self.directory / LATEST).exists() or bool(self.snapshots())
         if held and not force:
@@ -389,9 +398,13 @@ class Snapshots:
                 whose = f"holds the snapshots of {recorded.describe()}"
                 differ = recorded.differences(origin)
                 what = f" ({' and '.join(differ)} {'differs' if len(differ) == 1 else 'differ'})"
+            newest = self._latest_name()
+            resume = f" (to continue that replica after a restart: --start {self.directory / newest}, its " \
+                     "newest snapshot)" if newest and recorded is not None and \
+                     recorded.differences(origin) == ["the start state"] else ""
             raise ConfigError(f"{self.directory}: {whose}; this run is {origin.describe()}{what}. Give this run "
-                              f"another output directory (--out), or pass --force to clear {self.directory} "
-                              "and begin it anew")
+                              f"another output directory (--out){resume}, or pass --force to clear "
+                              f"{self.directory} and begin it anew")
         if held:
             log.warning("%s: clearing the snapshots of another replica (force)", self.directory)
             (self.directory / LATEST).unlink(missing_ok=True)   # first: nothing names the old replica's state
@@ -399,6 +412,10 @@ class Snapshots:
             for old in self.snapshots():
                 _discard(old)
         self._replace_small(ORIGIN, origin_json(origin))
+
+    def _holds(self, path: Path) -> bool:
+        """``path`` is one of this directory's snapshots (symbolic links resolved)."""
+        return os.path.dirname(os.path.realpath(path)) == os.path.realpath(self.directory)
 
     def attach(self, writer) -> None:
         """``writer`` (a :class:`gradtap.store.snapshot_writer.SnapshotWriter`) writes here in

@@ -76,7 +76,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
         begin = start_checkpoint(job, start)
     with replay_progress(console, streams) as progress:
         result, sink = run_replay(job, streams, out, begin, digests=digests, progress=progress, resync=checkpoints, force=force,
-                                  gradients=gradients,
+                                  gradients=gradients, continues=start,
                                   start_source=f"--start {start}" if start else f"initial_state of {job_path}")
     console.print(iteration_table(result, sink))
     console.print(events_table(result))

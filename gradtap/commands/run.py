@@ -135,7 +135,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
-                         force=force, control_token_file=control_token_file)
+                         force=force, start=start, control_token_file=control_token_file)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
     if start_from_store:
         with records_progress(console, "replaying the store's gradient log") as progress:

@@ -99,16 +99,17 @@ def test_gradtap_restore_refuses_what_it_cannot_rebuild(replayed, tmp_path):
     assert done.exit_code == 0 and snapshot.latest(tmp_path / "x").name == "iteration-000004"
 
 
-def captures_from(sim, job, first: int, out):
-    """The streams' frames from the start of captured iteration ``first`` on: what an appliance
-    restarted then captures."""
+def captures_from(sim, job, first: int, out, until: int | None = None):
+    """The streams' frames from the start of captured iteration ``first`` on (up to the start of
+    ``until``): what an appliance restarted then captures."""
     spans = json.loads((sim / "truth" / "manifest.json").read_text())["span_ns"]
     begin = spans[str(first)][0]
+    end = spans[str(until)][0] if until is not None else None
     out.mkdir()
     streams = {}
     for name, path in streams_of(sim, job).items():
         b = read_pcap(path)
-        keep = np.flatnonzero(b.ts_ns >= begin)
+        keep = np.flatnonzero((b.ts_ns >= begin) & ((b.ts_ns < end) if end is not None else True))
         streams[name] = out / f"{name}.pcap"
         with PcapWriter(streams[name]) as w:
             w.write_batch(FrameBatch(b.data, b.offsets[keep], b.caplens[keep], b.wirelens[keep], b.ts_ns[keep],

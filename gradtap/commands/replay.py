@@ -20,7 +20,8 @@ from gradtap.core.errors import CaptureError
 @click.option("--out", "-o", required=True, type=click.Path(path_type=Path), metavar="DIR",
               help="output directory: snapshots/, iterations.jsonl, events.jsonl, replay.json")
 @click.option("--start", type=click.Path(path_type=Path), metavar="CKPT",
-              help="trainer checkpoint the capture starts from (default: the job's initial_state)")
+              help="trainer checkpoint the capture starts from (default: the job's initial_state); one of "
+                   "--out's own snapshots continues its replica")
 @click.option("--store", metavar="URL",
               help="durable store the snapshots are also uploaded to, in the background: file:///DIR or "
                    "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/store.md, Storage tiers)")

@@ -57,7 +57,8 @@ def _cpus(text: str, what: str) -> list[int]:
               help="trainer checkpoint to start from: with time_ns, its iteration is the first captured one to "
                    "begin after it; without, the trainer's state when the capture began (default: the job's "
                    "initial_state.checkpoint; with none, the replica waits, stale, for the trainer's checkpoint "
-                   "with time_ns through POST /resync)")
+                   "with time_ns through POST /resync); one of --out's own snapshots continues its replica "
+                   "after a restart")
 @click.option("--store", metavar="URL",
               help="durable store the snapshots are also uploaded to, in the background: file:///DIR or "
                    "s3://BUCKET/PREFIX (overrides appliance.store.url; docs/store.md, Storage tiers)")

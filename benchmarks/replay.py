@@ -108,6 +108,17 @@ REALISTIC_ITERATION_S = 0.58
 ADAM_BYTES_PER_PARAM = 28
 
 
+
+def _lag_table(runs: dict[str, list[list[float]]], what: str, repeats: int) -> dict[str, float]:
+    """Print each way's replica lag (mean over the iterations, best run, worst / best) and
+    return the best per way."""
+    best = {name: min(sum(lags) / len(lags) for lags in v) for name, v in runs.items()}
+    spread = {name: max(sum(lags) / len(lags) for lags in v) / best[name] for name, v in runs.items()}
+    print(f"\nreplica lag{what}, mean over the iterations, best of {repeats} (worst run / best):")
+    for name, lag in best.items():
+        print(f"  {name:30s} {lag:8.3f} s   (x {spread[name]:.2f})")
+    return best
+
 def capture(cache: Path, iterations: int, config: Path = CONFIG) -> Path:
     """The simulated job (``job.yaml``, ``streams/``, ``truth/``), made once, then reused."""
     from gradtap.simulator.faults import FaultSpec
@@ -220,11 +231,7 @@ def lag_with_uploads(sim: Path, job: JobSpec, batch_frames: int, repeats: int, s
                       f"{'' if counts is None else f'; uploads {counts}'})")
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    best = {name: min(sum(lags) / len(lags) for lags in v) for name, v in runs.items()}
-    spread = {name: max(sum(lags) / len(lags) for lags in v) / best[name] for name, v in runs.items()}
-    print(f"\nreplica lag, mean over the iterations, best of {repeats} (worst run / best):")
-    for name, lag in best.items():
-        print(f"  {name:30s} {lag:8.3f} s   (x {spread[name]:.2f})")
+    best = _lag_table(runs, "", repeats)
     ratio = best["snapshots + uploads (file://)"] / best["snapshot every iteration"]
     print(f"  snapshots + uploads / snapshots alone   {ratio:6.2f}   target <= 1.1: {'met' if ratio <= 1.1 else 'NOT met'}")
     print(f"  snapshots alone / no snapshot           {best['snapshot every iteration'] / best['no snapshot']:6.2f}   "
@@ -265,12 +272,7 @@ def lag_with_snapshots(sim: Path, job: JobSpec, batch_frames: int, repeats: int,
                   f"mean {sum(lags) / len(lags):6.2f} s; update (sink) {update:.2f} s per iteration (replay "
                   f"{result.wall_s:.1f} s, then set-up, close and the final snapshot {closed:.1f} s; snapshots "
                   f"written {counts['written']}, skipped {counts['skipped']})")
-    best = {name: min(sum(lags) / len(lags) for lags in v) for name, v in runs.items()}
-    spread = {name: max(sum(lags) / len(lags) for lags in v) / best[name] for name, v in runs.items()}
-    print(f"\nreplica lag with a snapshot every {every} iteration(s), mean over the iterations, best of {repeats} "
-          f"(worst run / best):")
-    for name, lag in best.items():
-        print(f"  {name:30s} {lag:8.3f} s   (x {spread[name]:.2f})")
+    best = _lag_table(runs, f" with a snapshot every {every} iteration(s)", repeats)
     background = best["snapshots in the background"] / best["no snapshot"]
     print(f"  update path / no snapshot               {best['snapshots on the update path'] / best['no snapshot']:6.2f}")
     print(f"  background / no snapshot                {background:6.2f}   target <= 1.2: "

@@ -50,7 +50,6 @@ ITERATIONS = 8                     # captured: 1..8; snapshots 2..9, one per ite
 SIZES = [128, 256, 64]             # ~50 k parameters: 0.6 MB per snapshot (model and Adam state)
 TRIALS = {"s3": 10, "file": 10}
 PACE_S = 2.0                       # the killed appliance's capture comes over 2 s (4 iterations a second)
-UPLOAD_S = {"s3": 0.15, "file": 0.04}   # about one snapshot's upload: the kill's random delay into it
 CRASH_SEED = int(os.environ.get("CRASH_SEED", "13"))
 BUCKET = "ckpt"
 
@@ -231,6 +230,32 @@ def wait_until(what: str, ready, timeout: float = 60) -> None:
         time.sleep(0.005)
 
 
+def upload_window(ctx, argv: list[str], out: Path, timeout: float = 300) -> float:
+    """How long an upload stays pending or in flight on this machine and store, in seconds: the
+    median time a staging directory is there while the appliance runs to its end unharmed. The
+    kills' random delays are drawn within it: a fixed delay that fits one host's uploads (0.6 MB
+    to moto takes 0.1 s on one, a few ms to a local disk on another) lands after them on a faster
+    host, and the trials would never hit an upload under way."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S))
+    proc.start()
+    windows, since = [], None
+    deadline = time.monotonic() + timeout
+    while proc.is_alive():
+        assert time.monotonic() < deadline, f"the calibration run did not end in {timeout} s"
+        now, waiting = time.monotonic(), uploads_waiting(out)
+        if waiting and since is None:
+            since = now
+        elif not waiting and since is not None:
+            windows.append(now - since)
+            since = None
+        time.sleep(0.0005)
+    proc.join(30)
+    assert proc.exitcode == 0, f"the calibration run exited {proc.exitcode}: {Path(str(out) + '.log').read_text()}"
+    assert windows, "the calibration run never showed an upload under way"
+    return max(float(np.median(windows)), 0.001)
+
+
 def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float = 300) -> dict:
     """Start the appliance and SIGKILL it at ``moment``: ``delay`` seconds after an upload is
     pending or in flight while the first is (``first``), or once at least one upload has
@@ -251,7 +276,7 @@ def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float =
     try:
         while proc.is_alive() and not due():
             assert time.monotonic() < deadline, f"the appliance did not reach {moment} in {timeout} s"
-            time.sleep(0.002)
+            time.sleep(0.0005)
         time.sleep(moment["delay"])
         in_flight = uploads_waiting(out)
         killed = proc.is_alive()
@@ -290,10 +315,19 @@ def test_sigkill_of_the_appliance_while_uploading(tmp_path, sim, kind, request):
         endpoint, options = None, None
     ctx = fork_server()
     rng = random.Random(f"{CRASH_SEED}-{kind}")
+    calibration = tmp_path / "calibration"
+    calibration.mkdir()
+    url = f"s3://{BUCKET}/calibration" if kind == "s3" else f"file://{calibration / 'store'}"
+    window = upload_window(ctx, ["replay", str(sim.job_file(calibration, url, endpoint)),
+                                 *[f"{n}={p}" for n, p in sim.streams().items()], "--out", str(calibration / "a")],
+                           calibration / "a")
+    print(f"{kind}: an upload is under way for {1e3 * window:.1f} ms (median)")
     outcomes = []
     for trial in range(TRIALS[kind]):
-        moment = {"first": trial % 5 == 4, "iteration": rng.randint(2, ITERATIONS),
-                  "delay": rng.uniform(0.0, UPLOAD_S[kind])}
+        # Killed while the capture still comes: after the last iteration the appliance closes
+        # at once, whatever the delay.
+        moment = {"first": trial % 5 == 4, "iteration": rng.randint(2, ITERATIONS - 1),
+                  "delay": window * rng.random()}
         where = f"{kind} trial {trial} (CRASH_SEED={CRASH_SEED}: killed at {moment})"
         root = tmp_path / f"t{trial}"
         root.mkdir()

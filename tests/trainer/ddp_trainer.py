@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> None:
                         "iteration": args.iterations, "fallback": vars(handler.counts) | {"checkpoints": [
                             str(p) for p in handler.counts.checkpoints]}}, work / f"final-{args.tag}.pt")
             handler.close()
+        # Both ranks tear gloo down together: a rank that destroys its group while the other
+        # still writes its final state can make the other's gloo threads abort (SIGABRT,
+        # "terminate called without an active exception"), seen on a fast host.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

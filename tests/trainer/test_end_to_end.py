@@ -169,6 +169,11 @@ class Network:
         base = max(time.time_ns(), self.clock + 4 * self.gap)
         shifted = {n: _retimed(b, base - first) for n, b in batches.items()}
         self.clock = max(int(b.ts_ns[-1]) for b in shifted.values() if len(b.ts_ns))
+        # Never frames from the future: a trainer faster than the pauses between iterations
+        # (4 gaps) would otherwise take its next step, and time a fallback checkpoint, before
+        # the capture's clock shows the traffic of the step it just took.
+        while time.time_ns() <= self.clock:
+            time.sleep(max(0.0, (self.clock - time.time_ns()) / 1e9) + 1e-4)
         self.app.pipeline.round(shifted, -1)
         self.app.pipeline.round({}, self.clock + 4 * self.gap)
         self.fed.append(iteration)

@@ -27,8 +27,12 @@ def memcpy_bandwidth(threads: int, nbytes: int = 256 << 20, repeats: int = 7) ->
     """
     if threads < 1:
         raise ValueError(f"threads = {threads}; must be >= 1")
-    src = np.ones(nbytes, np.uint8)  # written, so every page is faulted in before timing
-    dst = np.ones(nbytes, np.uint8)
+    # Both written, so every page is faulted in before timing, and with bytes that differ from
+    # page to page: pages of one value (np.ones) can be merged by the hypervisor (KSM) into
+    # one host page, which the copy then reads from cache (165 GB/s "measured" on a 2-core VM).
+    src = np.arange(nbytes // 8 + 1, dtype=np.uint64).view(np.uint8)[:nbytes]
+    dst = np.empty(nbytes, np.uint8)
+    dst[:] = src[::-1]
     bounds = np.linspace(0, nbytes, threads + 1).astype(np.int64)
     start_line = threading.Barrier(threads + 1)
     finish_line = threading.Barrier(threads + 1)

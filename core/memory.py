@@ -18,6 +18,13 @@ the entry writes past the index store. On arm64 they become ``ldar``/``stlr``. R
 counters (frames, drops) are plain stores: each has one writer and is read only as a
 statistic, or after an acquire of a flag the writer released.
 
+Buffers that live as long as the process (a stream's gradient slots, the merger's scratch,
+the widened gradient) start on a cache line (:func:`aligned_bytes`) and are written whole
+when they are made (:func:`prefaulted`): the first touch of fresh anonymous memory is a page
+fault per page (4 KiB, or 2 MiB where the kernel gives transparent huge pages, which NumPy
+asks for on large arrays), and under a hypervisor each can cost tens of microseconds. Taken
+once at start-up, those faults never land on the per-iteration path.
+
 ``copy_bytes`` and ``compare_bytes`` call libc's ``memcpy`` and ``memcmp`` (Numba's slice
 assignment and comparison are byte loops). They are declared by symbol name, which keeps the
 kernels that call them cacheable.
@@ -35,6 +42,26 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from gradtap.core.jit import JIT
+
+CACHE_LINE = 64     # bytes, on x86-64 and the arm64 server cores
+
+
+def aligned_bytes(nbytes: int) -> np.ndarray:
+    """An uninitialised ``uint8[nbytes]`` whose data starts on a cache line. NumPy aligns
+    large arrays to 16 bytes only (glibc's ``mmap`` chunks start 16 bytes into a page), so
+    every other 32-byte vector of a kernel would straddle two cache lines."""
+    raw = np.empty(nbytes + CACHE_LINE, np.uint8)
+    skip = -raw.ctypes.data % CACHE_LINE
+    return raw[skip:skip + nbytes]
+
+
+def prefaulted(nbytes: int) -> np.ndarray:
+    """A zeroed ``uint8[nbytes]`` on a cache line whose every page is mapped now: for a buffer
+    made once and reused, so that its page faults are taken at start-up and not where it is
+    first written (see the module docstring)."""
+    out = aligned_bytes(nbytes)
+    out.fill(0)
+    return out
 
 if config.DISABLE_JIT:
     def load_acquire(arr, index):

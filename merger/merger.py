@@ -39,6 +39,7 @@ from typing import Protocol
 
 import numpy as np
 
+from gradtap.core.memory import prefaulted
 from gradtap.merger.union import BlockMismatch, BucketBlocks, union
 from gradtap.parser.stream import AssembledIteration
 from gradtap.workload.wire_plan import WirePlan
@@ -95,8 +96,7 @@ class Merger:
         self.byte_range = [(o * elem, (o + n) * elem) for o, n in zip(plan.bucket_offsets, plan.bucket_numels)]
         # Where merged buckets are assembled, one at a time (the sink takes each at once):
         # mapped and faulted in here (written once), not per bucket.
-        self._scratch = np.empty(max((hi - lo for lo, hi in self.byte_range), default=0), np.uint8)
-        self._scratch.fill(0)
+        self._scratch = prefaulted(max((hi - lo for lo, hi in self.byte_range), default=0))
         self.iterations: dict[int, _Iteration] = {}
         self._views: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
         self.next = 0                               # oldest ordinal not finished

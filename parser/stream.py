@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradtap.capture.frames import FrameBatch
+from gradtap.core.memory import prefaulted
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.flow_learning import FlowLearner
@@ -35,6 +36,10 @@ from gradtap.workload.wire_plan import WirePlan
 log = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 2
+# One spare is enough when the arrays handed out come back (``recycle``) before the next
+# retirement, as they do once the merger has finished the iteration: by then the stream is a
+# whole iteration further on.
+DEFAULT_SPARES = 1
 DEFAULT_GAP_NS = 1_000_000   # an iteration boundary is a pause of at least 1 ms in the job's traffic
 
 
@@ -66,6 +71,10 @@ class StreamParser:
         Check every frame's ICRC (``job.appliance.verify_icrc`` by default).
     slots:
         Iterations assembled at once (>= 2: the current one and the next).
+    spares:
+        Gradient arrays made at start-up besides the slots', for the slots that retire while
+        the arrays handed out are still in use (given back through :meth:`recycle`); a parser
+        whose retired arrays are not given back (``discover``'s trials) needs none.
     gap_ns:
         Minimum pause in the job's traffic that separates two iterations.
     hold_bytes:
@@ -78,8 +87,8 @@ class StreamParser:
     """
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
-                 slots: int = DEFAULT_SLOTS, gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30,
-                 lockon_s: float | None = None, lockon_frames: int | None = None):
+                 slots: int = DEFAULT_SLOTS, spares: int = DEFAULT_SPARES, gap_ns: int = DEFAULT_GAP_NS,
+                 hold_bytes: int = 1 << 30, lockon_s: float | None = None, lockon_frames: int | None = None):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
         # A stream that arrives over L3 (ERSPAN) is opened frame by frame; stage 1 reads the
@@ -97,12 +106,16 @@ class StreamParser:
                                  last_ns=np.full(1, -1, np.int64), last_psn=np.full(len(t.qpn), -1, np.int64),
                                  prev_psn=np.full(len(t.qpn), -1, np.int64), gap_ns=gap_ns)
         # One gradient array per slot: a retired slot's array is handed out as it is and the
-        # slot gets a zeroed one (recycled, see recycle(), or fresh), so retiring copies nothing.
-        self.slots = Slots(grads=tuple(np.zeros(t.grad_bytes, np.uint8) for _ in range(slots)),
+        # slot gets a zeroed one (a spare, given back through recycle()), so retiring copies
+        # nothing. The slots' arrays and the spares are made and faulted in here, once: fresh
+        # memory first written on the hot path costs more than the parse itself.
+        self.slots = Slots(grads=tuple(prefaulted(t.grad_bytes) for _ in range(slots)),
                            got=np.zeros((slots, len(plan.blocks)), np.int32),
                            seen=np.zeros((slots, t.seen_bits), np.uint8),
                            start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64))
-        self._spare: list[np.ndarray] = []
+        self._spare: list[np.ndarray] = [prefaulted(t.grad_bytes) for _ in range(spares)]
+        self._keep = max(slots, spares)
+        self.fresh_buffers = 0        # gradient arrays made after start-up: no spare came back in time
         self._origins()
         self.slot0 = 0
         self.iteration = 0            # iteration held by slot0
@@ -314,12 +327,12 @@ class StreamParser:
         """Give back the ``grad`` of an iteration this parser retired, once nothing refers to it
         or to any view of it any more: a later retirement zeroes and reuses it instead of
         allocating fresh memory (which must be faulted in and zeroed by the kernel, slower
-        than a memset of pages already mapped). At most ``slots`` arrays are kept."""
+        than a memset of pages already mapped). At most ``max(slots, spares)`` spares are kept."""
         if grad.shape != (self.tables.grad_bytes,) or grad.dtype != np.uint8 or not grad.flags.c_contiguous \
                 or not grad.flags.writeable:
             raise ValueError(f"recycle: not a gradient array of stream {self.mirror.name} "
                              f"({grad.dtype}{grad.shape}, needs uint8 ({self.tables.grad_bytes},))")
-        if len(self._spare) < len(self.slots.grads) and all(grad is not g for g in (*self.slots.grads, *self._spare)):
+        if len(self._spare) < self._keep and all(grad is not g for g in (*self.slots.grads, *self._spare)):
             self._spare.append(grad)
 
     def flush(self) -> list[AssembledIteration]:
@@ -350,6 +363,11 @@ class StreamParser:
             fresh = self._spare.pop()
             fresh.fill(0)
         else:
+            # Every spare is still held downstream (a merger behind, or the end of input, where
+            # the slots retire at once): more memory, not a wait; faulted in only if written.
+            self.fresh_buffers += 1
+            log.debug("stream %s: gradient array %d made after start-up (no spare came back)",
+                      self.mirror.name, self.fresh_buffers)
             fresh = np.zeros(self.tables.grad_bytes, np.uint8)
         self.slots = slots._replace(grads=slots.grads[:s] + (fresh,) + slots.grads[s + 1:])
         self._advance()

@@ -59,7 +59,6 @@ from gradtap.updater.intrinsics import div32, fma32, widen
 
 IMPLEMENTATIONS = ("single_tensor", "foreach", "fused")
 CHUNK = 4096        # elements per work span: a span's p, g, m, v (64 KiB) stay in L2
-CACHE_LINE = 64     # bytes; the state arrays start on one (``updater.state.aligned_empty``)
 FUSED_LANES = 8     # Vectorized<float>::size() of the AVX2 build that runs torch._fused_adam_
 BODY, TAIL = 0, 1   # work-span forms (TAIL only in fused: the last n % 8 of a tensor)
 

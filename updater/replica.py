@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.core.memory import prefaulted
 from gradtap.updater import kernels, selfcheck
 from gradtap.updater.clipping import GradNorms
 from gradtap.updater.state import (FlatLayout, ModelKeys, aligned_empty, from_checkpoint, model_state_dict,
@@ -82,7 +83,7 @@ class Replica:
         self._reached = -1                                  # the latest iteration begin() was asked for
         self.root = selfcheck.root_source(self.cfg)
         self._open: _Iteration | None = None
-        self._grad32: np.ndarray | None = None   # widened gradient of a clipped iteration
+        self._grad32 = self._widened()       # widened gradient of a clipped iteration
 
     @classmethod
     def from_job(cls, job: JobSpec, *, buckets: tuple[Bucket, ...] | None = None) -> "Replica":
@@ -212,7 +213,7 @@ class Replica:
                               self.state.exp_avg_sq[sl], work, c, wire=self.wire, sqrt=self.root)
         else:
             if self._grad32 is None:
-                self._grad32 = aligned_empty(self.layout.total)
+                self._grad32 = self._widened()
             widened = self._grad32[sl]
             kernels.widen_gradient(g, widened, work, c, wire=self.wire)
             b = self.layout.buckets[bucket]
@@ -285,8 +286,7 @@ class Replica:
             for i in range(len(new.params)):
                 moved[new.param(i)] = old[self.layout.param(i)]
             setattr(self.state, name, moved)
-        self.layout = new
-        self._grad32 = None
+        self.layout = new          # the widened gradient keeps its size: the same parameters
 
     def state_dict(self, *, copy: bool = True) -> dict[str, Any]:
         """``{"model", "optimizer", "iteration"}`` as the trainer's checkpoint holds them.
@@ -315,6 +315,13 @@ class Replica:
         if self._open is None:
             raise GradtapError("no iteration is open; call begin(iteration) first")
         return self._open
+
+    def _widened(self) -> np.ndarray | None:
+        """The float32 gradient clipped iterations are widened into, made and faulted in once
+        (``core.memory.prefaulted``), or None for a job that does not clip."""
+        if not self.cfg.clip_grad_norm:
+            return None
+        return prefaulted(4 * self.layout.total).view(np.float32)
 
     def _constants(self, it: "_Iteration", clip: float, summed: bool = True) -> kernels.StepConstants:
         """The step's constants; ``summed=False`` once the gradient is already divided."""

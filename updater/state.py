@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import ConfigError
-from gradtap.updater.kernels import CACHE_LINE, work_spans
+from gradtap.core.memory import aligned_bytes
+from gradtap.updater.kernels import work_spans
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.spec import OptimizerSpec, ParamSpec
 
@@ -74,15 +75,10 @@ class FlatLayout:
 
 
 def aligned_empty(n: int) -> np.ndarray:
-    """An uninitialised 1-D float32 array of ``n`` elements whose data starts on a cache line.
-
-    NumPy aligns large arrays to 16 bytes only (glibc's ``mmap`` chunks start 16 bytes into
-    a page), so every other 32-byte vector of a kernel would straddle two cache lines; the
-    work spans (``FlatLayout.work``) are cut on cache lines of arrays laid out like this.
-    """
-    raw = np.empty(4 * n + CACHE_LINE, np.uint8)
-    skip = -raw.ctypes.data % CACHE_LINE
-    return raw[skip:skip + 4 * n].view(np.float32)
+    """An uninitialised 1-D float32 array of ``n`` elements whose data starts on a cache line
+    (``core.memory.aligned_bytes``): the work spans (``FlatLayout.work``) are cut on cache
+    lines of arrays laid out like this."""
+    return aligned_bytes(4 * n).view(np.float32)
 
 
 @dataclass

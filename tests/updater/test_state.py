@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradtap.updater.kernels import CACHE_LINE, CHUNK, work_spans
+from gradtap.core.memory import CACHE_LINE
+from gradtap.updater.kernels import CHUNK, work_spans
 from gradtap.updater.state import FlatLayout, FlatState, aligned_empty
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.spec import ParamSpec

@@ -212,9 +212,7 @@ class Replica:
             kernels.adam_step(self.cfg.implementation, self.state.param[sl], g, self.state.exp_avg[sl],
                               self.state.exp_avg_sq[sl], work, c, wire=self.wire, sqrt=self.root)
         else:
-            if self._grad32 is None:
-                self._grad32 = self._widened()
-            widened = self._grad32[sl]
+            widened = self._grad32[sl]          # made with the replica: the job clips
             kernels.widen_gradient(g, widened, work, c, wire=self.wire)
             b = self.layout.buckets[bucket]
             it.norms.add(b.params, [self._grad32[self.layout.param(i)] for i in b.params])

@@ -18,6 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 import yaml
 
 from gradtap.core.errors import ConfigError
@@ -25,6 +26,7 @@ from gradtap.trainer.describe import ddp_param_names, describe_to, nccl_section,
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.schedule import lr_factor
 from gradtap.workload.spec import Schedule, dump_job, load_job, parse_job
+from tests.gloo import gloo_group
 
 WORLD = 2
 FACTORY = "gradtap.workload.models:gpt2"
@@ -122,7 +124,6 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     """Three DDP copies of one model (a recording comm hook, none, ``fp16_compress_hook``: the
     bf16 one needs CUDA) train three steps; rank 0 describes them and writes what it saw to
     ``seen.json``."""
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook, fp16_compress_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -131,8 +132,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     from gradtap.workload.models import build
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world)
-    try:
+    with gloo_group(init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world):
         kinds = ("recorded", "plain", "fp16")
         models = {k: build(FACTORY, KWARGS, seed=0) for k in kinds}
         ddps = {k: DDP(m, bucket_cap_mb=CAP_MB) for k, m in models.items()}
@@ -201,8 +201,6 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                     seen[key] = str(exc)
             with open(f"{tmp}/seen.json", "w") as f:
                 json.dump(seen, f)
-    finally:
-        dist.destroy_process_group()
 
 
 # --- the optimizer and its scheduler ------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+
 from gradtap.commands.export import FORMATS as CLI_FORMATS
 from gradtap.core.errors import ConfigError
 from gradtap.export import FORMATS, by_name, export_checkpoint
@@ -24,6 +25,7 @@ from gradtap.store import snapshot
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.models import build
+from tests.gloo import gloo_group
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
 
@@ -155,7 +157,6 @@ def _fsdp_worker(rank, world, job_doc, source, tmp, out):
     """One rank of an FSDP2 job (each Linear sharded, then the root) over gloo: load the state
     (from the DCP export, resharded by DCP; or the trainer's full state), train STEPS_AFTER
     steps on rank-seeded batches, and write the full state from rank 0."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
@@ -163,8 +164,7 @@ def _fsdp_worker(rank, world, job_doc, source, tmp, out):
 
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous-{source}", rank=rank, world_size=world)
-    try:
+    with gloo_group(init_method=f"file://{tmp}/rendezvous-{source}", rank=rank, world_size=world):
         job = parse_job(job_doc)
         model, optimizer = _fresh(job)
         for layer in model.modules():
@@ -195,8 +195,6 @@ def _fsdp_worker(rank, world, job_doc, source, tmp, out):
             optim = {"state": {index[n]: v for n, v in osd["state"].items()},
                      "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in osd["param_groups"]]}
             torch.save({"model": msd, "optim": optim, "loaded": loaded}, out)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_command_exports_and_says_what(replica, tmp_path):

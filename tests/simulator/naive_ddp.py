@@ -27,9 +27,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+
 from gradtap.workload import models
 from gradtap.workload.data import ClassificationData, batch_loss
 from gradtap.simulator.training import learning_rate, make_optimizer
+from tests.gloo import gloo_group
 
 
 @dataclass(frozen=True)
@@ -147,22 +149,15 @@ def _bf16_sum_then_divide(state, bucket):
 def run_in_process(jobs: list[Job], store_dir: Path) -> list[JobResult]:
     """Run ``jobs`` as the only rank of a gloo group created (and destroyed) here."""
     store = dist.FileStore(str(store_dir / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)):
         return [run_job(job, 0, 1) for job in jobs]
-    finally:
-        dist.destroy_process_group()
 
 
 def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: list[Job]) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_group(store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)):
         results = [run_job(job, rank, world_size) for job in jobs]
-    finally:
-        dist.destroy_process_group()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 

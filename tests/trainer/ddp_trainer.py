@@ -23,13 +23,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradtap.trainer import (Attestor, FallbackHandler, FallbackSettings, describe_to, fingerprint,
                              restore)
 from gradtap.workload.data import batch_loss
 from gradtap.workload.models import build
+from tests.gloo import gloo_group
 
 WORLD = 2
 FACTORY = "gradtap.workload.models:mlp"
@@ -54,9 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     work, rank = args.dir, args.rank
     torch.set_num_threads(1)           # as the simulator's in-process ranks run (bit-equal arithmetic)
-    dist.init_process_group("gloo", init_method=f"file://{work}/rendezvous-{args.tag}", rank=rank,
-                            world_size=WORLD, timeout=timedelta(seconds=120))
-    try:
+    with gloo_group(init_method=f"file://{work}/rendezvous-{args.tag}", rank=rank, world_size=WORLD,
+                    timeout=timedelta(seconds=120)):
         model = build(FACTORY, KWARGS, seed=SEED)
         ddp = DDP(model, bucket_cap_mb=CAP_MB)
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.01, foreach=False)
@@ -99,12 +98,6 @@ def main(argv: list[str] | None = None) -> None:
                         "iteration": args.iterations, "fallback": vars(handler.counts) | {"checkpoints": [
                             str(p) for p in handler.counts.checkpoints]}}, work / f"final-{args.tag}.pt")
             handler.close()
-        # Both ranks tear gloo down together: a rank that destroys its group while the other
-        # still writes its final state can make the other's gloo threads abort (SIGABRT,
-        # "terminate called without an active exception"), seen on a fast host.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _publish(path: Path, write) -> None:

@@ -1,0 +1,27 @@
+"""A gloo process group for a test's ranks, left by all of them together.
+
+``dist.destroy_process_group()`` in one rank while another still works (rank 0 describing or
+saving after the last collective, the others already done) can make a rank's gloo threads
+abort the process ("terminate called without an active exception", SIGABRT), which a fast
+host showed in every multi-process test that ended that way. So the ranks meet at a barrier
+before they leave; on an exception they leave at once (a barrier could wait for a peer that
+is gone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+
+@contextmanager
+def gloo_group(**init) -> Iterator[None]:
+    """``dist.init_process_group("gloo", **init)`` for the body, then barrier and destroy."""
+    dist.init_process_group("gloo", **init)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

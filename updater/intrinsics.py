@@ -50,9 +50,13 @@ _V4 = ir.VectorType(_F32, 4)
 
 @lru_cache(maxsize=None)
 def has_feature(name: str) -> bool:
-    """Whether the host CPU, as LLVM sees it, has the target feature ``name`` (LLVM's
-    spelling: ``"avx512f"``, ``"sse"``)."""
-    return f"+{name}" in llvm_binding.get_host_cpu_features().flatten().split(",")
+    """Whether the kernels Numba compiles here may use the target feature ``name`` (LLVM's
+    spelling: ``"avx512f"``, ``"sse"``): the features ``NUMBA_CPU_FEATURES`` names when it is
+    set (Numba then compiles for them, e.g. an AVX2 target on an AVX-512 host), else the host
+    CPU's as LLVM sees them."""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None \
+        else llvm_binding.get_host_cpu_features().flatten()
+    return f"+{name}" in features.split(",")
 
 
 if config.DISABLE_JIT:

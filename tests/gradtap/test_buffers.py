@@ -11,6 +11,7 @@ import pytest
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
+from gradtap.core.memory import CACHE_LINE
 from gradtap.pipeline import Pipeline
 from gradtap.simulator.truth import iteration_dir
 from gradtap.workload.layout import job_plan
@@ -60,7 +61,7 @@ def test_gradient_arrays_are_made_once_and_reused(tmp_path, protocol):
     made = {name: {id(a) for a in (*p.slots.grads, *p._spare)} for name, p in pipeline.parsers.items()}
     for name, p in pipeline.parsers.items():
         for a in (*p.slots.grads, *p._spare):
-            assert a.ctypes.data % 64 == 0 and not a.any(), f"{name}: a start-up array is not zeroed on a cache line"
+            assert a.ctypes.data % CACHE_LINE == 0 and not a.any(), f"{name}: a start-up array is not zeroed on a cache line"
     batches = {name: read_pcap(tmp_path / "streams" / f"{name}.pcap") for name in names}
     try:
         for r in rounds(batches, ROUNDS):

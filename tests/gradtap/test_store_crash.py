@@ -230,15 +230,26 @@ def wait_until(what: str, ready, timeout: float = 60) -> None:
         time.sleep(0.005)
 
 
+def start_appliance(ctx, argv: list[str], out: Path):
+    """``gradtap ARGV...`` started in a process of the fork server, its log beside ``out``."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S))
+    proc.start()
+    return proc
+
+
+def replay_argv(sim: Sim, job_file: Path, out: Path) -> list[str]:
+    """``gradtap replay`` of the whole capture with ``job_file``'s store into ``out``."""
+    return ["replay", str(job_file), *[f"{n}={p}" for n, p in sim.streams().items()], "--out", str(out)]
+
+
 def upload_window(ctx, argv: list[str], out: Path, timeout: float = 300) -> float:
     """How long an upload stays pending or in flight on this machine and store, in seconds: the
     median time a staging directory is there while the appliance runs to its end unharmed. The
     kills' random delays are drawn within it: a fixed delay that fits one host's uploads (0.6 MB
     to moto takes 0.1 s on one, a few ms to a local disk on another) lands after them on a faster
     host, and the trials would never hit an upload under way."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S))
-    proc.start()
+    proc = start_appliance(ctx, argv, out)
     windows, since = [], None
     deadline = time.monotonic() + timeout
     while proc.is_alive():
@@ -261,9 +272,7 @@ def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float =
     pending or in flight while the first is (``first``), or once at least one upload has
     completed and the replica has reported ``iteration`` iterations. What was seen: whether it
     was killed (rather than finished first) and whether an upload was under way then."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S))
-    proc.start()
+    proc = start_appliance(ctx, argv, out)
 
     def due() -> bool:
         if not uploads_waiting(out):
@@ -318,8 +327,7 @@ def test_sigkill_of_the_appliance_while_uploading(tmp_path, sim, kind, request):
     calibration = tmp_path / "calibration"
     calibration.mkdir()
     url = f"s3://{BUCKET}/calibration" if kind == "s3" else f"file://{calibration / 'store'}"
-    window = upload_window(ctx, ["replay", str(sim.job_file(calibration, url, endpoint)),
-                                 *[f"{n}={p}" for n, p in sim.streams().items()], "--out", str(calibration / "a")],
+    window = upload_window(ctx, replay_argv(sim, sim.job_file(calibration, url, endpoint), calibration / "a"),
                            calibration / "a")
     print(f"{kind}: an upload is under way for {1e3 * window:.1f} ms (median)")
     outcomes = []
@@ -334,7 +342,7 @@ def test_sigkill_of_the_appliance_while_uploading(tmp_path, sim, kind, request):
         url = f"s3://{BUCKET}/t{trial}" if kind == "s3" else f"file://{root / 'store'}"
         job_file = sim.job_file(root, url, endpoint)
         store = SnapshotStore(url, sim.job.name, storage_options=options)
-        argv = ["replay", str(job_file), *[f"{n}={p}" for n, p in sim.streams().items()], "--out", str(root / "a")]
+        argv = replay_argv(sim, job_file, root / "a")
         started = time.monotonic()
         seen = run_and_kill(ctx, argv, root / "a", moment)
         ready = check_ready(sim, store, where)

@@ -26,7 +26,7 @@ from gradtap.trainer.describe import ddp_param_names, describe_to, nccl_section,
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.schedule import lr_factor
 from gradtap.workload.spec import Schedule, dump_job, load_job, parse_job
-from tests.gloo import gloo_group
+from tests.gloo import end_spawned_rank, gloo_group
 
 WORLD = 2
 FACTORY = "gradtap.workload.models:gpt2"
@@ -201,6 +201,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
                     seen[key] = str(exc)
             with open(f"{tmp}/seen.json", "w") as f:
                 json.dump(seen, f)
+    end_spawned_rank()
 
 
 # --- the optimizer and its scheduler ------------------------------------------------------------

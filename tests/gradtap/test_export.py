@@ -25,7 +25,7 @@ from gradtap.store import snapshot
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.models import build
-from tests.gloo import gloo_group
+from tests.gloo import end_spawned_rank, gloo_group
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
 
@@ -195,6 +195,7 @@ def _fsdp_worker(rank, world, job_doc, source, tmp, out):
             optim = {"state": {index[n]: v for n, v in osd["state"].items()},
                      "param_groups": [dict(g, params=[index[n] for n in g["params"]]) for g in osd["param_groups"]]}
             torch.save({"model": msd, "optim": optim, "loaded": loaded}, out)
+    end_spawned_rank()
 
 
 def test_the_command_exports_and_says_what(replica, tmp_path):

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradtap.workload import models
 from gradtap.workload.data import ClassificationData, batch_loss
 from gradtap.simulator.training import learning_rate, make_optimizer
-from tests.gloo import gloo_group
+from tests.gloo import end_spawned_rank, gloo_group
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,7 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: lis
     with gloo_group(store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60)):
         results = [run_job(job, rank, world_size) for job in jobs]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    end_spawned_rank()
 
 
 def run_spawned(jobs: list[Job], world_size: int, work_dir: Path,

@@ -1,4 +1,5 @@
-"""Native memory operations of the kernels: acquire loads, release stores, memcpy, memcmp.
+"""Native memory operations of the kernels: acquire loads, release stores, an atomic OR,
+memcpy, memcmp.
 
 Every ring gradtap touches is single-producer/single-consumer with free-running indices,
 the protocol of the kernel's own rings (``Documentation/core-api/circular-buffers.rst``,
@@ -17,6 +18,13 @@ LLVM from caching the index in a register, hoisting it out of a polling loop, or
 the entry writes past the index store. On arm64 they become ``ldar``/``stlr``. Relaxed
 counters (frames, drops) are plain stores: each has one writer and is read only as a
 statistic, or after an acquire of a flag the writer released.
+
+Several parser threads write one iteration's gradient (``parser/shared_gradient.py``). A
+unit of it is claimed with :func:`fetch_or` (LLVM ``atomicrmw or … acq_rel``; ``lock or`` /
+``lock cmpxchg`` on x86-64, ``ldaxr``/``stlxr`` or ``ldsetal`` on arm64) on a word of claim
+bits: the one thread that finds its bit clear writes the unit, then publishes it with another
+``fetch_or`` on a word of written bits; a thread that finds the claim taken load-acquires the
+written word before it compares its own copy with the unit's bytes.
 
 Buffers that live as long as the process (a stream's gradient slots, the merger's scratch,
 the widened gradient) start on a cache line (:func:`aligned_bytes`) and are written whole
@@ -74,6 +82,13 @@ if config.DISABLE_JIT:
         integer wraps instead of raising)."""
         arr[index] = np.asarray(value).astype(arr.dtype)
 
+    def fetch_or(arr, index, value):
+        """``arr[index] |= value``, returning the old value (the interpreter runs one thread
+        of the kernel at a time without the JIT)."""
+        old = arr[index]
+        arr[index] = old | np.asarray(value).astype(arr.dtype)
+        return old
+
     def copy_bytes(dst, dst_pos, src, src_pos, n):
         """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]``."""
         dst[dst_pos:dst_pos + n] = src[src_pos:src_pos + n]
@@ -108,6 +123,23 @@ else:
             builder.store_atomic(val, ptr, "release", align=arr.dtype.bitwidth // 8)
             return context.get_dummy_value()
         return types.none(arr, index, value), codegen
+
+    @intrinsic
+    def _fetch_or(typingctx, arr, index, value):
+        if not isinstance(arr, types.Array) or not isinstance(arr.dtype, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            val = context.cast(builder, args[2], sig.args[2], arr.dtype)
+            return builder.atomic_rmw("or", ptr, val, "acq_rel")
+        return arr.dtype(arr, index, value), codegen
+
+    @njit(**JIT, inline="always")
+    def fetch_or(arr, index, value):
+        """Atomically ``arr[index] |= value`` (an aligned integer element), returning the value
+        before; acquire and release ordering. The caller checks the bounds."""
+        return _fetch_or(arr, index, value)
 
     @njit(**JIT, inline="always")
     def load_acquire(arr, index):

@@ -2,7 +2,8 @@
 the sink (the updater), advanced one round of frames at a time, with the time each stage takes.
 
 A round parses each stream's new frames in parallel threads (the Numba kernels release the
-GIL); the merger and the sink then run on the caller's thread while the parsers wait, so
+GIL), every stream into the same gradient per iteration (``parser/shared_gradient.py``);
+the merger and the sink then run on the caller's thread while the parsers wait, so
 nothing reads a slot a parser is writing. ``gradtap.replay`` feeds rounds from capture files,
 ``gradtap.appliance`` from the capture workers' shared-memory rings.
 
@@ -27,7 +28,8 @@ from gradtap.merger.numbering import Anchor, AnchorRefused, StreamStarts, anchor
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.lockon import LockFailure
 from gradtap.parser.resolve import Resolution, Resolver
-from gradtap.parser.stream import StreamParser
+from gradtap.parser.shared_gradient import GradientPool, IterationGradient
+from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES, StreamParser
 from gradtap.wire import events as ev
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
@@ -95,7 +97,7 @@ class Pipeline:
         self.merger: Merger | None = None
         self.last_fed: dict[int, float] = {}        # ordinal -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
-        self._retired: dict[int, list[tuple[str, np.ndarray]]] = {}   # iteration -> gradients the merger holds
+        self._retired: dict[int, list[IterationGradient]] = {}   # ordinal -> gradients the merger holds
         self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
         # Before a plan: the resolver, the frames held for the parsers, and the frames let go.
         self.resolver = Resolver(job, self.streams, gap) if plan is None else None
@@ -107,7 +109,11 @@ class Pipeline:
 
     def _build(self, job: JobSpec, plan: WirePlan) -> None:
         self.job = job
-        self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns) for name in self.streams}
+        # One gradient per iteration for every stream: the window's (DEFAULT_SLOTS), and one
+        # for the iteration the merger still holds when the streams move on.
+        self.pool = GradientPool(plan.total_elems * plan.elem_size, len(plan.blocks), DEFAULT_SLOTS + DEFAULT_SPARES)
+        self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool)
+                        for name in self.streams}
         self.merger = self._make_merger(plan, self.streams, self._sink, self._first_iteration, self.gap_ns)
 
     @property
@@ -126,6 +132,8 @@ class Pipeline:
         work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
         results = list(self._pool.map(lambda nb: self._parse(*nb), work))
         t = time.perf_counter()
+        for name, _ in results:
+            self.parsers[name].reconcile()
         for name, retired in results:
             parser = self.parsers[name]
             placed = parser.placed()
@@ -139,7 +147,7 @@ class Pipeline:
         for name, retired in results:
             parser = self.parsers[name]
             for a in retired:
-                self._retired.setdefault(a.index, []).append((name, a.grad))
+                self._retired.setdefault(a.index, []).append(a.shared)
             self.merger.update(name, retired, parser.in_progress())
         self.merger.advance(max([now_ns, *(int(b.ts_ns[-1]) for _, b in work)]))
         self._recycle()
@@ -219,12 +227,12 @@ class Pipeline:
         return reports
 
     def _recycle(self) -> None:
-        """Hand the gradient arrays of iterations the merger has finished (or never took) back
-        to their parsers: the merger dropped its copies and the sink got merged buckets of its
-        own, so nothing refers to them any more."""
+        """Give the gradients of iterations the merger has finished (or never took) back to
+        the pool: the merger dropped its copies and the sink got merged buckets of its own, so
+        nothing refers to them any more."""
         for g in [g for g in self._retired if g < self.merger.next]:
-            for name, grad in self._retired.pop(g):
-                self.parsers[name].recycle(grad)
+            for shared in self._retired.pop(g):
+                self.pool.done(shared, g)
 
     def anchor(self, anchor: Anchor, *, start: bool = False) -> None:
         """Number iterations by ``anchor`` once the streams show where it falls; when they are

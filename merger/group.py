@@ -309,14 +309,8 @@ class GroupMerger(Merger):
             self._exchange(g, int(b))
         self._current = g
         report = self._report(g)
-        need = self.plan.blocks["need"]
-        coverage = {}
-        for s in self.streams:
-            got = it.retired[s].got if s in it.retired else self._views.get(s, {}).get(g, (None, None))[1]
-            if got is not None:
-                coverage[s] = float(((got & need) == need).mean()) if len(need) else 1.0
         mine = {"iteration": report.iteration, "missing": report.missing_blocks,
-                "contradicted": self._contradicted(g), "coverage": coverage,
+                "contradicted": self._contradicted(g), "coverage": self._stream_coverage(g),
                 "mismatches": [[m.block, m.groups, m.resolved, m.distrusted] for m in report.mismatches]}
         parts = self.link.all_gather(json.dumps(mine).encode(), f"iteration {report.iteration} finish")
         report.mismatches.clear()

@@ -98,7 +98,7 @@ class Merger:
         # mapped and faulted in here (written once), not per bucket.
         self._scratch = prefaulted(max((hi - lo for lo, hi in self.byte_range), default=0))
         self.iterations: dict[int, _Iteration] = {}
-        self._views: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self._views: dict[str, dict[int, AssembledIteration]] = {}
         self.next = 0                               # oldest ordinal not finished
         self.finished: list[IterationReport] = []
 
@@ -111,8 +111,7 @@ class Merger:
         return index
 
     # -- input ----------------------------------------------------------------------------
-    def update(self, stream: str, retired: list[AssembledIteration],
-               slots: list[tuple[int, int, np.ndarray, np.ndarray]]) -> None:
+    def update(self, stream: str, retired: list[AssembledIteration], slots: list[AssembledIteration]) -> None:
         """What one stream produced since its last update: final copies of the iterations it
         retired, and its in-flight slots (``StreamParser.in_progress``, views that stay valid
         until the stream is fed again). Call :meth:`advance` once every stream is updated."""
@@ -121,7 +120,7 @@ class Merger:
             g = self._global(a.stream, a.index, a.start_ns)
             if g in self.iterations:
                 self.iterations[g].retired[a.stream] = a
-        self._views[stream] = {self._global(stream, i, t): (grad, got) for i, t, grad, got in slots}
+        self._views[stream] = {self._global(stream, a.index, a.start_ns): a for a in slots}
 
     def heard(self, ordinal: int, ts_ns: int) -> None:
         """Some stream placed a frame of ``ordinal`` at (or before) ``ts_ns``."""
@@ -156,17 +155,27 @@ class Merger:
         idx = self.buckets[b].index
         need = self.plan.blocks["need"][idx]
         out = []
-        it = self.iterations[g]
         for s in self.streams:
-            if s in it.retired:
-                a = it.retired[s]
-                grad, got = a.grad, a.got
-            elif g in self._views.get(s, {}):
-                grad, got = self._views[s][g]
-            else:
-                continue
-            out.append((s, grad[lo:hi], (got[idx] & need) == need))
+            a = self._held(s, g)
+            if a is not None:
+                out.append((s, *a.bucket(lo, hi, idx, need)))
         return out
+
+    def _stream_coverage(self, g: int) -> dict[str, float]:
+        """Per stream holding iteration g, the fraction of its blocks the stream covers."""
+        need, out = self.plan.blocks["need"], {}
+        for s in self.streams:
+            a = self._held(s, g)
+            if a is not None:
+                out[s] = float(((a.got & need) == need).mean()) if len(need) else 1.0
+        return out
+
+    def _held(self, stream: str, g: int) -> AssembledIteration | None:
+        """What ``stream`` holds of iteration g: its final copy, or its slot in flight."""
+        it = self.iterations[g]
+        if stream in it.retired:
+            return it.retired[stream]
+        return self._views.get(stream, {}).get(g)
 
     def _advance(self) -> None:
         if self.iterations and self.next not in self.iterations:
@@ -206,7 +215,7 @@ class Merger:
         for b in np.flatnonzero(~it.handed):
             idx = self.buckets[b].index
             for views in self._views.values():
-                if g + 1 in views and views[g + 1][1][idx].any():
+                if g + 1 in views and views[g + 1].got[idx].any():
                     return True
         return False
 
@@ -273,11 +282,7 @@ class Merger:
         else:
             for b, u in pending.items():
                 self._hand(g, b, u)
-        need = self.plan.blocks["need"]
-        for s in self.streams:
-            got = it.retired[s].got if s in it.retired else self._views.get(s, {}).get(g, (None, None))[1]
-            if got is not None:
-                report.coverage[s] = float(((got & need) == need).mean()) if len(need) else 1.0
+        report.coverage.update(self._stream_coverage(g))
         del self.iterations[g]
         for views in self._views.values():
             views.pop(g, None)

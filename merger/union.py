@@ -13,12 +13,17 @@ the block takes the copy every other covering stream agrees on. A block whose co
 tie is treated as not covered. A wrong stream thus never makes the union worse than leaving
 it out would, as long as the others outvote it somewhere in the bucket.
 
+The streams' parsers share one gradient per iteration (``parser/shared_gradient.py``), so
+most copies are the same memory: a stream's copy differs from another's only where it kept
+units aside (``parser/aside.py``). Copies that are the same memory are equal without reading
+a byte.
+
 The merger asks every round whether each pending bucket is complete, so a
 :class:`BucketUnion` is lazy: a bucket with a block that no stream covers answers
 :attr:`BucketUnion.complete` from the coverage bitmaps alone, and the bytes are compared
 once, when ``covered`` or ``mismatches`` is first read. The merged bytes are assembled when
-``data`` is read, without allocating: a bucket taken whole from one stream is that
-stream's copy itself, and any other is assembled in the caller's ``scratch`` buffer (reused
+``data`` is read, without allocating: a bucket taken whole from one copy (one stream's, or
+the shared memory of several) is that copy itself, and any other is assembled in the caller's ``scratch`` buffer (reused
 for every bucket, so its pages are mapped once), which every byte is written to because the
 blocks tile the bucket.
 """
@@ -96,8 +101,8 @@ class BucketUnion:
     def data(self) -> np.ndarray:
         chosen, covered, _ = self._votes
         blocks, copies = self._blocks, self._copies
-        if covered.all() and len(chosen) and (chosen == chosen[0]).all():
-            return copies[chosen[0]][1]            # whole from one stream: its copy as it is
+        if covered.all() and len(chosen) and all(_same(copies[c][1], copies[chosen[0]][1]) for c in np.unique(chosen)):
+            return copies[chosen[0]][1]            # whole from one copy: as it is
         if covered.all() and self._scratch is not None and self._tiles():
             data = self._scratch[:self._nbytes]    # every byte is written below
         else:
@@ -137,6 +142,8 @@ class BucketUnion:
         disagree = np.zeros(k, bool)
         for s, (_, bucket, _) in enumerate(copies):
             for other in np.unique(chosen[cov[s] & (chosen != s)]):
+                if _same(bucket, copies[other][1]):
+                    continue
                 disagree |= _blocks_differ(bucket, copies[other][1], blocks.start, blocks.nbytes,
                                            cov[s] & (chosen == other))
         votes = {int(j): _vote(blocks, copies, cov[:, j], j) for j in np.flatnonzero(disagree)}
@@ -154,6 +161,11 @@ class BucketUnion:
             else:
                 chosen[j] = choice
         return chosen, count > 0, tuple(mismatches)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """The two copies are the same memory (both are views of the shared gradient)."""
+    return a.ctypes.data == b.ctypes.data and a.shape == b.shape
 
 
 def union(blocks: BucketBlocks, copies: list[tuple[str, np.ndarray, np.ndarray]], nbytes: int,

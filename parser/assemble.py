@@ -14,11 +14,15 @@ For every frame record (stage 1, ``parser/decode.py``) of a stream whose flows a
    checks opcode, payload length, RETH address/length and ImmDt against the plan;
 5. for LL/LL128 checks the flags against the connection's step counter;
 6. drops a PSN already seen (retransmission, mirror duplicate), after comparing its
-   allgather data with what the first copy wrote: a copy that differs (a stray PSN, a
+   allgather data with the stream's first copy: a copy that differs (a stray PSN, a
    forged frame) makes the blocks it touches uncovered in this stream, counted as
    ``data.duplicate_conflict``, since nothing says which copy was right;
-7. skips reduce-scatter data; writes allgather data into the iteration's gradient buffer at
-   the planned offsets, and marks the units of its coverage block(s) it carries.
+7. skips reduce-scatter data; places allgather data at the planned offsets in the
+   iteration's gradient, which every stream of the job shares (``parser/shared_gradient.py``):
+   each unit (packet; LL128 line) is written by the first stream to claim it and compared
+   in place by the others, and the stream marks the units it holds a copy equal to; a copy
+   that differs is kept aside for the merger's vote (``parser/aside.py``,
+   ``data.set_aside``).
 
 Iterations are assembled in ``W`` slots. A packet of an iteration past the window stops
 the kernel with ``NEED_ADVANCE`` so the caller can retire the oldest slot and call again
@@ -38,17 +42,18 @@ from numba import njit
 
 from gradtap.core.bytes import read_le, read_le_u64
 from gradtap.core.jit import JIT
-from gradtap.core.memory import compare_bytes, copy_bytes
+from gradtap.core.memory import fetch_or, load_acquire
+from gradtap.parser.aside import aside_differs, aside_find, aside_free_block, aside_put
+from gradtap.parser.payload import store_payload
 from gradtap.wire import events as ev
 from gradtap.wire.headers.aeth import AETH_SYNDROME_MASK, AETH_SYNDROME_SHIFT, AETH_SYNDROME_TYPE_MASK, \
     AETH_SYNDROME_TYPE_SHIFT, SYNDROME_NAK
 from gradtap.wire.headers.opcodes import KIND_ACK, KIND_ATOMIC, KIND_ATOMIC_ACK, KIND_CNP, KIND_READ_REQUEST, \
     KIND_READ_RESPONSE, KIND_WRITE, OPCODE_IMMDT_OFF, OPCODE_KIND, OPCODE_POSITION, OPCODE_RETH_OFF, POS_FIRST, \
     POS_LAST, POS_MIDDLE, POS_ONLY
-from gradtap.wire.ll import LL_DATA1_OFF, LL_DATA2_OFF, LL_FLAG1_OFF, LL_FLAG2_OFF, LL_FLAG_MASK, LL_HALF_BYTES, \
-    LL_LINE_BYTES, LL_LINE_DATA_BYTES
-from gradtap.wire.ll128 import LL128_FLAG_WORD, LL128_LINE_BYTES, LL128_LINE_WORDS, LL128_SLICE_DATA_WORDS, \
-    LL128_SLICE_LINES, LL128_SLICE_WIRE_WORDS, LL128_WIRE_TO_DATA, LL128_WORD_BYTES
+from gradtap.wire.ll import LL_FLAG1_OFF, LL_FLAG2_OFF, LL_FLAG_MASK, LL_HALF_BYTES, LL_LINE_BYTES
+from gradtap.wire.ll128 import LL128_FLAG_WORD, LL128_LINE_BYTES, LL128_LINE_WORDS, LL128_SLICE_LINES, \
+    LL128_SLICE_WIRE_WORDS, LL128_WIRE_TO_DATA, LL128_WORD_BYTES
 from gradtap.wire.protocol import N_PROTOCOLS, Protocol
 from gradtap.wire.psn import psn_add, psn_ahead, psn_delta
 from gradtap.workload.nccl import NCCL_STEPS
@@ -81,10 +86,15 @@ class StreamState(NamedTuple):
 
 
 class Slots(NamedTuple):
-    """The ``W`` iterations being assembled; slot ``(slot0 + r) % W`` holds iteration ``r``."""
+    """The ``W`` iterations being assembled; slot ``(slot0 + r) % W`` holds iteration ``r``.
+    The first four are the iterations' shared buffers (``parser/shared_gradient.py``), the
+    rest the stream's own."""
 
     grads: tuple            # W x uint8[grad_bytes]: the gradient in the wire dtype
-    got: np.ndarray         # int32[W, blocks]: bitmask of the units of each coverage block received
+    claim: tuple            # W x int32[blocks]: units some stream has claimed
+    written: tuple          # W x int32[blocks]: units the claiming stream has written
+    disputed: tuple         # W x int32[blocks]: units whose differing copy found no room aside
+    got: np.ndarray         # int32[W, blocks]: units this stream holds a copy of equal to the shared one
     seen: np.ndarray        # uint8[W, seen_bits]: packets received, by PSN position
     start_ns: np.ndarray    # int64[W]: time of the earliest data frame (-1: none yet)
     end_ns: np.ndarray      # int64[W]: time of the latest data frame (-1: none yet)
@@ -199,77 +209,111 @@ def _first_flag(data, start, length, protocol, wire_off):
     return _ll128_word(data, start + at)
 
 
+@njit(**JIT, inline="always")
+def _n_units(protocol, wire_off, payload_len):
+    """The coverage units a packet carries: itself (Simple, LL), or its 128-byte lines (LL128)."""
+    if protocol == Protocol.LL128:
+        return max(0, (wire_off + payload_len) // LL128_LINE_BYTES - wire_off // LL128_LINE_BYTES)
+    return 1
+
+
+@njit(**JIT, inline="always")
+def _unit(protocol, block, k, wire_off, payload_len, u):
+    """Unit ``u`` of a packet, packet ``k`` of a write whose first coverage block is ``block``:
+    ``(block, bit, first payload byte, wire bytes, offset in the message's wire bytes)``.
+    An LL128 line is a unit of the block of its slice; a Simple or LL packet is a block."""
+    if protocol == Protocol.LL128:
+        line = wire_off // LL128_LINE_BYTES + u
+        at = line * LL128_LINE_BYTES
+        return (block + line // LL128_SLICE_LINES, np.int32(1) << (line % LL128_SLICE_LINES), at - wire_off,
+                LL128_LINE_BYTES, at)
+    return block + k, np.int32(1), 0, payload_len, wire_off
+
+
 @njit(**JIT)
-def _store(data, start, length, protocol, wire_off, grad, dest, nbytes, compare):
-    """Write the data of ``length`` payload bytes (at ``wire_off`` in the message) into
-    ``grad[dest : dest + nbytes]`` (the message's elements), never past ``nbytes``. With
-    ``compare``, write nothing and return whether ``grad`` holds other bytes there."""
-    if protocol == Protocol.SIMPLE:
-        n = min(length, nbytes - wire_off)
-        if n > 0:
-            if compare:
-                return compare_bytes(grad, dest + wire_off, data, start, n) != 0
-            copy_bytes(grad, dest + wire_off, data, start, n)
-    elif protocol == Protocol.LL:
-        for j in range(length // LL_LINE_BYTES):
-            d = (wire_off // LL_LINE_BYTES + j) * LL_LINE_DATA_BYTES
-            line = start + LL_LINE_BYTES * j
-            for half in range(2):
-                src = line + (LL_DATA2_OFF if half else LL_DATA1_OFF)
-                at = d + half * LL_HALF_BYTES
-                for b in range(min(LL_HALF_BYTES, nbytes - at)):
-                    if not compare:
-                        grad[dest + at + b] = data[src + b]
-                    elif grad[dest + at + b] != data[src + b]:
-                        return True
-    else:
-        w0 = wire_off // LL128_WORD_BYTES
-        for j in range(length // LL128_WORD_BYTES):
-            w = w0 + j
-            k = LL128_WIRE_TO_DATA[w % LL128_SLICE_WIRE_WORDS]
-            if k < 0:
-                continue
-            d = ((w // LL128_SLICE_WIRE_WORDS) * LL128_SLICE_DATA_WORDS + k) * LL128_WORD_BYTES
-            for b in range(min(LL128_WORD_BYTES, nbytes - d)):
-                if not compare:
-                    grad[dest + d + b] = data[start + LL128_WORD_BYTES * j + b]
-                elif grad[dest + d + b] != data[start + LL128_WORD_BYTES * j + b]:
-                    return True
+def _uncover(slots, aside, slot, block, k, wire_off, payload_len, protocol):
+    """The stream's copies of a packet's units conflict: none of the blocks it touches is
+    covered by this stream any more, nor is anything it kept aside of them. A block never
+    becomes covered again by a copy of the same packets: their PSNs are seen."""
+    if block < 0:
+        return
+    for u in range(_n_units(protocol, wire_off, payload_len)):
+        b = _unit(protocol, block, k, wire_off, payload_len, u)[0]
+        if 0 <= b < slots.got.shape[1]:
+            slots.got[slot, b] = 0
+            aside_free_block(aside, slot, b)
+
+
+@njit(**JIT)
+def _own_copy_differs(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k):
+    """Whether a second copy of a packet's allgather data (its PSN seen already) differs from
+    the stream's first: the shared gradient where the stream agreed with it, the copy kept
+    aside where it did not."""
+    if block < 0:
+        return False
+    grad = slots.grads[slot]
+    for u in range(_n_units(protocol, wire_off, length)):
+        b, bit, at, n, off = _unit(protocol, block, k, wire_off, length, u)
+        if b < 0 or b >= slots.got.shape[1] or at < 0 or at + n > length:
+            continue
+        if slots.got[slot, b] & bit:
+            if store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, True):
+                return True
+        else:
+            e = aside_find(aside, slot, b, bit)
+            if e >= 0 and aside_differs(aside, e, data, pos + at, n):
+                return True
     return False
 
 
 @njit(**JIT)
-def _mark(got, slot, block, k, wire_off, payload_len, protocol, received):
-    """Mark the units of the coverage block(s) a packet carries as received; or, when not
-    ``received`` (its copies conflict), the whole block(s) as not covered. A block never
-    becomes covered again in this slot: the packets that set its other units are seen."""
-    if block < 0:
-        return
-    if protocol == Protocol.LL128:
-        # The 128-byte lines this packet carries, slice by slice.
-        for line in range(wire_off // LL128_LINE_BYTES, (wire_off + payload_len) // LL128_LINE_BYTES):
-            b = block + line // LL128_SLICE_LINES
-            if b < got.shape[1]:
-                got[slot, b] = got[slot, b] | (1 << (line % LL128_SLICE_LINES)) if received else 0
-    elif block + k < got.shape[1]:
-        got[slot, block + k] = got[slot, block + k] | 1 if received else 0
+def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k):
+    """Place a packet's allgather data in the iteration's shared gradient, unit by unit, and
+    return its event (see ``parser/shared_gradient.py`` and ``parser/aside.py``):
 
-
-@njit(**JIT)
-def _carried(got, slot, block, k, wire_off, payload_len, protocol):
-    """Whether every unit of the coverage block(s) a packet carries is received already: in
-    this stream another flow carried the same data (the allgather forwards each chunk, hop
-    after hop, unchanged)."""
+    - a unit this stream holds already (another flow of the stream carried the same data:
+      the allgather forwards each chunk, hop after hop, unchanged) is compared with it;
+    - a unit no stream has claimed is claimed, written, published and marked;
+    - a unit another stream has written is compared with it, and marked if equal;
+    - otherwise the copy is kept aside (it differs, or the claiming stream is still writing)."""
     if block < 0:
-        return False
-    if protocol == Protocol.LL128:
-        lines = (wire_off + payload_len) // LL128_LINE_BYTES - wire_off // LL128_LINE_BYTES
-        for line in range(wire_off // LL128_LINE_BYTES, (wire_off + payload_len) // LL128_LINE_BYTES):
-            b = block + line // LL128_SLICE_LINES
-            if b >= got.shape[1] or not got[slot, b] & (1 << (line % LL128_SLICE_LINES)):
-                return False
-        return lines > 0
-    return block + k < got.shape[1] and got[slot, block + k] & 1 != 0
+        return ev.DATA_WRITTEN
+    grad, claim, written = slots.grads[slot], slots.claim[slot], slots.written[slot]
+    got = slots.got
+    conflict, lost, differs, pending = False, False, False, False
+    for u in range(_n_units(protocol, wire_off, length)):
+        b, bit, at, n, off = _unit(protocol, block, k, wire_off, length, u)
+        if b < 0 or b >= got.shape[1] or at < 0 or at + n > length:
+            continue
+        if got[slot, b] & bit:
+            conflict |= store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, True)
+            continue
+        if aside_find(aside, slot, b, bit) >= 0:
+            # Kept aside already from another flow of this stream: the same bytes, or a conflict.
+            conflict |= aside_differs(aside, aside_find(aside, slot, b, bit), data, pos + at, n)
+            continue
+        if not fetch_or(claim, b, bit) & bit:
+            store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, False)
+            fetch_or(written, b, bit)
+            got[slot, b] |= bit
+            continue
+        ready = load_acquire(written, b) & bit != 0
+        if ready and not store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, True):
+            got[slot, b] |= bit
+            continue
+        if aside_put(aside, slot, b, bit, not ready, not ready and not pending, protocol, off, dest, nbytes, data,
+                     pos + at, n):
+            differs |= ready
+            pending |= not ready
+        else:
+            fetch_or(slots.disputed[slot], b, bit)
+            lost = True
+    if conflict:
+        _uncover(slots, aside, slot, block, k, wire_off, length, protocol)
+        return ev.DATA_DUPLICATE_CONFLICT
+    if lost:
+        return ev.DATA_ASIDE_FULL
+    return ev.DATA_SET_ASIDE if differs else ev.DATA_WRITTEN
 
 
 @njit(**JIT)
@@ -303,7 +347,7 @@ def _bswap32(x):
 
 
 @njit(**JIT)
-def assemble(recs, start, data, t, state, slots, slot0, counters):
+def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
     """Process ``recs[start:]``; returns ``(status, next_index)``. See the module docstring.
 
     Parameters
@@ -314,9 +358,10 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
         ``uint8[m]``: the batch's frame bytes.
     t:
         The stream's :class:`~gradtap.parser.stream_tables.StreamTables`.
-    state, slots:
-        :class:`StreamState` and :class:`Slots`, updated in place; ``slot0`` is the slot of
-        the oldest iteration.
+    state, slots, aside:
+        :class:`StreamState`, :class:`Slots` and the stream's
+        :class:`~gradtap.parser.aside.Aside`, updated in place; ``slot0`` is the slot of the
+        oldest iteration.
     counters:
         ``int64[N_EVENTS]``: every record processed adds one to exactly one event.
     """
@@ -445,9 +490,9 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
             counters[ev.DATA_OUT_OF_WINDOW] += 1
             continue
         if slots.seen[slot, bit]:
-            if ag and _store(data, payload_off, payload_len, proto, wire_off, slots.grads[slot], dest, nbytes,
-                             True):
-                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, proto, False)
+            if ag and _own_copy_differs(data, payload_off, payload_len, proto, wire_off, dest, nbytes, slots, aside,
+                                        slot, m["block"], k):
+                _uncover(slots, aside, slot, m["block"], k, wire_off, payload_len, proto)
                 counters[ev.DATA_DUPLICATE_CONFLICT] += 1
             else:
                 counters[ev.DATA_DUPLICATE] += 1
@@ -463,16 +508,6 @@ def assemble(recs, start, data, t, state, slots, slot0, counters):
         if not ag:
             counters[ev.OTHER_REDUCE_SCATTER] += 1
             continue
-        if _carried(slots.got, slot, m["block"], k, wire_off, payload_len, proto):
-            # The same data from another hop: compared, not stored; copies that differ leave
-            # the block uncovered in this stream, as a conflicting duplicate does.
-            if _store(data, payload_off, payload_len, proto, wire_off, slots.grads[slot], dest, nbytes, True):
-                _mark(slots.got, slot, m["block"], k, wire_off, payload_len, proto, False)
-                counters[ev.DATA_DUPLICATE_CONFLICT] += 1
-            else:
-                counters[ev.DATA_WRITTEN] += 1
-            continue
-        _store(data, payload_off, payload_len, proto, wire_off, slots.grads[slot], dest, nbytes, False)
-        _mark(slots.got, slot, m["block"], k, wire_off, payload_len, proto, True)
-        counters[ev.DATA_WRITTEN] += 1
+        counters[_place(data, payload_off, payload_len, proto, wire_off, dest, nbytes, slots, aside, slot,
+                        m["block"], k)] += 1
     return DONE, recs.shape[0]

@@ -370,7 +370,7 @@ def _try(doc: dict, partial: dict, s: Survey, ring: Ring) -> Fit:
                 continue
             spec, eras = resolution.job, resolution.eras
         plan = plan or job_plan(spec)
-        parser = StreamParser(spec, plan, stream, spares=0)     # a trial: nothing is recycled
+        parser = StreamParser(spec, plan, stream, spares=0)     # a trial: nothing is given back
         got: list = []
         frames = 0
         with PcapReader(path) as reader:

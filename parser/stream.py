@@ -6,10 +6,12 @@ source) in arrival order; it decodes them (stage 1), locks on to an iteration bo
 and hands back each iteration once the stream has moved two iterations past it (late
 retransmissions are still accepted until then) or at :meth:`StreamParser.flush`.
 
-An :class:`AssembledIteration` holds the stream's copy of the gradient in the wire dtype and
-which units (packets; LL128 lines) of each coverage block arrived; a block is *covered*
-when all have.
-Elements outside covered blocks are meaningless.
+Every stream of a job places its packets into one gradient per iteration, shared with the
+other streams' parsers (``parser/shared_gradient.py``; a parser made without a pool has
+one of its own). An :class:`AssembledIteration` holds that gradient in the wire dtype,
+which units (packets; LL128 lines) of each coverage block this stream holds a copy of that
+equals it (a block is *covered* when all are), and the stream's copies that differ
+(``parser/aside.py``). Elements outside covered blocks are meaningless.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradtap.capture.frames import FrameBatch
-from gradtap.core.memory import prefaulted
+from gradtap.parser.aside import NOTHING_ASIDE, AsideCopies, kept, new_aside, reconcile
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.flow_learning import FlowLearner
 from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
 from gradtap.parser.mismatch import what_differs
+from gradtap.parser.shared_gradient import GradientPool, IterationGradient
 from gradtap.parser.stream_tables import stream_tables
 from gradtap.wire import events as ev
 from gradtap.wire.protocol import N_PROTOCOLS
@@ -36,9 +39,9 @@ from gradtap.workload.wire_plan import WirePlan
 log = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 2
-# One spare is enough when the arrays handed out come back (``recycle``) before the next
-# retirement, as they do once the merger has finished the iteration: by then the stream is a
-# whole iteration further on.
+# One spare is enough when the gradients handed out come back (``GradientPool.done``) before
+# the next retirement, as they do once the merger has finished the iteration: by then the
+# streams are a whole iteration further on.
 DEFAULT_SPARES = 1
 DEFAULT_GAP_NS = 1_000_000   # an iteration boundary is a pause of at least 1 ms in the job's traffic
 
@@ -48,14 +51,27 @@ class AssembledIteration:
     stream: str
     index: int                 # iterations begun since the capture started before this one (0 = the first)
     start_ns: int              # time of the iteration's first job frame, as seen by this stream
-    grad: np.ndarray           # uint8[grad_bytes]: the flat gradient in the wire dtype
-    got: np.ndarray            # int32[blocks]: bitmask of the units received per coverage block
+    grad: np.ndarray           # uint8[grad_bytes]: the iteration's flat gradient in the wire dtype
+    got: np.ndarray            # int32[blocks]: units per coverage block this stream holds, equal to grad's
     need: np.ndarray           # int32[blocks]: bitmask of the units each block needs
     end_ns: int = -1           # time of its latest job frame, as seen by this stream
+    aside: AsideCopies = NOTHING_ASIDE      # this stream's copies of units that differ from grad's
+    disputed: np.ndarray | None = None      # int32[blocks]: units a differing copy found no room for
+    shared: IterationGradient | None = None  # the pool's buffer grad belongs to
 
     @property
     def covered(self) -> np.ndarray:
         return (self.got & self.need) == self.need
+
+    def bucket(self, lo: int, hi: int, index: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The stream's own copy of the gradient's bytes ``[lo, hi)`` (the shared bytes, with
+        what it kept aside laid over them) and which of the coverage blocks ``index`` (needing
+        ``need``) it covers there; a disputed block is covered by no stream."""
+        data, got = self.aside.overlay(self.grad, lo, hi, self.got, index)
+        covered = (got[index] & need) == need
+        if self.disputed is not None:
+            covered &= self.disputed[index] == 0
+        return data, covered
 
 
 class StreamParser:
@@ -72,9 +88,13 @@ class StreamParser:
     slots:
         Iterations assembled at once (>= 2: the current one and the next).
     spares:
-        Gradient arrays made at start-up besides the slots', for the slots that retire while
-        the arrays handed out are still in use (given back through :meth:`recycle`); a parser
-        whose retired arrays are not given back (``discover``'s trials) needs none.
+        Without a ``pool``: gradients its own pool makes at start-up besides the slots', for
+        the slots that retire while the gradients handed out are still in use (given back
+        through :meth:`GradientPool.done`); a parser whose retired gradients are not given
+        back (``discover``'s trials) needs none.
+    pool:
+        The iterations' gradients shared with the job's other streams
+        (``parser/shared_gradient.py``); None: a pool of its own.
     gap_ns:
         Minimum pause in the job's traffic that separates two iterations.
     hold_bytes:
@@ -88,7 +108,8 @@ class StreamParser:
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
                  slots: int = DEFAULT_SLOTS, spares: int = DEFAULT_SPARES, gap_ns: int = DEFAULT_GAP_NS,
-                 hold_bytes: int = 1 << 30, lockon_s: float | None = None, lockon_frames: int | None = None):
+                 hold_bytes: int = 1 << 30, lockon_s: float | None = None, lockon_frames: int | None = None,
+                 pool: GradientPool | None = None):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
         # A stream that arrives over L3 (ERSPAN) is opened frame by frame; stage 1 reads the
@@ -105,17 +126,22 @@ class StreamParser:
                                  origin_phase=np.zeros((nconn, slots), np.int64),
                                  last_ns=np.full(1, -1, np.int64), last_psn=np.full(len(t.qpn), -1, np.int64),
                                  prev_psn=np.full(len(t.qpn), -1, np.int64), gap_ns=gap_ns)
-        # One gradient array per slot: a retired slot's array is handed out as it is and the
-        # slot gets a zeroed one (a spare, given back through recycle()), so retiring copies
-        # nothing. The slots' arrays and the spares are made and faulted in here, once: fresh
-        # memory first written on the hot path costs more than the parse itself.
-        self.slots = Slots(grads=tuple(prefaulted(t.grad_bytes) for _ in range(slots)),
+        # Each slot holds its iteration's gradient from the pool, shared with the other streams:
+        # retiring hands it on as it is, and nothing of it is copied or cleared here.
+        if pool is None:
+            pool = GradientPool(t.grad_bytes, len(plan.blocks), slots + spares)
+        elif (pool.grad_bytes, pool.blocks) != (t.grad_bytes, len(plan.blocks)):
+            raise ValueError(f"stream {stream}: the gradient pool holds {pool.grad_bytes} bytes in {pool.blocks} "
+                             f"blocks; the plan needs {t.grad_bytes} in {len(plan.blocks)}")
+        self.pool = pool
+        self._shared = [pool.enter(r) for r in range(slots)]
+        self.slots = Slots(grads=tuple(g.grad for g in self._shared), claim=tuple(g.claim for g in self._shared),
+                           written=tuple(g.written for g in self._shared),
+                           disputed=tuple(g.disputed for g in self._shared),
                            got=np.zeros((slots, len(plan.blocks)), np.int32),
                            seen=np.zeros((slots, t.seen_bits), np.uint8),
                            start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64))
-        self._spare: list[np.ndarray] = [prefaulted(t.grad_bytes) for _ in range(spares)]
-        self._keep = max(slots, spares)
-        self.fresh_buffers = 0        # gradient arrays made after start-up: no spare came back in time
+        self.aside = new_aside(t.mtu)
         self._origins()
         self.slot0 = 0
         self.iteration = 0            # iteration held by slot0
@@ -170,6 +196,8 @@ class StreamParser:
                 return []
         self._pending, self._held = None, []
         self.lock_ts, self.iteration = lock.ts_ns, lock.ordinal
+        for r in range(len(self._shared)):
+            self._take_gradient(r)
         learnt = self.lockon.learnt
         if learnt.by_order:
             log.info("stream %s: flows with identical traffic told apart by QPN order: %s", self.mirror.name,
@@ -277,21 +305,32 @@ class StreamParser:
         log.warning("stream %s: %s: %s\n%s", failure.stream, failure.what, failure.reason, failure.detail)
         return failure
 
-    def in_progress(self) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
-        """``(iteration, start_ns, grad, got)`` of every slot holding data, oldest first.
-
-        ``grad`` and ``got`` are views into the slot, valid until the slot is retired. A
-        covered block's bytes never change once covered (a later copy of its packets is
-        compared, never written), so a consumer may take covered blocks from here early; a
-        later copy with other bytes uncovers the block (``data.duplicate_conflict``).
-        """
+    def in_progress(self) -> list[AssembledIteration]:
+        """Every slot holding data, oldest first, as it stands: ``got`` is a view into the
+        slot, valid until the slot is retired. A covered block's bytes never change once
+        covered (a later copy of its units is compared, never written), so a consumer may take
+        covered blocks from here early; a later copy with other bytes uncovers the block
+        (``data.duplicate_conflict``)."""
         out = []
         slots = self.slots
         for r in range(len(slots.grads)):
             s = (self.slot0 + r) % len(slots.grads)
             if slots.start_ns[s] >= 0:
-                out.append((self.iteration + r, int(slots.start_ns[s]), slots.grads[s], slots.got[s]))
+                out.append(self._assembled(s, r, slots.got[s], kept(self.aside, s, free=False)))
         return out
+
+    def reconcile(self) -> None:
+        """Compare the copies kept aside while the stream that claimed their units was still
+        writing them (``parser/aside.py``). Call it while no parser of the pool runs."""
+        slots = self.slots
+        differing = reconcile(self.aside, slots.grads, slots.written, slots.got)
+        self.counters[ev.DATA_WRITTEN] -= differing
+        self.counters[ev.DATA_SET_ASIDE] += differing
+
+    def _assembled(self, s: int, r: int, got: np.ndarray, aside: AsideCopies) -> AssembledIteration:
+        slots, shared = self.slots, self._shared[s]
+        return AssembledIteration(self.mirror.name, self.iteration + r, int(slots.start_ns[s]), slots.grads[s], got,
+                                  self.need, int(slots.end_ns[s]), aside, shared.disputed, shared)
 
     def starts(self) -> tuple[int | None, dict[int, int]]:
         """When the stream's capture began (its first frame; None before one), and when each
@@ -323,18 +362,6 @@ class StreamParser:
                 out[self.iteration + r] = int(np.count_nonzero(slots.seen[s]))
         return out
 
-    def recycle(self, grad: np.ndarray) -> None:
-        """Give back the ``grad`` of an iteration this parser retired, once nothing refers to it
-        or to any view of it any more: a later retirement zeroes and reuses it instead of
-        allocating fresh memory (which must be faulted in and zeroed by the kernel, slower
-        than a memset of pages already mapped). At most ``max(slots, spares)`` spares are kept."""
-        if grad.shape != (self.tables.grad_bytes,) or grad.dtype != np.uint8 or not grad.flags.c_contiguous \
-                or not grad.flags.writeable:
-            raise ValueError(f"recycle: not a gradient array of stream {self.mirror.name} "
-                             f"({grad.dtype}{grad.shape}, needs uint8 ({self.tables.grad_bytes},))")
-        if len(self._spare) < self._keep and all(grad is not g for g in (*self.slots.grads, *self._spare)):
-            self._spare.append(grad)
-
     def flush(self) -> list[AssembledIteration]:
         """Hand back every iteration still held (end of input). A stream that never locked
         counts what it held and says why (:attr:`failure`)."""
@@ -351,27 +378,30 @@ class StreamParser:
         return out
 
     def _run(self, recs, start, stop, data):
-        return assemble(recs[:stop], start, data, self.tables, self.state, self.slots, self.slot0, self.counters)
+        return assemble(recs[:stop], start, data, self.tables, self.state, self.slots, self.aside, self.slot0,
+                        self.counters)
 
     def _retire(self) -> AssembledIteration:
-        s, slots = self.slot0, self.slots
-        out = AssembledIteration(self.mirror.name, self.iteration, int(slots.start_ns[s]),
-                                 slots.grads[s], slots.got[s].copy(), self.need, int(slots.end_ns[s]))
+        s = self.slot0
+        out = self._assembled(s, 0, self.slots.got[s].copy(), kept(self.aside, s, free=True))
         if out.start_ns >= 0:
             self.lockon.began(out.index, out.start_ns)
-        if self._spare:
-            fresh = self._spare.pop()
-            fresh.fill(0)
-        else:
-            # Every spare is still held downstream (a merger behind, or the end of input, where
-            # the slots retire at once): more memory, not a wait; faulted in only if written.
-            self.fresh_buffers += 1
-            log.debug("stream %s: gradient array %d made after start-up (no spare came back)",
-                      self.mirror.name, self.fresh_buffers)
-            fresh = np.zeros(self.tables.grad_bytes, np.uint8)
-        self.slots = slots._replace(grads=slots.grads[:s] + (fresh,) + slots.grads[s + 1:])
         self._advance()
         return out
+
+    def _take_gradient(self, r: int) -> None:
+        """Window slot ``r`` (from the oldest) takes its iteration's gradient from the pool
+        (and leaves the one it held)."""
+        s = (self.slot0 + r) % len(self._shared)
+        old = self._shared[s]
+        if old.ordinal == self.iteration + r and old.holders > 0:
+            return
+        # Left first: when its consumer is done with it already, it is the buffer taken next.
+        self.pool.leave(old)
+        self._shared[s] = self.pool.enter(self.iteration + r)
+        g = self._shared
+        self.slots = self.slots._replace(grads=tuple(x.grad for x in g), claim=tuple(x.claim for x in g),
+                                         written=tuple(x.written for x in g), disputed=tuple(x.disputed for x in g))
 
     def _origins(self) -> None:
         """Every connection's iteration starts across the window (``assemble.origins``)."""
@@ -379,14 +409,14 @@ class StreamParser:
             origins(self.state, self.tables, c)
 
     def _advance(self) -> None:
-        """Drop the oldest slot: every flow's base moves one period, connections' steps too.
-        Its gradient array is zero: a retired slot got a fresh one, and nothing is written
-        to a slot without marking it seen."""
+        """Drop the oldest slot: every flow's base moves one period, connections' steps too,
+        and the slot takes the gradient of the iteration that enters the window."""
         s, slots, state, t = self.slot0, self.slots, self.state, self.tables
         slots.got[s] = 0
         slots.seen[s] = 0
         slots.start_ns[s] = -1
         slots.end_ns[s] = -1
+        kept(self.aside, s, free=True)
         locked = state.base_psn >= 0
         state.base_psn[locked] = psn_add(state.base_psn[locked], t.period[locked])
         # Each connection's steps in the retired iteration, by the phase it had.
@@ -397,3 +427,4 @@ class StreamParser:
         self._origins()
         self.slot0 = (s + 1) % len(slots.grads)
         self.iteration += 1
+        self._take_gradient(len(slots.grads) - 1)

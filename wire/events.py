@@ -70,6 +70,11 @@ EVENTS: tuple[tuple[str, str], ...] = (
     # before a wire plan exists (appended)
     ("other.unresolved", "a frame decoded while nccl.era or nccl.protocol 'auto' was still being read from the "
                          "wire, past the frames held for the parser (gradtap.parser.resolve)"),
+    # the iteration's gradient shared by the streams (appended)
+    ("data.set_aside", "allgather data whose bytes differ from the copy another stream wrote first: kept aside "
+                       "for the merger's vote (gradtap.parser.aside)"),
+    ("data.aside_full", "allgather data whose bytes differ from the copy another stream wrote first, with the "
+                        "stream's set-aside area full: its blocks are disputed, covered by no stream"),
 )
 
 NAMES = tuple(name for name, _ in EVENTS)
@@ -122,6 +127,8 @@ DECODE_ERSPAN_UNSUPPORTED = 40
 DATA_IMPLAUSIBLE_PSN = 41
 DATA_DUPLICATE_CONFLICT = 42
 OTHER_UNRESOLVED = 43
+DATA_SET_ASIDE = 44
+DATA_ASIDE_FULL = 45
 
 
 def new_counters() -> np.ndarray:

@@ -1,16 +1,18 @@
 """The ring-index primitives: acquire loads and release stores read and write the element
 they name, and really are atomic acquire/release operations in the compiled code (a plain
-load would let LLVM cache a producer index across a polling loop)."""
+load would let LLVM cache a producer index across a polling loop). ``fetch_or``, the claim
+of a shared gradient's units, hands each bit to exactly one of several threads racing for it."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from numba import config, njit
 
-from gradtap.core.memory import acquire, compare_bytes, copy_bytes, load_acquire, release, store_release
+from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, release, store_release
 from tests.core.no_jit import run_without_jit
 
 
@@ -37,6 +39,43 @@ def test_the_compiled_code_holds_acquire_and_release_atomics():
     ir = "".join(_handover.inspect_llvm().values())
     assert "load atomic i32" in ir and "acquire" in ir
     assert "store atomic i32" in ir and "release" in ir
+
+
+@njit(nogil=True)
+def _claim_all(words, bits, rounds):
+    """Claim every bit of every word, ``rounds`` times over; how many claims found their bit
+    clear (were won)."""
+    won = 0
+    for _ in range(rounds):
+        for i in range(words.shape[0]):
+            for b in range(bits):
+                if not fetch_or(words, i, np.int32(1) << b) & (np.int32(1) << b):
+                    won += 1
+    return won
+
+
+def test_fetch_or_returns_the_old_value_and_sets_the_bits():
+    words = np.zeros(4, np.int32)
+    assert _claim_all(words, 5, 1) == 4 * 5 and words.tolist() == [31] * 4
+    assert _claim_all(words, 5, 3) == 0
+
+
+@pytest.mark.skipif(config.DISABLE_JIT, reason="threads race only in compiled code (nogil)")
+def test_fetch_or_hands_each_bit_to_exactly_one_racing_thread():
+    for trial in range(20):
+        words = np.zeros(1 << 14, np.int32)
+        with ThreadPoolExecutor(4) as pool:
+            won = list(pool.map(lambda _: _claim_all(words, 31, 1), range(4)))
+        assert sum(won) == words.size * 31, (trial, won)
+        assert (words == np.int32(0x7FFFFFFF)).all()
+
+
+@pytest.mark.skipif(config.DISABLE_JIT, reason="inspects compiled code")
+def test_the_compiled_code_holds_an_atomic_or():
+    _claim_all(np.zeros(2, np.int32), 2, 1)
+    ir = "".join(_claim_all.inspect_llvm().values())
+    # LLVM lowers an ``atomicrmw or`` whose old value is used to a compare-exchange loop.
+    assert ("atomicrmw or" in ir or "cmpxchg" in ir) and "acq_rel" in ir
 
 
 def test_copy_bytes_copies_the_range():
@@ -70,7 +109,10 @@ def results() -> dict:
     release(words, 2, -1)
     src, dst = np.arange(32, dtype=np.uint8), np.zeros(32, np.uint8)
     _copy(dst, 3, src, 7, 11)
+    claims = np.zeros(3, np.int32)
+    won = _claim_all(claims, 4, 2)
     return {"words": words.tolist(), "loaded": int(acquire(words, 2)), "copied": dst.tolist(),
+            "claimed": [int(won), claims.tolist()],
             "compared": [int(_compare(src, 0, dst, 0, 3) == 0), int(_compare(src, 7, dst, 3, 11) == 0),
                          int(_compare(src, 7, dst, 3, 12) == 0)]}
 

@@ -1,7 +1,9 @@
-"""The pipeline's gradient arrays are made once, at start-up, and reused: after that no parser
-makes a new one while the merger keeps up, so no page of fresh memory is first written on the
-per-iteration path (issue 12). The merged gradients are checked against the simulator's truth
-(each iteration's reduced gradient, ``truth/iter_N/grad.npy``), so reuse never leaks one
+"""The pipeline's gradient arrays are made once, at start-up, and reused: one per iteration
+for all the streams (``parser/shared_gradient.py``), three in all; after that no new one is
+made while the merger keeps up, so no page of fresh memory is first written on the
+per-iteration path, and memory does not grow with the number of streams (issue 12). Reused
+arrays are not cleared. The merged gradients are checked against the simulator's truth (each
+iteration's reduced gradient, ``truth/iter_N/grad.npy``), so reuse never leaks one
 iteration's bytes into the next."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from gradtap.capture.pcap import read_pcap
 from gradtap.core.memory import CACHE_LINE
 from gradtap.pipeline import Pipeline
 from gradtap.simulator.truth import iteration_dir
+from gradtap.wire import events as ev
 from gradtap.workload.layout import job_plan
 from tests.simulator.test_simulate import make_job, simulate
 
@@ -58,17 +61,21 @@ def test_gradient_arrays_are_made_once_and_reused(tmp_path, protocol):
     sink = Collect()
     names = [m.name for m in job.mirrors]
     pipeline = Pipeline(job, plan, names, sink, first_iteration=1)
-    made = {name: {id(a) for a in (*p.slots.grads, *p._spare)} for name, p in pipeline.parsers.items()}
-    for name, p in pipeline.parsers.items():
-        for a in (*p.slots.grads, *p._spare):
-            assert a.ctypes.data % CACHE_LINE == 0 and not a.any(), f"{name}: a start-up array is not zeroed on a cache line"
+    pool = pipeline.pool
+    made = {id(a) for p in pipeline.parsers.values() for a in p.slots.grads} | {id(g.grad) for g in pool._spare}
+    assert len(made) == 3, "one gradient per iteration in the window, and one spare, for every stream together"
+    for p in pipeline.parsers.values():
+        assert p.slots.grads == pipeline.parsers[names[0]].slots.grads, "the streams do not share their gradients"
+        for a in p.slots.grads:
+            assert a.ctypes.data % CACHE_LINE == 0 and not a.any(), "a start-up array is not zeroed on a cache line"
     batches = {name: read_pcap(tmp_path / "streams" / f"{name}.pcap") for name in names}
     try:
         for r in rounds(batches, ROUNDS):
             pipeline.round(r)
+            assert pool.fresh == 0, "a gradient array was made after start-up"
             for name, p in pipeline.parsers.items():
-                assert p.fresh_buffers == 0, f"{name}: a gradient array was made after start-up"
-                assert {id(a) for a in p.slots.grads} <= made[name], f"{name}: a slot holds an array not made at start"
+                assert {id(a) for a in p.slots.grads} <= made, f"{name}: a slot holds an array not made at start"
+                assert p.counters[ev.DATA_SET_ASIDE] == p.counters[ev.DATA_ASIDE_FULL] == 0, name
         pipeline.finish()
     finally:
         pipeline.close()

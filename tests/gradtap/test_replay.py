@@ -30,6 +30,12 @@ from gradtap.wire.icrc import compute_icrc
 from gradtap.wire.psn import PSN_MODULUS
 from gradtap.workload.spec import load_job, parse_job
 from gradtap.workload.wire_plan import DATA, PHASE_AG
+from gradtap.merger.merger import Merger
+from gradtap.parser.shared_gradient import GradientPool
+from gradtap.parser.stream import StreamParser
+from gradtap.simulator.truth import iteration_dir
+from gradtap.wire import events as ev
+from tests.gradtap.test_buffers import Collect
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = "mirror_loss=1e-3,link_loss=1e-3,corrupt=1e-3,reorder=1e-3,duplicate=1e-3"
@@ -300,6 +306,41 @@ def test_the_majority_outvotes_a_stream_with_wrong_bytes_and_a_valid_icrc(lying_
         assert {b["block"] for b in e["blocks"]} == lies[e["iteration"] - 1]
         for b in e["blocks"]:
             assert b["resolved"] and [sorted(g) for g in b["groups"]] == [sorted(honest), [LIAR]], b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("liar_first", [True, False])
+def test_the_majority_outvotes_a_liar_that_claimed_the_shared_gradient_first(lying_stream, liar_first):
+    """The streams share one gradient per iteration: whichever parser claims a unit first
+    writes it. Here the liar's parser places its whole capture before the honest ones start
+    (every lie is the shared copy, the honest copies are kept aside) or after them (the lies
+    are kept aside); the merged gradient is the truth either way, and each lie is a
+    mismatch the two honest streams won."""
+    job, out, lies = lying_stream
+    plan = job_plan(job)
+    honest = [m.name for m in job.mirrors if m.name != LIAR]
+    order = [LIAR, *honest] if liar_first else [*honest, LIAR]
+    pool = GradientPool(plan.total_elems * plan.elem_size, len(plan.blocks), 8)
+    # A window as long as the capture: no stream retires an iteration before the last has placed it.
+    parsers = {name: StreamParser(job, plan, name, slots=8, spares=0, pool=pool) for name in order}
+    for name in order:
+        assert parsers[name].feed(read_pcap(out / "sim" / "streams" / f"{name}.pcap")) == []
+    set_aside = {name: int(p.counters[ev.DATA_SET_ASIDE]) for name, p in parsers.items()}
+    assert set_aside[LIAR] == (0 if liar_first else sum(map(len, lies.values())))
+    assert all(set_aside[h] == (sum(map(len, lies.values())) if liar_first else 0) for h in honest)
+    sink = Collect()
+    merger = Merger(plan, order, sink, first_iteration=1)
+    for name, p in parsers.items():
+        merger.update(name, p.flush(), [])
+    reports = merger.close()
+    assert sink.done == [1, 2, 3, 4]
+    for it in sink.done:
+        truth = np.load(iteration_dir(out / "sim" / "truth", it) / "grad.npy").view(np.uint8)
+        merged = b"".join(sink.buckets[it][b] for b in range(len(plan.bucket_numels)))
+        assert merged == truth.tobytes(), f"iteration {it} differs from the truth"
+    for r in reports:
+        assert {m.block for m in r.mismatches} == lies[r.iteration - 1]
+        assert all(m.resolved and [sorted(g) for g in m.groups] == [sorted(honest), [LIAR]] for m in r.mismatches)
 
 
 # -- predivide: false ---------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def node(rank, world, rendezvous, streams, group_only, die_at, out, quiet_ns=Non
         for s in streams:
             a = data[s][-1]
             merger.heard(a.index, a.end_ns)
-            merger.update(s, data[s][:-1], [(a.index, a.start_ns, a.grad, a.got)])
+            merger.update(s, data[s][:-1], [a])
         merger.advance(last.end_ns + quiet_ns)
     before = [r.iteration for r in merger.finished]
     merger.close()

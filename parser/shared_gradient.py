@@ -1,0 +1,118 @@
+"""One gradient buffer per iteration, written by every stream of the job.
+
+The mirror streams of a job carry the same allgather data, forwarded by different ranks. So
+that each byte is stored once, every stream's parser places its packets into the same
+buffer for an iteration (:class:`IterationGradient`): the first stream to claim a unit (a
+packet; an LL128 line) writes it, and every later copy, from any stream, is compared with it
+in place (``parser/assemble.py``). Each stream keeps its own bitmap of the units it holds a
+copy equal to the buffer's of; a copy that differs is kept aside, per stream, for the
+merger's vote (``parser/aside.py``).
+
+:class:`GradientPool` hands the buffers out by iteration ordinal (the streams of one capture
+share the ordinals): a parser takes the iteration's buffer as the iteration enters its window
+(:meth:`GradientPool.enter`), leaves it as the iteration leaves (:meth:`GradientPool.leave`),
+and whoever consumes the retired iterations (the merger, through the pipeline) gives the
+buffer back once it is done with it (:meth:`GradientPool.done`). A buffer that no parser
+holds any more and whose consumer is done is reused for a later iteration: only its claim
+and written bitmaps are cleared, since a unit's bytes mean something only once written.
+
+The buffers are made and faulted in with the pool (``core.memory.prefaulted``); one made
+later (:attr:`GradientPool.fresh`) means the consumer is behind, or the streams are far
+apart. Parsers run in threads: the pool's bookkeeping is under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradtap.core.memory import prefaulted
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class IterationGradient:
+    """The shared buffers of one iteration."""
+
+    grad: np.ndarray        # uint8[grad_bytes]: the gradient in the wire dtype, meaningful where written
+    claim: np.ndarray       # int32[blocks]: units of each coverage block some stream has claimed
+    written: np.ndarray     # int32[blocks]: units whose bytes the claiming stream has written
+    disputed: np.ndarray    # int32[blocks]: units a stream's differing copy could not be kept aside for
+    holders: int = 0        # parsers whose window holds it
+    consumed: bool = False  # its consumer is done with it (it is reused once no parser holds it)
+    ordinal: int = -1
+
+    def clear(self) -> None:
+        self.claim.fill(0)
+        self.written.fill(0)
+        self.disputed.fill(0)
+
+
+@dataclass(eq=False)
+class GradientPool:
+    """The iterations' shared buffers of one job's streams: ``grad_bytes`` of gradient and
+    ``blocks`` coverage blocks each, ``buffers`` of them made at start-up."""
+
+    grad_bytes: int
+    blocks: int
+    buffers: int
+    fresh: int = 0                  # buffers made after start-up
+    _spare: list[IterationGradient] = field(default_factory=list)
+    _live: dict[int, IterationGradient] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self._spare = [self._make() for _ in range(self.buffers)]
+
+    def _make(self, later: bool = False) -> IterationGradient:
+        # One made later is faulted in only where written (it may serve one iteration only).
+        grad = np.zeros(self.grad_bytes, np.uint8) if later else prefaulted(self.grad_bytes)
+        return IterationGradient(grad, np.zeros(self.blocks, np.int32), np.zeros(self.blocks, np.int32),
+                                 np.zeros(self.blocks, np.int32))
+
+    def enter(self, ordinal: int) -> IterationGradient:
+        """The buffer of iteration ``ordinal`` for a parser whose window it enters."""
+        with self._lock:
+            it = self._live.get(ordinal)
+            if it is None:
+                if self._spare:
+                    it = self._spare.pop()
+                    it.clear()
+                else:
+                    self.fresh += 1
+                    log.debug("gradient buffer %d made after start-up (iteration %d)", self.fresh, ordinal)
+                    it = self._make(later=True)
+                it.ordinal, it.consumed, it.holders = ordinal, False, 0
+                self._live[ordinal] = it
+            it.holders += 1
+            return it
+
+    def leave(self, it: IterationGradient) -> None:
+        """A parser's window no longer holds ``it``."""
+        with self._lock:
+            it.holders -= 1
+            if it.holders == 0:
+                # No parser writes it any more; a parser that reaches the iteration later
+                # gets a buffer of its own (its copies are then compared, not shared).
+                if self._live.get(it.ordinal) is it:
+                    del self._live[it.ordinal]
+                if it.consumed:
+                    self._reuse(it)
+
+    def done(self, it: IterationGradient, ordinal: int) -> None:
+        """The consumer of iteration ``ordinal`` (every retired copy of it) is done with its
+        gradient ``it`` (nothing happens when ``it`` serves another iteration by now)."""
+        with self._lock:
+            if it.consumed or it.ordinal != ordinal:
+                return
+            it.consumed = True
+            if it.holders == 0:
+                self._reuse(it)
+
+    def _reuse(self, it: IterationGradient) -> None:
+        if len(self._spare) < self.buffers and all(s is not it for s in self._spare):
+            self._spare.append(it)

@@ -1,0 +1,160 @@
+"""One gradient per iteration, shared by the streams' parsers (``parser/shared_gradient.py``,
+``parser/aside.py``): the first copy of a unit is written, later ones are compared in
+place, a differing one is kept aside for the vote, one with no room left disputes its
+block, and a copy placed while the claiming stream is still writing is compared once the
+threads are idle. Threads racing for the same units write each exactly once.
+
+The placing kernel is driven directly here, with Simple packets of 64 bytes, one per block,
+so that every case is set up exactly; the pipeline-level checks (every merged gradient equal
+to the simulator's truth, a lying stream outvoted whichever stream claims first) are in
+``tests/gradtap/test_buffers.py`` and ``tests/gradtap/test_replay.py``."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from numba import config, njit
+
+from gradtap.parser.aside import ASIDE_DTYPE, kept, new_aside, reconcile
+from gradtap.parser.assemble import Slots, _own_copy_differs, _place
+from gradtap.parser.shared_gradient import GradientPool
+from gradtap.parser.stream import AssembledIteration
+from gradtap.wire import events as ev
+from gradtap.wire.protocol import Protocol
+
+PACKET = 64
+BLOCKS = 16
+NBYTES = PACKET * BLOCKS
+
+
+def stream_slots(shared) -> Slots:
+    """One stream's single slot over the iteration gradient ``shared``."""
+    return Slots(grads=(shared.grad,), claim=(shared.claim,), written=(shared.written,),
+                 disputed=(shared.disputed,), got=np.zeros((1, len(shared.claim)), np.int32),
+                 seen=np.zeros((1, 8), np.uint8), start_ns=np.zeros(1, np.int64), end_ns=np.zeros(1, np.int64))
+
+
+def packet(k: int, value: int) -> np.ndarray:
+    return np.full(PACKET, value, np.uint8)
+
+
+def place(slots, aside, k, data):
+    return _place(data, 0, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, slots, aside, 0, 0, k)
+
+
+@pytest.fixture
+def shared():
+    return GradientPool(NBYTES, BLOCKS, 1).enter(0)
+
+
+def test_the_first_copy_is_written_and_an_equal_one_is_only_marked(shared):
+    a, b = stream_slots(shared), stream_slots(shared)
+    aa, ab = new_aside(PACKET), new_aside(PACKET)
+    assert place(a, aa, 3, packet(3, 7)) == ev.DATA_WRITTEN
+    assert (shared.grad[3 * PACKET:4 * PACKET] == 7).all() and shared.claim[3] == shared.written[3] == 1
+    shared.grad[3 * PACKET] = 7            # b's compare reads the shared bytes: prove it does not write them
+    assert place(b, ab, 3, packet(3, 7)) == ev.DATA_WRITTEN
+    assert a.got[0, 3] == b.got[0, 3] == 1 and ab.used[0] == 0 and not shared.grad[:3 * PACKET].any()
+
+
+def test_a_differing_copy_is_kept_aside_and_shown_to_the_vote(shared):
+    a, c = stream_slots(shared), stream_slots(shared)
+    aa, ac = new_aside(PACKET), new_aside(PACKET)
+    place(a, aa, 5, packet(5, 1))
+    assert place(c, ac, 5, packet(5, 2)) == ev.DATA_SET_ASIDE
+    assert c.got[0, 5] == 0 and ac.used[0] == 1 and (shared.grad[5 * PACKET:6 * PACKET] == 1).all()
+    need = np.ones(BLOCKS, np.int32)
+    mine = AssembledIteration("c", 0, 0, shared.grad, c.got[0].copy(), need, aside=kept(ac, 0, free=True),
+                              disputed=shared.disputed)
+    data, covered = mine.bucket(0, NBYTES, np.arange(BLOCKS), need)
+    assert np.flatnonzero(covered).tolist() == [5]
+    assert (data[5 * PACKET:6 * PACKET] == 2).all(), "the stream's own bytes, laid over the shared ones"
+    assert not mine.bucket(0, NBYTES, np.arange(6, BLOCKS), need[6:])[1].any()
+    assert (shared.grad[5 * PACKET:6 * PACKET] == 1).all() and ac.used[0] == 0
+    theirs = AssembledIteration("a", 0, 0, shared.grad, a.got[0].copy(), need, disputed=shared.disputed)
+    data, covered = theirs.bucket(0, NBYTES, np.arange(BLOCKS), need)
+    assert np.shares_memory(data, shared.grad), "a stream that kept nothing aside shows the shared bytes as they are"
+
+
+def test_a_differing_copy_with_no_room_disputes_its_block_for_every_stream(shared):
+    a, c = stream_slots(shared), stream_slots(shared)
+    place(a, new_aside(PACKET), 2, packet(2, 1))
+    assert place(c, new_aside(PACKET, capacity=0), 2, packet(2, 9)) == ev.DATA_ASIDE_FULL
+    assert shared.disputed[2] == 1 and c.got[0, 2] == 0
+    need = np.ones(BLOCKS, np.int32)
+    a_holds = AssembledIteration("a", 0, 0, shared.grad, a.got[0].copy(), need, disputed=shared.disputed)
+    assert not a_holds.bucket(0, NBYTES, np.arange(BLOCKS), need)[1][2], "a disputed block counts as covered"
+
+
+@pytest.mark.parametrize("equal", [True, False])
+def test_a_copy_placed_while_the_claimant_writes_is_compared_once_idle(shared, equal):
+    b = stream_slots(shared)
+    ab = new_aside(PACKET)
+    shared.claim[6] = 1                    # another stream has claimed block 6 and is writing it
+    counters = np.zeros(ev.N_EVENTS, np.int64)
+    counters[place(b, ab, 6, packet(6, 4))] += 1
+    assert counters[ev.DATA_WRITTEN] == 1 and ab.used[0] == 1 and ab.rec[0]["pending"] == 1 and b.got[0, 6] == 0
+    shared.grad[6 * PACKET:7 * PACKET] = 4 if equal else 5
+    shared.written[6] = 1                  # ... and has published it
+    differing = reconcile(ab, b.grads, b.written, b.got)
+    if equal:
+        assert differing == 0 and b.got[0, 6] == 1 and ab.used[0] == 0
+    else:
+        assert differing == 1 and b.got[0, 6] == 0 and ab.used[0] == 1 and ab.rec[0]["pending"] == 0
+
+
+def test_a_second_copy_is_compared_with_the_streams_own_first(shared):
+    a, c = stream_slots(shared), stream_slots(shared)
+    ac = new_aside(PACKET)
+    place(a, new_aside(PACKET), 1, packet(1, 1))
+    place(c, ac, 1, packet(1, 2))          # c's first copy differs from a's: kept aside
+    same = _own_copy_differs(packet(1, 2), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, c, ac, 0, 0, 1)
+    other = _own_copy_differs(packet(1, 1), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, c, ac, 0, 0, 1)
+    assert not same and other, "c's retransmission is compared with c's own copy, not with a's"
+    assert not _own_copy_differs(packet(1, 1), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, a, new_aside(PACKET),
+                                 0, 0, 1)
+
+
+@njit(nogil=True)
+def _place_all(data, slots, aside, counters):
+    for k in range(slots.got.shape[1]):
+        counters[_place(data, k * PACKET, PACKET, Protocol.SIMPLE, k * PACKET, 0, data.shape[0], slots, aside, 0, 0,
+                        k)] += 1
+
+
+@pytest.mark.skipif(config.DISABLE_JIT, reason="threads race only in compiled code (nogil)")
+def test_racing_streams_write_every_unit_once_and_all_cover_it():
+    blocks = 1 << 12
+    data = np.random.default_rng(1).integers(0, 256, blocks * PACKET, dtype=np.uint8)
+    for trial in range(8):
+        shared = GradientPool(blocks * PACKET, blocks, 1).enter(0)
+        streams = [stream_slots(shared) for _ in range(3)]
+        asides = [new_aside(PACKET, capacity=blocks) for _ in streams]
+        counters = [np.zeros(ev.N_EVENTS, np.int64) for _ in streams]
+        with ThreadPoolExecutor(3) as pool:
+            list(pool.map(lambda s: _place_all(data, streams[s], asides[s], counters[s]), range(3)))
+        for s in range(3):
+            reconcile(asides[s], streams[s].grads, streams[s].written, streams[s].got)
+        assert np.array_equal(shared.grad, data) and (shared.written == 1).all(), trial
+        assert all((s.got == 1).all() for s in streams) and all(a.used[0] == 0 for a in asides), trial
+        assert [int(c[ev.DATA_WRITTEN]) for c in counters] == [blocks] * 3, trial
+
+
+def test_the_pool_shares_by_iteration_and_reuses_what_is_done():
+    pool = GradientPool(NBYTES, BLOCKS, 2)
+    first = [pool.enter(0), pool.enter(1)]
+    assert pool.enter(0) is first[0] and pool.fresh == 0
+    first[0].grad[:] = 3
+    first[0].claim[:] = 1
+    pool.leave(first[0])
+    pool.leave(first[0])                   # both parsers have moved past iteration 0
+    assert pool.enter(2) is not first[0] and pool.fresh == 1, "not reused before its consumer is done"
+    pool.done(first[0], 0)
+    again = pool.enter(3)
+    assert again is first[0] and not again.claim.any() and (again.grad == 3).all(), \
+        "reused with its bitmaps cleared, its bytes left as they are"
+    pool.done(again, 0)                    # a late done for the iteration it served before: ignored
+    assert not again.consumed
+    assert ASIDE_DTYPE.itemsize % 8 == 0

@@ -330,10 +330,11 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
           f"(target <= 24 B: {'met' if per_param <= 24 else 'NOT met'}); a 256 GB node then holds "
           f"{256e9 / per_param / 1e9:.1f} B parameters")
     elem = grad_bytes / nparams
-    design = 12 + (DEFAULT_SLOTS + DEFAULT_SPARES) * elem + (4 if job.optimizer.clip_grad_norm else 0)
+    widens = job.optimizer.clip_grad_norm and not (job.ddp.grad_dtype == "fp32" and job.ddp.predivide)
+    design = 12 + (DEFAULT_SLOTS + DEFAULT_SPARES) * elem + (4 if widens else 0)
     print(f"  by design                        {design:8.1f} B per parameter: state 12 (fp32 parameters and two "
           f"moments), {DEFAULT_SLOTS + DEFAULT_SPARES} shared gradients of {elem:g} B for every stream together"
-          f"{', the widened gradient 4 (clipping)' if job.optimizer.clip_grad_norm else ''}")
+          f"{', the widened gradient 4 (clipping)' if widens else ''}")
     lag = max(t.lag_s for t in result.timings)
     if job.optimizer.clip_grad_norm:
         floor = ADAM_BYTES_PER_PARAM * nparams / traffic

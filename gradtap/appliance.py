@@ -140,7 +140,8 @@ class Appliance:
         self.attestations = Attestations(self.replica, self.control)
         self.sink = ReplicaSink(self.replica, self.control, snapshots=self.snapshots,
                                 report_path=self.out / "iterations.jsonl", digests=options.digests,
-                                attestations=self.attestations, gradient_log=self.gradient_log)
+                                attestations=self.attestations, gradient_log=self.gradient_log,
+                                lasting_buckets=True)
         return Merger
 
     def _group(self, job: JobSpec, start: ReplicaStart, options: RunOptions, group: MirrorGroupSpec):

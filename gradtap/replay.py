@@ -218,7 +218,7 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     for checkpoint in resync or []:
         replica.offer(checkpoint)
     sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests,
-                       gradient_log=gradient_log)
+                       gradient_log=gradient_log, lasting_buckets=True)
     plan = job_plan(job) if job.nccl.resolved else None      # else read from the wire (parser/resolve.py)
     finished = False
     try:

@@ -50,12 +50,16 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaSink:
-    """Applies merged buckets to ``replica``; reports to ``control``; snapshots to ``snapshots``."""
+    """Applies merged buckets to ``replica``; reports to ``control``; snapshots to ``snapshots``.
+    ``lasting_buckets``: the buckets handed stay unchanged until their iteration is done, as
+    :class:`~gradtap.merger.merger.Merger`'s do (``Replica.apply_bucket``'s ``lasting``)."""
 
     def __init__(self, replica: Replica, control: ControlPlane, *, snapshots: Snapshots | None = None,
                  report_path: Path | None = None, digests: bool = False,
-                 attestations: Attestations | None = None, gradient_log: GradientLog | None = None):
+                 attestations: Attestations | None = None, gradient_log: GradientLog | None = None,
+                 lasting_buckets: bool = False):
         self.replica, self.control = replica, control
+        self.lasting_buckets = lasting_buckets
         self.gradient_log = gradient_log
         self.attestations = attestations
         self.snapshots = snapshots
@@ -83,7 +87,7 @@ class ReplicaSink:
                                           f"{needed}: the appliance missed iterations")
             if not outcome.opened:
                 return
-        r.apply_bucket(bucket, data)
+        r.apply_bucket(bucket, data, lasting=self.lasting_buckets)
         if self.gradient_log is not None:
             self.gradient_log.bucket(iteration, bucket, data)
 

@@ -50,6 +50,7 @@ import struct
 import numpy as np
 
 from gradtap.core.errors import ConfigError
+from gradtap.core.memory import prefaulted
 from gradtap.merger.digest import DIGEST_BYTES, DigestKey, block_digests
 from gradtap.merger.group_link import GroupBroken, GroupLink
 from gradtap.merger.merger import Merger, Sink
@@ -158,6 +159,9 @@ class GroupMerger(Merger):
                               f"mirror_group.streams[{link.rank}] lists {sorted(shards.placement[link.rank])}; give "
                               "this node the streams its spec lists, or correct the list (the same on every node)")
         super().__init__(plan, sorted(streams, key=order.index), sink, first_iteration, settle_ns)
+        # Where merged buckets are assembled, one at a time (the sink takes each at once, and a
+        # node's own streams rarely cover a bucket alone): mapped and faulted in here, once.
+        self._scratch = prefaulted(max((hi - lo for lo, hi in self.byte_range), default=0))
         self.link, self.shards, self.order = link, shards, list(order)
         self.broken: GroupBroken | None = None
         self._current: int | None = None         # the ordinal whose round is under way

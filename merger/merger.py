@@ -39,7 +39,6 @@ from typing import Protocol
 
 import numpy as np
 
-from gradtap.core.memory import prefaulted
 from gradtap.merger.union import BlockMismatch, BucketBlocks, union
 from gradtap.parser.stream import AssembledIteration
 from gradtap.workload.wire_plan import WirePlan
@@ -49,7 +48,9 @@ log = logging.getLogger(__name__)
 
 class Sink(Protocol):
     """Where merged gradients go (the updater, through the pipeline); ``iteration`` is the
-    trainer's iteration."""
+    trainer's iteration. :class:`Merger`'s buckets stay unchanged until ``iteration_done`` of
+    their iteration has returned (a mirror group's, ``merger/group.py``, only until the next
+    bucket)."""
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None: ...
 
@@ -94,9 +95,10 @@ class Merger:
         self.buckets = [BucketBlocks.of(plan.blocks, b, plan.bucket_offsets[b], elem)
                         for b in range(len(plan.bucket_numels))]
         self.byte_range = [(o * elem, (o + n) * elem) for o, n in zip(plan.bucket_offsets, plan.bucket_numels)]
-        # Where merged buckets are assembled, one at a time (the sink takes each at once):
-        # mapped and faulted in here (written once), not per bucket.
-        self._scratch = prefaulted(max((hi - lo for lo, hi in self.byte_range), default=0))
+        # Where a bucket merged from several copies is assembled: None, a bucket of its own,
+        # so that every bucket handed stays as it is until its iteration is done (Sink). The
+        # streams share their gradient, so nearly every bucket is handed as a view of it.
+        self._scratch: np.ndarray | None = None
         self.iterations: dict[int, _Iteration] = {}
         self._views: dict[str, dict[int, AssembledIteration]] = {}
         self.next = 0                               # oldest ordinal not finished

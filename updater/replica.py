@@ -83,7 +83,7 @@ class Replica:
         self._reached = -1                                  # the latest iteration begin() was asked for
         self.root = selfcheck.root_source(self.cfg)
         self._open: _Iteration | None = None
-        self._grad32 = self._widened()       # widened gradient of a clipped iteration
+        self._grad32: np.ndarray | None = None     # widened gradient of a clipped iteration, made when first needed
 
     @classmethod
     def from_job(cls, job: JobSpec, *, buckets: tuple[Bucket, ...] | None = None) -> "Replica":
@@ -192,11 +192,18 @@ class Replica:
                                 self._new_norms() if self.cfg.clip_grad_norm else None)
         return outcome
 
-    def apply_bucket(self, bucket: int, grad: np.ndarray) -> None:
+    def apply_bucket(self, bucket: int, grad: np.ndarray, *, lasting: bool = False) -> None:
         """Hand over the complete reduced gradient of bucket ``bucket`` (an index in launch
         order): a 1-D ``uint8`` array of its wire bytes, or a 1-D array of the wire dtype
         (float32; bf16/fp16 as uint16 bit patterns, fp16 also as float16) of ``numel``
-        elements."""
+        elements.
+
+        A clipped iteration steps only at :meth:`end`, once every norm is known, so its
+        gradient is kept until then: widened into float32 (and divided by the world size
+        when DDP did not divide it); or, with ``lasting``, where the wire already holds the
+        float32 gradient the trainer clips (fp32, pre-divided), ``grad`` itself, read again
+        at :meth:`end`. ``lasting`` promises that ``grad`` stays unchanged until then (the
+        merger's buckets do: ``merger/merger.py``)."""
         it = self._require_open()
         if not 0 <= bucket < len(self.layout.buckets):
             raise GradtapError(f"apply_bucket: bucket {bucket} is not one of the job's "
@@ -212,10 +219,17 @@ class Replica:
             kernels.adam_step(self.cfg.implementation, self.state.param[sl], g, self.state.exp_avg[sl],
                               self.state.exp_avg_sq[sl], work, c, wire=self.wire, sqrt=self.root)
         else:
-            widened = self._grad32[sl]          # made with the replica: the job clips
-            kernels.widen_gradient(g, widened, work, c, wire=self.wire)
             b = self.layout.buckets[bucket]
-            it.norms.add(b.params, [self._grad32[self.layout.param(i)] for i in b.params])
+            if lasting and self.wire == "fp32" and self.job.ddp.predivide:
+                it.kept[bucket] = g
+                at = sl.start
+                it.norms.add(b.params, [g[self.layout.param(i).start - at:self.layout.param(i).stop - at]
+                                        for i in b.params])
+            else:
+                if self._grad32 is None:
+                    self._grad32 = self._widened()
+                kernels.widen_gradient(g, self._grad32[sl], work, c, wire=self.wire)
+                it.norms.add(b.params, [self._grad32[self.layout.param(i)] for i in b.params])
         it.arrived[bucket] = True
 
     def end(self) -> None:
@@ -229,7 +243,8 @@ class Replica:
             c = self._constants(it, clip=it.norms.coefficient(self.cfg.clip_grad_norm), summed=False)
             for b in self.stepped_buckets():
                 sl = self.layout.bucket(b)
-                kernels.adam_step(self.cfg.implementation, self.state.param[sl], self._grad32[sl],
+                g = it.kept[b] if b in it.kept else self._grad32[sl]
+                kernels.adam_step(self.cfg.implementation, self.state.param[sl], g,
                                   self.state.exp_avg[sl], self.state.exp_avg_sq[sl],
                                   self.layout.work(b, self.cfg.implementation), c, wire="fp32",
                                   sqrt=self.root)
@@ -314,11 +329,9 @@ class Replica:
             raise GradtapError("no iteration is open; call begin(iteration) first")
         return self._open
 
-    def _widened(self) -> np.ndarray | None:
+    def _widened(self) -> np.ndarray:
         """The float32 gradient clipped iterations are widened into, made and faulted in once
-        (``core.memory.prefaulted``), or None for a job that does not clip."""
-        if not self.cfg.clip_grad_norm:
-            return None
+        (``core.memory.prefaulted``), when a clipped bucket first needs it."""
         return prefaulted(4 * self.layout.total).view(np.float32)
 
     def _constants(self, it: "_Iteration", clip: float, summed: bool = True) -> kernels.StepConstants:
@@ -361,6 +374,7 @@ class _Iteration:
         self.lr = lr
         self.arrived = [False] * n_buckets
         self.norms = norms
+        self.kept: dict[int, np.ndarray] = {}     # bucket -> its lasting float32 gradient (clipping)
 
 
 def seed_checkpoint(job: JobSpec, seed: int) -> dict[str, Any]:

@@ -144,7 +144,7 @@ class ShardReplica(Replica):
         self._reached = -1
         self.root = selfcheck.root_source(self.cfg)
         self._open = None
-        self._grad32 = self._widened()
+        self._grad32 = None
 
     def _load(self, checkpoint: Mapping[str, Any]):
         """The shard's flat state from the trainer's full ``checkpoint``: ``from_checkpoint``

@@ -25,18 +25,24 @@ ROUNDS = 48
 
 
 class Collect:
-    """A sink that keeps a copy of every bucket it is handed (the merger may hand a view of a
-    stream's array, which is reused later)."""
+    """A sink that keeps a copy of every bucket it is handed, and the bucket itself until its
+    iteration is done, when it must be unchanged (the merger's contract: ``Sink``)."""
 
     def __init__(self):
         self.buckets: dict[int, dict[int, bytes]] = {}
         self.done: list[int] = []
+        self._handed: list[tuple[int, np.ndarray]] = []
 
     def bucket(self, iteration, bucket, data):
         self.buckets.setdefault(iteration, {})[bucket] = bytes(data)
+        self._handed.append((bucket, data))
 
     def iteration_done(self, iteration, report):
         assert report.recovered, report
+        for bucket, data in self._handed:
+            assert bytes(data) == self.buckets[iteration][bucket], \
+                f"iteration {iteration} bucket {bucket} changed before its iteration was done"
+        self._handed.clear()
         self.done.append(iteration)
 
 

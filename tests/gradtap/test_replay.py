@@ -269,9 +269,16 @@ def falsify_allgather(path: Path, job, plan, blocks: np.ndarray) -> dict[int, se
 
 @pytest.fixture(scope="module")
 def lying_stream(tmp_path_factory):
-    """Four iterations of a 4-rank job, mirrored on three links; one stream lies about chunk 0."""
+    """Four iterations of a 4-rank job, mirrored on three links; one stream lies about chunk 0.
+    The job clips, so the replica keeps the merged buckets until the step (``lasting``): a
+    bucket merged from several copies must not be overwritten before then."""
     out = tmp_path_factory.mktemp("majority")
-    job = ring_job("majority", 4, MAJORITY_MIRRORS)
+    job = ring_job("majority", 4, MAJORITY_MIRRORS,
+                   optimizer={"kind": "adamw", "lr": 1e-3, "weight_decay": 0.01, "clip_grad_norm": 0.05})
+    # Two buckets, so that an iteration hands more than one bucket merged from several copies.
+    names = [p.name for p in job_params(job)]
+    job = job.model_copy(update={"ddp": job.ddp.model_copy(update={
+        "layout": "explicit", "buckets": (tuple(names[2:]), tuple(names[:2]))})})
     plan = job_plan(job)
     everyone = carried_by_all(plan, job)
     assert 0 < everyone.sum() < len(everyone)
@@ -295,15 +302,17 @@ def test_the_majority_outvotes_a_stream_with_wrong_bytes_and_a_valid_icrc(lying_
     order = honest[:position] + [LIAR] + honest[position:]
     pcaps = {name: out / "sim" / "streams" / f"{name}.pcap" for name in order}
     assert list(pcaps)[position] == LIAR
-    _, sink = run_replay(job, pcaps, tmp_path / "replay", start_of(out / "sim"))
+    start = start_of(out / "sim")
+    first = start["iteration"]            # the trainer's iteration of the capture's first
+    _, sink = run_replay(job, pcaps, tmp_path / "replay", start)
     v = verify(tmp_path / "replay", out / "sim" / "truth", job_params(job))
-    assert v.ok and not v.stale and v.digests_checked == [1, 2, 3, 4], v
+    assert v.ok and not v.stale and v.digests_checked == [first + k for k in range(4)], v
     assert not sink.replica.stale
     events = [json.loads(line) for line in (tmp_path / "replay" / "events.jsonl").read_text().splitlines()]
     mismatches = [e for e in events if e["event"] == "duplicate_mismatch"]
-    assert [e["iteration"] for e in mismatches] == [1, 2, 3, 4]
+    assert [e["iteration"] for e in mismatches] == [first + k for k in range(4)]
     for e in mismatches:
-        assert {b["block"] for b in e["blocks"]} == lies[e["iteration"] - 1]
+        assert {b["block"] for b in e["blocks"]} == lies[e["iteration"] - first]
         for b in e["blocks"]:
             assert b["resolved"] and [sorted(g) for g in b["groups"]] == [sorted(honest), [LIAR]], b
 
@@ -329,17 +338,18 @@ def test_the_majority_outvotes_a_liar_that_claimed_the_shared_gradient_first(lyi
     assert set_aside[LIAR] == (0 if liar_first else sum(map(len, lies.values())))
     assert all(set_aside[h] == (sum(map(len, lies.values())) if liar_first else 0) for h in honest)
     sink = Collect()
-    merger = Merger(plan, order, sink, first_iteration=1)
+    first = start_of(out / "sim")["iteration"]
+    merger = Merger(plan, order, sink, first_iteration=first)
     for name, p in parsers.items():
         merger.update(name, p.flush(), [])
     reports = merger.close()
-    assert sink.done == [1, 2, 3, 4]
+    assert sink.done == [first + k for k in range(4)]
     for it in sink.done:
         truth = np.load(iteration_dir(out / "sim" / "truth", it) / "grad.npy").view(np.uint8)
         merged = b"".join(sink.buckets[it][b] for b in range(len(plan.bucket_numels)))
         assert merged == truth.tobytes(), f"iteration {it} differs from the truth"
     for r in reports:
-        assert {m.block for m in r.mismatches} == lies[r.iteration - 1]
+        assert {m.block for m in r.mismatches} == lies[r.iteration - first]
         assert all(m.resolved and [sorted(g) for g in m.groups] == [sorted(honest), [LIAR]] for m in r.mismatches)
 
 

@@ -66,7 +66,7 @@ def train_on_alike(j, model, optimizer, reference: TorchStep, replica: Replica, 
     assert_equal_state(replica, reference)
 
 
-def drive(j, iterations=20, seed=0, shuffle=True, scale_exp=(-12, 1)):
+def drive(j, iterations=20, seed=0, shuffle=True, scale_exp=(-12, 1), lasting=False):
     replica, reference = Replica.from_job(j), TorchStep(j)
     rng = np.random.default_rng(seed)
     for it in range(iterations):
@@ -74,7 +74,7 @@ def drive(j, iterations=20, seed=0, shuffle=True, scale_exp=(-12, 1)):
         reference.step(it, reduced)
         replica.begin(it)
         for b in (rng.permutation(len(reduced)) if shuffle else range(len(reduced))):
-            replica.apply_bucket(int(b), reduced[b])
+            replica.apply_bucket(int(b), reduced[b], lasting=lasting)
         replica.end()
     return replica, reference
 
@@ -96,6 +96,22 @@ def test_equals_the_trainers_optimizer(case):
     replica, reference = drive(job(**case))
     assert_equal_state(replica, reference)
     assert replica.iteration == 20 and not replica.stale
+
+
+@pytest.mark.parametrize("case", [dict(kind="adamw", weight_decay=0.01, clip=1e-3),
+                                  dict(kind="adam", implementation="fused", clip=1e-2),
+                                  dict(kind="adamw", implementation="foreach", clip=1e-2, wire="bf16"),
+                                  dict(kind="adam", clip=1e-2, predivide=False)],
+                         ids=["adamw", "fused", "bf16", "summed"])
+def test_a_clipped_iteration_reads_lasting_buckets_again_instead_of_widening_them(case):
+    """With ``lasting`` buckets (the merger's) and the trainer's own float32 gradient on the
+    wire, a clipped iteration keeps the buckets themselves until end(): no widened copy is
+    made, and the result is still the trainer's bit for bit. Another wire dtype, or a sum
+    still to be divided, is widened as before."""
+    replica, reference = drive(job(**case), iterations=6, lasting=True)
+    assert_equal_state(replica, reference)
+    widens = case.get("wire", "fp32") != "fp32" or case.get("predivide") is False
+    assert (replica._grad32 is not None) == widens
 
 
 def test_apply_takes_a_flat_gradient_and_bytes():

@@ -206,13 +206,13 @@ class ShardReplica(Replica):
     def _new_norms(self) -> GradNorms:
         return ShardNorms(len(self.whole.params), self.layout.local)
 
-    def apply_bucket(self, bucket: int, grad: np.ndarray) -> None:
+    def apply_bucket(self, bucket: int, grad: np.ndarray, *, lasting: bool = False) -> None:
         if bucket not in self._own:
             raise GradtapError(f"apply_bucket: bucket {bucket} belongs to node rank {self.shards.owner[bucket]}'s "
                                f"shard, not this node's (rank {self.rank})"
                                if 0 <= bucket < len(self.shards.owner) else
                                f"apply_bucket: bucket {bucket} is not one of the job's {len(self.shards.owner)}")
-        super().apply_bucket(bucket, grad)
+        super().apply_bucket(bucket, grad, lasting=lasting)
 
     def shard_norms(self) -> bytes:
         """The open clipped iteration's norms of this shard's parameters, to all-gather."""

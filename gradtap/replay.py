@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -54,11 +55,10 @@ class _Source:
         self.file_bytes = path.stat().st_size
         self._read = 0                               # frames in the last batch read
 
-    def horizon(self) -> int | None:
-        """Time of the last buffered frame (None at end of file). What is left of a batch is
-        topped up with the next one when it is under half a batch: the streams' batches end
-        at slightly different times, and those remainders would otherwise make rounds of a
-        few frames each."""
+    def fill(self) -> None:
+        """Read ahead: what is left of a batch is topped up with the next one when it is under
+        half a batch (the streams' batches end at slightly different times, and those
+        remainders would otherwise make rounds of a few frames each)."""
         left = 0 if self.pending is None else len(self.pending.offsets)
         if 2 * left < self._read or left == 0:
             more = next(self.batches, None)
@@ -67,8 +67,11 @@ class _Source:
                 self.pending = more if left == 0 else _join(self.pending, more)
         if self.pending is None or len(self.pending.offsets) == 0:
             self.done = True
-            return None
-        return int(self.pending.ts_ns[-1])
+
+    def horizon(self) -> int | None:
+        """Time of the last buffered frame (None at end of file)."""
+        self.fill()
+        return None if self.done else int(self.pending.ts_ns[-1])
 
     def take(self, until: int) -> FrameBatch | None:
         b = self.pending
@@ -157,6 +160,8 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
     if numbering is not None:
         numbering.attach(pipeline)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
+    # The next batches are read (the file's pages mapped in) while a round parses them.
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradtap-read")
     started = time.perf_counter()
     try:
         while True:
@@ -165,11 +170,17 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
             if not live:
                 break
             until = min(live.values())
-            pipeline.round({n: sources[n].take(until) for n in live})
+            batches = {n: sources[n].take(until) for n in live}
+            ahead = reader.submit(lambda: [sources[n].fill() for n in live])
+            try:
+                pipeline.round(batches)
+            finally:
+                ahead.result()
             for n in live:
                 progress(n, sources[n].bytes, sources[n].file_bytes)
         reports = pipeline.finish()
     finally:
+        reader.shutdown()
         pipeline.close()
         for s in sources.values():
             s.close()

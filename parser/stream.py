@@ -127,20 +127,22 @@ class StreamParser:
                                  last_ns=np.full(1, -1, np.int64), last_psn=np.full(len(t.qpn), -1, np.int64),
                                  prev_psn=np.full(len(t.qpn), -1, np.int64), gap_ns=gap_ns)
         # Each slot holds its iteration's gradient from the pool, shared with the other streams:
-        # retiring hands it on as it is, and nothing of it is copied or cleared here.
+        # retiring hands it on as it is, and nothing of it is copied or cleared here. Until the
+        # stream locks on (nothing is placed before), the slots hold an empty stand-in, so
+        # that a stream that never locks holds none of the pool's.
         if pool is None:
             pool = GradientPool(t.grad_bytes, len(plan.blocks), slots + spares)
         elif (pool.grad_bytes, pool.blocks) != (t.grad_bytes, len(plan.blocks)):
             raise ValueError(f"stream {stream}: the gradient pool holds {pool.grad_bytes} bytes in {pool.blocks} "
                              f"blocks; the plan needs {t.grad_bytes} in {len(plan.blocks)}")
         self.pool = pool
-        self._shared = [pool.enter(r) for r in range(slots)]
-        self.slots = Slots(grads=tuple(g.grad for g in self._shared), claim=tuple(g.claim for g in self._shared),
-                           written=tuple(g.written for g in self._shared),
-                           disputed=tuple(g.disputed for g in self._shared),
-                           got=np.zeros((slots, len(plan.blocks)), np.int32),
+        blocks = len(plan.blocks)
+        self._unbound = IterationGradient(np.zeros(0, np.uint8), *(np.zeros(blocks, np.int32) for _ in range(3)))
+        self._shared = [self._unbound] * slots
+        self.slots = Slots(grads=(), claim=(), written=(), disputed=(), got=np.zeros((slots, blocks), np.int32),
                            seen=np.zeros((slots, t.seen_bits), np.uint8),
                            start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64))
+        self._bind()
         self.aside = new_aside(t.mtu)
         self._origins()
         self.slot0 = 0
@@ -394,11 +396,16 @@ class StreamParser:
         (and leaves the one it held)."""
         s = (self.slot0 + r) % len(self._shared)
         old = self._shared[s]
-        if old.ordinal == self.iteration + r and old.holders > 0:
-            return
-        # Left first: when its consumer is done with it already, it is the buffer taken next.
-        self.pool.leave(old)
+        if old is not self._unbound:
+            if old.ordinal == self.iteration + r:
+                return
+            # Left first: when its consumer is done with it already, it is the buffer taken next.
+            self.pool.leave(old)
         self._shared[s] = self.pool.enter(self.iteration + r)
+        self._bind()
+
+    def _bind(self) -> None:
+        """The kernel's view of the slots' gradients."""
         g = self._shared
         self.slots = self.slots._replace(grads=tuple(x.grad for x in g), claim=tuple(x.claim for x in g),
                                          written=tuple(x.written for x in g), disputed=tuple(x.disputed for x in g))
@@ -427,4 +434,5 @@ class StreamParser:
         self._origins()
         self.slot0 = (s + 1) % len(slots.grads)
         self.iteration += 1
-        self._take_gradient(len(slots.grads) - 1)
+        if self.locked:
+            self._take_gradient(len(slots.grads) - 1)

@@ -68,20 +68,24 @@ def test_gradient_arrays_are_made_once_and_reused(tmp_path, protocol):
     names = [m.name for m in job.mirrors]
     pipeline = Pipeline(job, plan, names, sink, first_iteration=1)
     pool = pipeline.pool
-    made = {id(a) for p in pipeline.parsers.values() for a in p.slots.grads} | {id(g.grad) for g in pool._spare}
+    made = {id(g.grad) for g in pool._spare}
     assert len(made) == 3, "one gradient per iteration in the window, and one spare, for every stream together"
-    for p in pipeline.parsers.values():
-        assert p.slots.grads == pipeline.parsers[names[0]].slots.grads, "the streams do not share their gradients"
-        for a in p.slots.grads:
-            assert a.ctypes.data % CACHE_LINE == 0 and not a.any(), "a start-up array is not zeroed on a cache line"
+    for g in pool._spare:
+        assert g.grad.ctypes.data % CACHE_LINE == 0 and not g.grad.any(), "a start-up array: not zeroed, not aligned"
+    assert all(len(p.slots.grads[0]) == 0 for p in pipeline.parsers.values()), "a stream not locked holds a gradient"
     batches = {name: read_pcap(tmp_path / "streams" / f"{name}.pcap") for name in names}
     try:
         for r in rounds(batches, ROUNDS):
             pipeline.round(r)
             assert pool.fresh == 0, "a gradient array was made after start-up"
+            held: dict[int, set[int]] = {}
             for name, p in pipeline.parsers.items():
-                assert {id(a) for a in p.slots.grads} <= made, f"{name}: a slot holds an array not made at start"
                 assert p.counters[ev.DATA_SET_ASIDE] == p.counters[ev.DATA_ASIDE_FULL] == 0, name
+                if p.locked:
+                    assert {id(a) for a in p.slots.grads} <= made, f"{name}: a slot holds an array not made at start"
+                    for it in p.in_progress():
+                        held.setdefault(it.index, set()).add(id(it.grad))
+            assert all(len(ids) == 1 for ids in held.values()), f"streams hold different arrays of one iteration {held}"
         pipeline.finish()
     finally:
         pipeline.close()

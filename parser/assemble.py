@@ -288,9 +288,10 @@ def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, sl
         if got[slot, b] & bit:
             conflict |= store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, True)
             continue
-        if aside_find(aside, slot, b, bit) >= 0:
-            # Kept aside already from another flow of this stream: the same bytes, or a conflict.
-            conflict |= aside_differs(aside, aside_find(aside, slot, b, bit), data, pos + at, n)
+        e = aside_find(aside, slot, b, bit)
+        if e >= 0:
+            # Kept aside already from another flow of this stream: the same data, or a conflict.
+            conflict |= aside_differs(aside, e, data, pos + at, n)
             continue
         if not fetch_or(claim, b, bit) & bit:
             store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, False)

@@ -100,21 +100,14 @@ def aside_differs(aside, e, src, pos, length):
 
 
 @njit(**JIT)
-def aside_free_block(aside, slot, block):
-    """Drop every unit kept of ``block`` in ``slot``."""
+def aside_free(aside, slot, block):
+    """Drop every unit kept of ``block`` in ``slot`` (of every block: ``block`` -1)."""
     if aside.used[0] == 0:
         return
     for e in range(aside.rec.shape[0]):
-        if aside.rec[e]["slot"] == slot and aside.rec[e]["block"] == block:
-            aside.rec[e]["slot"] = -1
-            aside.used[0] -= 1
-
-
-@njit(**JIT)
-def _free_slot(aside, slot):
-    for e in range(aside.rec.shape[0]):
-        if aside.rec[e]["slot"] == slot:
-            aside.rec[e]["slot"] = -1
+        r = aside.rec[e]
+        if r["slot"] == slot and (block < 0 or r["block"] == block):
+            r["slot"] = -1
             aside.used[0] -= 1
 
 
@@ -197,5 +190,5 @@ def kept(aside: Aside, slot: int, free: bool) -> AsideCopies:
     rec = aside.rec[mine].copy()
     data = np.concatenate([aside.data[e * stride:(e + 1) * stride] for e in mine])
     if free:
-        _free_slot(aside, slot)
+        aside_free(aside, slot, -1)
     return AsideCopies(rec, data, stride)

@@ -43,7 +43,7 @@ from numba import njit
 from gradtap.core.bytes import read_le, read_le_u64
 from gradtap.core.jit import JIT
 from gradtap.core.memory import fetch_or, load_acquire
-from gradtap.parser.aside import aside_differs, aside_find, aside_free_block, aside_put
+from gradtap.parser.aside import aside_differs, aside_find, aside_free, aside_put
 from gradtap.parser.payload import store_payload
 from gradtap.wire import events as ev
 from gradtap.wire.headers.aeth import AETH_SYNDROME_MASK, AETH_SYNDROME_SHIFT, AETH_SYNDROME_TYPE_MASK, \
@@ -241,28 +241,33 @@ def _uncover(slots, aside, slot, block, k, wire_off, payload_len, protocol):
         b = _unit(protocol, block, k, wire_off, payload_len, u)[0]
         if 0 <= b < slots.got.shape[1]:
             slots.got[slot, b] = 0
-            aside_free_block(aside, slot, b)
+            aside_free(aside, slot, b)
+
+
+@njit(**JIT, inline="always")
+def _held_differs(data, pos, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit):
+    """Compare another copy of unit ``bit`` of block ``b`` with the stream's own: -1 when the
+    stream holds none, else 1 if it differs and 0 if not (the stream's own copy is the shared
+    gradient's where the stream agreed with it, its copy kept aside where it did not)."""
+    if slots.got[slot, b] & bit:
+        return 1 if store_payload(data, pos, n, protocol, off, slots.grads[slot], dest, nbytes, True) else 0
+    e = aside_find(aside, slot, b, bit)
+    if e < 0:
+        return -1
+    return 1 if aside_differs(aside, e, data, pos, n) else 0
 
 
 @njit(**JIT)
 def _own_copy_differs(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k):
     """Whether a second copy of a packet's allgather data (its PSN seen already) differs from
-    the stream's first: the shared gradient where the stream agreed with it, the copy kept
-    aside where it did not."""
+    the stream's first."""
     if block < 0:
         return False
-    grad = slots.grads[slot]
     for u in range(_n_units(protocol, wire_off, length)):
         b, bit, at, n, off = _unit(protocol, block, k, wire_off, length, u)
-        if b < 0 or b >= slots.got.shape[1] or at < 0 or at + n > length:
-            continue
-        if slots.got[slot, b] & bit:
-            if store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, True):
-                return True
-        else:
-            e = aside_find(aside, slot, b, bit)
-            if e >= 0 and aside_differs(aside, e, data, pos + at, n):
-                return True
+        if 0 <= b < slots.got.shape[1] and at >= 0 and at + n <= length and \
+                _held_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit) == 1:
+            return True
     return False
 
 
@@ -285,13 +290,9 @@ def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, sl
         b, bit, at, n, off = _unit(protocol, block, k, wire_off, length, u)
         if b < 0 or b >= got.shape[1] or at < 0 or at + n > length:
             continue
-        if got[slot, b] & bit:
-            conflict |= store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, True)
-            continue
-        e = aside_find(aside, slot, b, bit)
-        if e >= 0:
-            # Kept aside already from another flow of this stream: the same data, or a conflict.
-            conflict |= aside_differs(aside, e, data, pos + at, n)
+        held = _held_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit)
+        if held >= 0:
+            conflict |= held == 1
             continue
         if not fetch_or(claim, b, bit) & bit:
             store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, False)

@@ -102,9 +102,18 @@ else:
         index = context.cast(builder, index, indexty, types.intp)
         return cgutils.get_item_pointer(context, builder, arrty, ary, [index], wraparound=False)
 
+    def _integer_element(arr) -> bool:
+        """The intrinsics below take an element of an integer array."""
+        return isinstance(arr, types.Array) and isinstance(arr.dtype, types.Integer)
+
+    def _pointer_and_value(context, builder, sig, args):
+        """``(&arr[index], value cast to the element type)`` of an ``(arr, index, value)`` call."""
+        ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        return ptr, context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+
     @intrinsic
     def _load_acquire(typingctx, arr, index):
-        if not isinstance(arr, types.Array) or not isinstance(arr.dtype, types.Integer):
+        if not _integer_element(arr):
             return None
 
         def codegen(context, builder, sig, args):
@@ -114,24 +123,22 @@ else:
 
     @intrinsic
     def _store_release(typingctx, arr, index, value):
-        if not isinstance(arr, types.Array) or not isinstance(arr.dtype, types.Integer):
+        if not _integer_element(arr):
             return None
 
         def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            val = context.cast(builder, args[2], sig.args[2], arr.dtype)
+            ptr, val = _pointer_and_value(context, builder, sig, args)
             builder.store_atomic(val, ptr, "release", align=arr.dtype.bitwidth // 8)
             return context.get_dummy_value()
         return types.none(arr, index, value), codegen
 
     @intrinsic
     def _fetch_or(typingctx, arr, index, value):
-        if not isinstance(arr, types.Array) or not isinstance(arr.dtype, types.Integer):
+        if not _integer_element(arr):
             return None
 
         def codegen(context, builder, sig, args):
-            ptr = _element_pointer(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-            val = context.cast(builder, args[2], sig.args[2], arr.dtype)
+            ptr, val = _pointer_and_value(context, builder, sig, args)
             return builder.atomic_rmw("or", ptr, val, "acq_rel")
         return arr.dtype(arr, index, value), codegen
 

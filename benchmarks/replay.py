@@ -288,7 +288,7 @@ def lag_with_snapshots(sim: Path, job: JobSpec, batch_frames: int, repeats: int,
 
 def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: AnonPeak) -> None:
     plan = job_plan(job)
-    grad_bytes = plan.total_elems * plan.elem_size
+    grad_bytes = plan.grad_bytes
     nparams = sum(p.numel for p in params)
     iterations = len(result.reports)
     frame_bytes = sum(result.bytes.values())

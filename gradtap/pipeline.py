@@ -111,7 +111,7 @@ class Pipeline:
         self.job = job
         # One gradient per iteration for every stream: the window's (DEFAULT_SLOTS), and one
         # for the iteration the merger still holds when the streams move on.
-        self.pool = GradientPool(plan.total_elems * plan.elem_size, len(plan.blocks), DEFAULT_SLOTS + DEFAULT_SPARES)
+        self.pool = GradientPool(plan.grad_bytes, len(plan.blocks), DEFAULT_SLOTS + DEFAULT_SPARES)
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool)
                         for name in self.streams}
         self.merger = self._make_merger(plan, self.streams, self._sink, self._first_iteration, self.gap_ns)

@@ -116,5 +116,5 @@ def stream_tables(job: JobSpec, plan: WirePlan, mirror: MirrorSpec) -> StreamTab
         step_bytes=plan.by_protocol("step_bytes"),
         imm_big_endian=nccl.era_facts(job.nccl).imm_big_endian,
         seen_bits=int(f["npkts"][is_data].sum()),
-        grad_bytes=plan.total_elems * plan.elem_size,
+        grad_bytes=plan.grad_bytes,
     )

@@ -141,6 +141,11 @@ class WirePlan:
         return sum(self.bucket_numels)
 
     @property
+    def grad_bytes(self) -> int:
+        """Bytes of the whole flat gradient in the wire dtype."""
+        return self.total_elems * self.elem_size
+
+    @property
     def protocols(self) -> tuple[Protocol, ...]:
         """The protocol of each bucket's allreduce."""
         return tuple(g.protocol for g in self.geometries)

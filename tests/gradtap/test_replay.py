@@ -329,7 +329,7 @@ def test_the_majority_outvotes_a_liar_that_claimed_the_shared_gradient_first(lyi
     plan = job_plan(job)
     honest = [m.name for m in job.mirrors if m.name != LIAR]
     order = [LIAR, *honest] if liar_first else [*honest, LIAR]
-    pool = GradientPool(plan.total_elems * plan.elem_size, len(plan.blocks), 8)
+    pool = GradientPool(plan.grad_bytes, len(plan.blocks), 8)
     # A window as long as the capture: no stream retires an iteration before the last has placed it.
     parsers = {name: StreamParser(job, plan, name, slots=8, spares=0, pool=pool) for name in order}
     for name in order:

@@ -23,7 +23,7 @@ class Recorder:
 def retired(plan, stream, ordinal, complete=True):
     need = plan.blocks["need"].astype(np.int32)
     got = need.copy() if complete else np.zeros_like(need)
-    grad = np.zeros(plan.total_elems * plan.elem_size, np.uint8)
+    grad = np.zeros(plan.grad_bytes, np.uint8)
     return AssembledIteration(stream, ordinal, 1000 * ordinal, grad, got, need)
 
 

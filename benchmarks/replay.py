@@ -36,9 +36,9 @@ Figures:
 - **peak memory per parameter** (issue 12): the process's anonymous resident memory
   (``RssAnon`` of ``/proc/self/status``: heap and NumPy/PyTorch arrays; the captures' mmapped
   pages are the page cache's, not the appliance's), sampled every 10 ms during the first
-  replay (the start state loaded, not the check after it), its peak over the model's
-  parameters, with and without what the process held before the replay began (the
-  interpreter, PyTorch, the compiled kernels, the start state); and the model a
+  replay (from loading the start state to the end, not the check after it), its peak over
+  the model's parameters, with and without what the process held before (the interpreter,
+  PyTorch, the compiled kernels); and the model a
   256 GB node then holds (FlowCheck asks for at least 300 GB per checkpoint node);
 - **replica lag**: per iteration, from the start of the last pipeline round that carried a
   frame of it to the replica having applied it (``ReplayResult.timings``, ``lag_s``). With
@@ -100,8 +100,8 @@ import torch
 
 from benchmarks._bandwidth import memcpy_bandwidth
 from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES
-from gradtap.replay import run_replay
-from gradtap.replay import ReplayResult
+from gradtap.replay import ReplayResult, run_replay
+from gradtap.start import replica_start
 from gradtap.store.snapshot_writer import BUFFERS
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params, job_plan
@@ -189,9 +189,10 @@ def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None,
     """One replay; with ``params`` (the job's) its final snapshot is checked against the truth;
     with ``memory``, the replay alone (not the check) is watched."""
     pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
-    start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-") as tmp:
         with memory or contextlib.nullcontext():
+            # As `gradtap replay` does: only the start holds the loaded state, freed once the replica holds it.
+            start = replica_start(job, torch.load(sim / "truth" / "start.pt", weights_only=True), "truth/start.pt")
             result, sink = run_replay(job, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames)
         if sink.replica.stale or not all(r.recovered for r in result.reports):
             raise SystemExit(f"the replay did not apply every iteration: {sink.lines}")

@@ -209,7 +209,7 @@ def join_group(job: JobSpec, streams: list[str], start: ReplicaStart, group: Mir
     out.mkdir(parents=True, exist_ok=True)
     plan = job_plan(job)
     shards = Shards.of_group(job, plan, group)
-    replica = ShardReplica(job, start.checkpoint, shards, group.rank)
+    replica = ShardReplica(job, start.take_checkpoint(), shards, group.rank)
     snapshots = ShardSnapshots(out / "snapshots", job.name, group.rank, group.world_size,
                                every=job.appliance.snapshot_every, keep=job.appliance.snapshot_keep)
     link = GroupLink(group)
@@ -217,7 +217,8 @@ def join_group(job: JobSpec, streams: list[str], start: ReplicaStart, group: Mir
     return GroupNode(group, plan, replica, link, sink, group_merger(link, shards, job))
 
 
-def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict, group: MirrorGroupSpec, *,
+def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | ReplicaStart,
+                     group: MirrorGroupSpec, *,
                      batch_frames: int = 65536, progress: Progress | None = None,
                      start_source: str = "the start state") -> tuple[ReplayResult, GroupSink]:
     """Replay this node's ``pcaps`` as node ``group.rank`` of a mirror group, its shard of a

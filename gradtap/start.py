@@ -30,9 +30,10 @@ from gradtap.workload.spec import JobSpec
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ReplicaStart:
-    checkpoint: dict                 # what the replica is built from (waiting: the seed state, for its shapes)
+    checkpoint: dict | None          # what the replica is built from (waiting: the seed state, for its shapes);
+    #                                  None once taken (take_checkpoint)
     first_iteration: int | None      # declared: the capture's first iteration; None: anchored or waiting
     anchor: Anchor | None            # anchored: where the start state falls
     source: str                      # where the start state came from, for messages
@@ -42,9 +43,22 @@ class ReplicaStart:
     def waiting(self) -> bool:
         return self.first_iteration is None and self.anchor is None
 
+    def take_checkpoint(self) -> dict:
+        """The state to build the replica from, handed over once. The start keeps no reference
+        to it, so that its tensors (12 bytes per parameter, as much as the replica itself) are
+        freed as soon as the replica has copied them, unless the caller holds the dict too:
+        build the start with :func:`replica_start` from a checkpoint nobody else keeps."""
+        if self.checkpoint is None:
+            raise RuntimeError(f"{self.source}: the start state was taken already; a ReplicaStart builds one replica")
+        checkpoint, self.checkpoint = self.checkpoint, None
+        return checkpoint
 
-def replica_start(job: JobSpec, checkpoint: dict | None, source: str) -> ReplicaStart:
-    """How a replica of ``job`` starts from ``checkpoint`` (``None``: it waits for the trainer)."""
+
+def replica_start(job: JobSpec, checkpoint: dict | ReplicaStart | None, source: str) -> ReplicaStart:
+    """How a replica of ``job`` starts from ``checkpoint`` (``None``: it waits for the trainer; a
+    :class:`ReplicaStart` is itself)."""
+    if isinstance(checkpoint, ReplicaStart):
+        return checkpoint
     if checkpoint is None:
         return ReplicaStart(seed_checkpoint(job, 0), None, None, "the trainer's first offer")
     _check_time(checkpoint.get("time_ns"), source)

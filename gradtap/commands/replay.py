@@ -50,6 +50,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from gradtap.checkpoints import load_checkpoint, start_checkpoint
     from gradtap.progress import records_progress, replay_progress
     from gradtap.replay import match_streams, run_replay
+    from gradtap.start import replica_start
     from gradtap.tables import events_table, iteration_table
     from gradtap.job_file import open_job
     from gradtap.store_tier import store_start, with_store
@@ -73,12 +74,12 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     if start_from_store:
         with records_progress(console, "replaying the store's gradient log") as progress:
             begin = store_start(job, progress)
-    else:
-        begin = start_checkpoint(job, start)
+    else:    # nothing here keeps the checkpoint: its memory is freed once the replica holds it
+        begin = replica_start(job, start_checkpoint(job, start),
+                              f"--start {start}" if start else f"initial_state of {job_path}")
     with replay_progress(console, streams) as progress:
-        result, sink = run_replay(job, streams, out, begin, digests=digests, progress=progress, resync=checkpoints, force=force,
-                                  gradients=gradients, continues=start,
-                                  start_source=f"--start {start}" if start else f"initial_state of {job_path}")
+        result, sink = run_replay(job, streams, out, begin, digests=digests, progress=progress, resync=checkpoints,
+                                  force=force, gradients=gradients, continues=start)
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
     state = "[red]stale[/]" if sink.replica.stale else "current" if sink.applied else \
@@ -100,11 +101,13 @@ def _group_replay(console, job, job_path: Path, streams, out: Path, start: Path 
     from gradtap.checkpoints import start_checkpoint
     from gradtap.group import run_group_replay
     from gradtap.progress import replay_progress
+    from gradtap.start import replica_start
     from gradtap.tables import iteration_table
 
+    begin = replica_start(job, start_checkpoint(job, start),
+                          f"--start {start}" if start else f"initial_state of {job_path}")
     with replay_progress(console, streams) as progress:
-        result, sink = run_group_replay(job, streams, out, start_checkpoint(job, start), group, progress=progress,
-                                        start_source=f"--start {start}" if start else f"initial_state of {job_path}")
+        result, sink = run_group_replay(job, streams, out, begin, group, progress=progress)
     console.print(iteration_table(result, sink))
     r = sink.replica
     state = "[red]stale[/]" if r.stale else "current" if sink.applied else "[yellow]unchanged[/]"

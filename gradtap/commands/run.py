@@ -143,8 +143,9 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
             begin = store_start(job, progress)
     else:
         start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
-        checkpoint = start_checkpoint(job, start) if start or job.initial_state.checkpoint else None
-        begin = replica_start(job, checkpoint, start_source)
+        # Only the start holds the checkpoint: its memory is freed once the replica is built.
+        begin = replica_start(job, start_checkpoint(job, start) if start or job.initial_state.checkpoint else None,
+                              start_source)
     appliance = Appliance(job, specs, out, begin, options, group)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if metrics_port:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from gradtap.core.errors import ConfigError
 from gradtap.simulator.faults import parse_faults
 from gradtap.simulator.run import Simulation
 from gradtap.replay import match_streams, run_replay
+from gradtap.start import replica_start
 from gradtap.verify import verify
 from gradtap.simulator.run import resume
 from gradtap.simulator.truth import optimizer_arrays
@@ -70,6 +72,36 @@ def test_small_config_with_adamw_clipping_and_schedule(tmp_path):
     run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"))
     v = verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job))
     assert v.ok and v.digests_checked == [1, 2, 3] and v.snapshots_checked
+
+
+def tensors_of(state) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_of(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in tensors_of(v)]
+    return []
+
+
+def test_the_start_state_is_freed_once_the_replica_holds_it(tmp_path):
+    """The start state is as large as the replica (12 B per parameter): a replay that kept it
+    would hold both through the whole run (issue 12's memory per parameter)."""
+    job = make_job(3, "Simple", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=2)
+    checkpoint = start_of(tmp_path / "sim")
+    held = [weakref.ref(t) for t in tensors_of(checkpoint)]
+    assert len(held) > 3 * len(job_params(job)) - 1          # parameters and both moments
+    start = replica_start(job, checkpoint, "truth/start.pt")
+    del checkpoint
+    alive: list[int] = []
+    run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start,
+               progress=lambda *_: alive.append(sum(r() is not None for r in held)))
+    assert alive and max(alive) == 0, f"start tensors still alive during the replay: {alive}"
+    assert start.checkpoint is None
+    with pytest.raises(RuntimeError, match="taken already"):
+        start.take_checkpoint()
+    assert verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job)).ok
 
 
 @pytest.mark.slow

@@ -39,6 +39,10 @@ class FrameBatch:
         the source recorded none).
     linktype:
         pcap LINKTYPE of every frame in the batch (``LINKTYPE_ETHERNET``).
+    lasting:
+        Whether ``data`` stays as it is for as long as the batch is referenced: a batch's own
+        copy, or a capture file's mapping. A ring's batch is a view of slots the source
+        overwrites once they are released, so it is not; :meth:`owned` copies only those.
     """
 
     data: np.ndarray
@@ -47,6 +51,7 @@ class FrameBatch:
     wirelens: np.ndarray
     ts_ns: np.ndarray
     linktype: int = LINKTYPE_ETHERNET
+    lasting: bool = False
 
     def __post_init__(self):
         expect = (("data", np.uint8), ("offsets", np.int64), ("caplens", np.int32),
@@ -78,10 +83,14 @@ class FrameBatch:
     def tail(self, start: int) -> FrameBatch:
         """The batch from frame ``start`` on, sharing ``data`` (no copy)."""
         return FrameBatch(data=self.data, offsets=self.offsets[start:], caplens=self.caplens[start:],
-                          wirelens=self.wirelens[start:], ts_ns=self.ts_ns[start:], linktype=self.linktype)
+                          wirelens=self.wirelens[start:], ts_ns=self.ts_ns[start:], linktype=self.linktype,
+                          lasting=self.lasting)
 
     def owned(self, start: int = 0) -> FrameBatch:
-        """A copy of frames ``start:`` that owns its bytes, packed (a ring's batch is a view)."""
+        """Frames ``start:`` in bytes that stay valid while the batch is held: the batch itself
+        (its :meth:`tail`) when it is ``lasting``, else a packed copy (a ring's batch is a view)."""
+        if self.lasting:
+            return self.tail(start)
         offsets, caplens = self.offsets[start:], self.caplens[start:]
         new_offsets = np.zeros(len(offsets), np.int64)
         if len(offsets):
@@ -89,7 +98,7 @@ class FrameBatch:
         data = np.empty(int(caplens.sum(dtype=np.int64)), np.uint8)
         _gather(data, new_offsets, self.data, offsets, caplens)
         return FrameBatch(data, new_offsets, caplens.copy(), self.wirelens[start:].copy(),
-                          self.ts_ns[start:].copy(), self.linktype)
+                          self.ts_ns[start:].copy(), self.linktype, lasting=True)
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +119,7 @@ class FrameBatch:
         data = np.frombuffer(b"".join(frames), np.uint8).copy()
         ts = np.zeros(len(frames), np.int64) if ts_ns is None else np.asarray(ts_ns, np.int64)
         wire = caplens.copy() if wirelens is None else np.asarray(wirelens, np.int32)
-        return cls(data, offsets, caplens, wire, ts, linktype)
+        return cls(data, offsets, caplens, wire, ts, linktype, lasting=True)
 
     @classmethod
     def concat(cls, batches, linktype: int = LINKTYPE_ETHERNET) -> FrameBatch:
@@ -126,7 +135,7 @@ class FrameBatch:
                    _join((b.offsets + base for b, base in zip(batches, bases)), np.int64),
                    _join((b.caplens for b in batches), np.int32),
                    _join((b.wirelens for b in batches), np.int32),
-                   _join((b.ts_ns for b in batches), np.int64), linktype)
+                   _join((b.ts_ns for b in batches), np.int64), linktype, lasting=True)
 
 
 @njit(**JIT)

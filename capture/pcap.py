@@ -367,8 +367,9 @@ class PcapReader:
             raise self._fault(pos, status)
         self.frames += n
         self.bytes += used
+        # Either the batch's own copy or the file's mapping, which lives while a batch refers to it.
         return FrameBatch(out[:used] if self.copy else self._buf, offsets[:n], caplens[:n], wirelens[:n], ts_ns[:n],
-                          self.linktype)
+                          self.linktype, lasting=True)
 
     def _fault(self, pos: int, status: int) -> CaptureError:
         order = ">" if self._big else "<"

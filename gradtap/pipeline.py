@@ -164,7 +164,7 @@ class Pipeline:
             self.resolver.observe(name, self._decode(name, b), b.data)
             held = self._held[name]
             held.append(b.owned())
-            while sum(h.data.nbytes for h in held) > self.hold_bytes and len(held) > 1:
+            while sum(h.nbytes for h in held) > self.hold_bytes and len(held) > 1:
                 self._let_go(name, held.pop(0))
             self.times.parse_s[name] += time.perf_counter() - t
             t = time.perf_counter()

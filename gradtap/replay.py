@@ -90,7 +90,7 @@ class _Source:
 
 def _slice(b: FrameBatch, lo: int, hi: int) -> FrameBatch:
     return FrameBatch(data=b.data, offsets=b.offsets[lo:hi], caplens=b.caplens[lo:hi], wirelens=b.wirelens[lo:hi],
-                      ts_ns=b.ts_ns[lo:hi], linktype=b.linktype)
+                      ts_ns=b.ts_ns[lo:hi], linktype=b.linktype, lasting=b.lasting)
 
 
 def _join(a: FrameBatch, b: FrameBatch) -> FrameBatch:
@@ -99,7 +99,8 @@ def _join(a: FrameBatch, b: FrameBatch) -> FrameBatch:
     if a.data is not b.data:
         return FrameBatch.concat([a, b], a.linktype)
     return FrameBatch(a.data, *(np.concatenate([getattr(a, k), getattr(b, k)])
-                                for k in ("offsets", "caplens", "wirelens", "ts_ns")), a.linktype)
+                                for k in ("offsets", "caplens", "wirelens", "ts_ns")), a.linktype,
+                      lasting=a.lasting and b.lasting)
 
 
 @dataclass

@@ -180,7 +180,7 @@ class StreamParser:
         else:
             self._held.append(batch.owned())
         if not self.lockon.resolved():
-            if sum(b.data.nbytes for b in self._held) > self.hold_bytes:
+            if sum(b.nbytes for b in self._held) > self.hold_bytes:
                 self._give_up_pending()
             return []
         while True:

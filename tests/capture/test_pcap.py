@@ -14,6 +14,7 @@ from scapy.utils import rdpcap
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import MAX_CAPLEN, PcapngWriter, PcapReader, PcapWriter, detect_format, \
     read_pcap
+from gradtap.capture.ring import FrameRing
 from gradtap.core.errors import CaptureError
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
@@ -320,3 +321,29 @@ def test_a_frame_batch_tail_shares_its_data():
     rest = batch.tail(1)
     assert frames_of(rest) == [b"de", b"fghi"] and rest.ts_ns.tolist() == [2, 3] and rest.data is batch.data
     assert len(batch.tail(3)) == 0
+
+
+def test_owned_copies_only_what_does_not_last(tmp_path):
+    """A pcap reader's batch (the file's mapping, or its own copy) lasts as long as it is held,
+    so a parser holding frames while it locks on keeps it as it is; a ring's batch is a view of
+    slots the source overwrites once released, so owned() copies it, and the copy lasts."""
+    path = CAPTURES[0]
+    with PcapReader(path, max_frames=50, copy=False) as reader:
+        batch = next(iter(reader))
+        assert batch.lasting
+        held = batch.owned(10)
+        assert held.data is batch.data and frames_of(held) == frames_of(batch)[10:]
+    with PcapReader(path, max_frames=50) as reader:
+        assert next(iter(reader)).lasting
+    ring = FrameRing.create(64, 2048, hugepages="off")
+    try:
+        ring.push(FrameBatch.from_frames(frames_of(batch)[:40]))
+        view = ring.read(40, timeout=0)
+        assert not view.lasting
+        copy = view.owned(5)
+        assert copy.lasting and copy.data is not view.data and frames_of(copy) == frames_of(batch)[5:40]
+        ring.release()
+        ring.push(FrameBatch.from_frames([b"\xff" * 60] * 40))     # the released slots are written again
+        assert frames_of(copy) == frames_of(batch)[5:40]
+    finally:
+        ring.close()

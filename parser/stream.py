@@ -157,7 +157,7 @@ class StreamParser:
         self.lock_ts: int | None = None
         self.hold_bytes = hold_bytes
         self._pending = None          # the first boundary seen, while flows are not yet resolved
-        self._held: list[FrameBatch] = []   # compact copies of the frames since that boundary
+        self._held: list[FrameBatch] = []   # the frames since that boundary (FrameBatch.owned)
 
     @property
     def locked(self) -> bool:

@@ -79,20 +79,39 @@ written is skipped and counted). Figure per run: the mean lag over the iteration
 best run; and the snapshots written and skipped (``replay.json``). Target: background / no
 snapshot <= 1.2 (the copy of 12 B per parameter is what remains on the update path).
 
+**Scaling** (``--scaling``, issue 12): the same replay of a 5-stream capture of the job (the
+egress ports of ranks 0-4) with its first 2, 3 and 5 streams (the issue asks for 1, but one
+rank's egress carries 7 of the 8 allgather chunks of a ring of 8, so one stream alone recovers
+no iteration and its replica never steps), and of the job with GPT-2 of 6,
+12 and 24 transformer blocks (82, 124 and 209 M parameters) with its 3 streams, each simulated
+once into ``--cache`` (about 26 GB in all). Per row: processing per iteration, per GB of
+frames, parse thread-seconds, peak memory per parameter, and the growth: the row's processing
+time over the first row's, divided by the ratio of their frame bytes (more streams multiply
+the frames; a larger model, frames and parameters alike). Growth 1.00 is linear in bytes. Each
+simulation and each row runs in a process of its own. The model 4x GPT-2 small that issue
+12 names (about 500 M parameters) needs about 21 GB of captures for 2 iterations and 14 GB of
+appliance memory, more than a 23 GB machine holds with the page cache; 24 blocks is the
+largest that leaves the captures in the page cache there.
+
 Run: ``python -m benchmarks.replay [--iterations N] [--batch-frames N] [--cache DIR] [--store]
-[--snapshot-every N] [--config JOB]`` (another job than GPT-2 small: its figures, not issue 4's).
+[--snapshot-every N] [--scaling] [--config JOB]`` (another job than GPT-2 small: its figures,
+not issue 4's).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numba
@@ -105,12 +124,18 @@ from gradtap.start import replica_start
 from gradtap.store.snapshot_writer import BUFFERS
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params, job_plan
+from gradtap.workload.models import resolve
 from gradtap.workload.spec import JobSpec, load_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gpt2-small.yaml"
 REALISTIC_ITERATION_S = 0.58
 ADAM_BYTES_PER_PARAM = 28
+#: ``--scaling``: the streams replayed of a capture of 5 (the egress ports of ranks 0-4; one alone
+#: carries 7/8 of the allgather, so 2 is the fewest that recover an iteration), and the model
+#: sizes, as GPT-2's number of transformer blocks (12: GPT-2 small).
+SCALING_STREAMS = (2, 3, 5)
+SCALING_LAYERS = (6, 12, 24)
 
 
 
@@ -124,18 +149,21 @@ def _lag_table(runs: dict[str, list[list[float]]], what: str, repeats: int) -> d
         print(f"  {name:30s} {lag:8.3f} s   (x {spread[name]:.2f})")
     return best
 
-def capture(cache: Path, iterations: int, config: Path = CONFIG) -> Path:
-    """The simulated job (``job.yaml``, ``streams/``, ``truth/``), made once, then reused."""
+def capture(cache: Path, iterations: int, config: Path = CONFIG, job: JobSpec | None = None) -> Path:
+    """The simulated job (``job.yaml``, ``streams/``, ``truth/``), made once, then reused:
+    ``config``'s, or ``job`` (named for the cache by its ``name``)."""
     from gradtap.simulator.faults import FaultSpec
     from gradtap.simulator.run import Simulation
 
-    out = cache / f"{config.stem}-{iterations}it"
+    out = cache / f"{config.stem if job is None else job.name}-{iterations}it"
     if out.exists():
         return out
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    print(f"simulating {iterations} iteration(s) of {config.name} into {out} (once; a few minutes)")
-    Simulation(load_job(config), partial, iterations=iterations, seed=0, faults=FaultSpec()).run()
+    print(f"simulating {iterations} iteration(s) of {config.name if job is None else job.name} into {out} "
+          "(once; a few minutes)")
+    Simulation(load_job(config) if job is None else job, partial, iterations=iterations, seed=0,
+               faults=FaultSpec()).run()
     partial.rename(out)
     return out
 
@@ -185,10 +213,11 @@ class AnonPeak:
 
 
 def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None,
-                memory: AnonPeak | None = None) -> ReplayResult:
-    """One replay; with ``params`` (the job's) its final snapshot is checked against the truth;
-    with ``memory``, the replay alone (not the check) is watched."""
-    pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors}
+                memory: AnonPeak | None = None, streams: int | None = None) -> ReplayResult:
+    """One replay (of the first ``streams`` mirror streams, default all); with ``params`` (the
+    job's) its final snapshot is checked against the truth; with ``memory``, the replay alone
+    (not the check) is watched."""
+    pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors[:streams]}
     with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-") as tmp:
         with memory or contextlib.nullcontext():
             # As `gradtap replay` does: only the start holds the loaded state, freed once the replica holds it.
@@ -350,6 +379,81 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
               f"({'keeps up' if per_iteration < seconds else 'falls behind'} in real time)")
 
 
+@dataclass
+class Scaled:
+    label: str
+    params: int
+    frame_bytes: float           # per iteration
+    seconds: float               # processing per iteration, best run
+    parse_s: float               # parse thread-seconds per iteration, best run
+    memory: float                # peak anonymous memory per parameter, first run
+
+
+def variant(job: JobSpec, name: str, **fields) -> JobSpec:
+    """``job`` renamed, with ``fields`` replaced (validated as a job file is)."""
+    return JobSpec.model_validate({**job.model_dump(), "name": name, **fields})
+
+
+def _scaled(label: str, sim: Path, streams: int | None, batch_frames: int, repeats: int) -> Scaled:
+    """One row of ``--scaling``: the capture ``sim`` replayed with its first ``streams``. Run in a
+    process of its own (:func:`scaling`)."""
+    warm(sorted((sim / "streams").glob("*.pcap")))
+    job = replay_job(sim)
+    params = job_params(job)
+    memory, best = AnonPeak(), None
+    for k in range(repeats):
+        result = replay_once(sim, job, batch_frames, params if k == 0 else None, memory if k == 0 else None,
+                             streams=streams)
+        best = result if best is None or result.wall_s < best.wall_s else best
+    n = len(best.reports)
+    nparams = sum(p.numel for p in params)
+    return Scaled(label, nparams, sum(best.bytes.values()) / n, best.wall_s / n,
+                  sum(t.parse_s for t in best.timings) / n, memory.peak / nparams)
+
+
+def replay_job(sim: Path) -> JobSpec:
+    """The simulated job, without periodic snapshots: only the clean-shutdown one, written after
+    the replay's clock stops."""
+    job = load_job(sim / "job.yaml")
+    return job.model_copy(update={"appliance": job.appliance.model_copy(update={"snapshot_every": 1 << 30})})
+
+
+def scaling(cache: Path, iterations: int, config: Path, batch_frames: int, repeats: int) -> None:
+    """How processing grows with the number of streams and with the model's size (``--scaling``)."""
+    job = load_job(config)
+    if not job.model.factory.endswith(":gpt2"):
+        raise SystemExit(f"--scaling sizes the model by GPT-2's n_layer; {job.model.factory} is not gradtap's gpt2")
+    five = variant(job, f"{job.name}-5streams", mirrors=[
+        {"name": f"r{r}-egress", "rank": r, "direction": "egress"} for r in range(SCALING_STREAMS[-1])])
+    own = job.model.kwargs.get("n_layer", inspect.signature(resolve(job.model.factory)).parameters["n_layer"].default)
+    sized = {layers: None if layers == own else variant(job, f"{job.name}-{layers}layers", model={
+        **job.model.model_dump(), "kwargs": {**job.model.kwargs, "n_layer": layers}}) for layers in SCALING_LAYERS}
+    runs = [[(f"{n} streams", five, n) for n in SCALING_STREAMS],
+            [(f"{layers} layers", spec, None) for layers, spec in sized.items()]]
+    # Each simulation and each row in a fresh process: the memory a simulation of GPT-2 leaves
+    # behind would count in the replay's peak and squeeze it (in one process, the runs grew past
+    # a 23 GB machine, and the OOM killer ended the first attempt).
+    rows: list[list[Scaled]] = [[], []]
+    spawn = multiprocessing.get_context("spawn")
+    for group, row in zip(runs, rows):
+        for label, spec, streams in group:
+            with ProcessPoolExecutor(1, mp_context=spawn) as child:
+                sim = child.submit(capture, cache, iterations, config, spec).result()
+            with ProcessPoolExecutor(1, mp_context=spawn) as child:
+                row.append(child.submit(_scaled, label, sim, streams, batch_frames, repeats).result())
+    print(f"\nscaling (best of {repeats}; growth: the row's processing time over the first row's, divided by "
+          "the ratio of their frame bytes; 1.00 is linear in bytes):")
+    print(f"  {'':14s} {'parameters':>10s} {'frames GB':>9s} {'s/iter':>7s} {'s per GB':>8s} {'parse s':>7s} "
+          f"{'B/param':>7s} {'growth':>6s}")
+    for group, what in zip(rows, ("streams of a 5-stream capture", "model size (GPT-2 layers), 3 streams")):
+        print(f"  {what}")
+        first = group[0]
+        for r in group:
+            growth = (r.seconds / first.seconds) / (r.frame_bytes / first.frame_bytes)
+            print(f"  {r.label:14s} {r.params / 1e6:9.1f}M {r.frame_bytes / 1e9:9.2f} {r.seconds:7.3f} "
+                  f"{r.seconds / r.frame_bytes * 1e9:8.3f} {r.parse_s:7.2f} {r.memory:7.1f} {growth:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2)
@@ -366,14 +470,15 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=None, metavar="N",
                         help="also the replica lag with a snapshot every N iterations, on the update path and in "
                              "the background")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also how processing grows with the streams (1, 3, 5) and the model (GPT-2 with 6, 12 "
+                             "and 24 layers); simulates those captures once into --cache (about 26 GB)")
     parser.add_argument("--skip-processing", action="store_true",
                         help="only the --store / --snapshot-every comparisons, not the processing figures")
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     sim = capture(args.cache, args.iterations, args.config)
-    job = load_job(sim / "job.yaml")
-    # No periodic snapshots: only the clean-shutdown one, written after the replay's clock stops.
-    job = job.model_copy(update={"appliance": job.appliance.model_copy(update={"snapshot_every": 1 << 30})})
+    job = replay_job(sim)
     size, available = warm(sorted((sim / "streams").glob("*.pcap")))
     print(f"{sim}: captures {size / 1e9:.2f} GB, memory available {available / 1e9:.1f} GB"
           f"{'' if size < available else ' (the captures do not fit in the page cache: reads hit the disk)'}; "
@@ -398,6 +503,8 @@ def main() -> None:
     if args.store:
         print()
         lag_with_uploads(sim, job, args.batch_frames, args.repeats, args.store_dir)
+    if args.scaling:
+        scaling(args.cache, args.iterations, args.config, args.batch_frames, args.repeats)
 
 
 if __name__ == "__main__":

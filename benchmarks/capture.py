@@ -70,8 +70,13 @@ SO_RCVBUFFORCE = 33
 # -- the lab -----------------------------------------------------------------------------
 
 class Lab:
-    def __init__(self):
+    """Two namespaces joined by ``pairs`` veth pairs (``tx0``-``rx0``, ``tx1``-``rx1``, ...) of
+    MTU 9000, IPv6 off (no stray neighbour discovery on the ports); removed on exit, with
+    those of a killed run."""
+
+    def __init__(self, pairs: int = 1):
         self.tx, self.rx = f"gtbench{os.getpid()}-tx", f"gtbench{os.getpid()}-rx"
+        self.pairs = pairs
 
     def __enter__(self):
         for name in netns.listnetns():        # left by a benchmark that was killed
@@ -84,11 +89,12 @@ class Lab:
                 for conf in ("all", "default"):
                     with open(f"/proc/sys/net/ipv6/conf/{conf}/disable_ipv6", "w") as f:
                         f.write("1")
-        with NetNS(self.tx) as ns:
-            ns.link("add", ifname="tx0", kind="veth", peer={"ifname": "rx0", "net_ns_fd": self.rx})
-            ns.link("set", index=ns.link_lookup(ifname="tx0")[0], mtu=MTU, state="up")
-        with NetNS(self.rx) as ns:
-            ns.link("set", index=ns.link_lookup(ifname="rx0")[0], mtu=MTU, state="up")
+        for k in range(self.pairs):
+            with NetNS(self.tx) as ns:
+                ns.link("add", ifname=f"tx{k}", kind="veth", peer={"ifname": f"rx{k}", "net_ns_fd": self.rx})
+                ns.link("set", index=ns.link_lookup(ifname=f"tx{k}")[0], mtu=MTU, state="up")
+            with NetNS(self.rx) as ns:
+                ns.link("set", index=ns.link_lookup(ifname=f"rx{k}")[0], mtu=MTU, state="up")
         return self
 
     def __exit__(self, *exc):
@@ -97,12 +103,13 @@ class Lab:
                 netns.remove(name)
 
     def link_drops(self) -> int:
-        """Drops the veth pair counted on either end (tx0 tx_dropped, rx0 rx_dropped)."""
+        """Drops the veth pairs counted on either end (txK tx_dropped, rxK rx_dropped)."""
         total = 0
-        for ns_name, ifname, key in ((self.tx, "tx0", "tx_dropped"), (self.rx, "rx0", "rx_dropped")):
-            with NetNS(ns_name) as ns:
-                link = ns.get_links(ns.link_lookup(ifname=ifname)[0])[0]
-                total += link.get_attr("IFLA_STATS64")[key]
+        for k in range(self.pairs):
+            for ns_name, ifname, key in ((self.tx, f"tx{k}", "tx_dropped"), (self.rx, f"rx{k}", "rx_dropped")):
+                with NetNS(ns_name) as ns:
+                    link = ns.get_links(ns.link_lookup(ifname=ifname)[0])[0]
+                    total += link.get_attr("IFLA_STATS64")[key]
         return total
 
 

@@ -82,6 +82,7 @@ class StreamState(NamedTuple):
     last_ns: np.ndarray     # int64[1]: time of the last data frame placed (-1: none yet)
     last_psn: np.ndarray    # int64[F]: the newest PSN placed on flow f (-1: none yet)
     prev_psn: np.ndarray    # int64[F]: the PSN of flow f's previous data frame, placed or not
+    last_write: np.ndarray  # int64[F]: the write (row of t.messages) of flow f's last placed packet
     gap_ns: int             # a pause in the data this long may start a new iteration
 
 
@@ -415,10 +416,15 @@ def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
         if bit < 0 or bit >= slots.seen.shape[1]:
             counters[ev.DATA_OUT_OF_WINDOW] += 1
             continue
-        w = _find_write(msgs, t.msg_start[f], t.msg_count[f], pos)
-        if w < 0:
-            counters[ev.DATA_OUT_OF_WINDOW] += 1
-            continue
+        # The packets of a write come one after another: most are in the write of the one before.
+        w = state.last_write[f]
+        if w < t.msg_start[f] or w >= t.msg_start[f] + t.msg_count[f] or pos < msgs[w]["psn_offset"] or \
+                pos >= msgs[w]["psn_offset"] + msgs[w]["npkts"]:
+            w = _find_write(msgs, t.msg_start[f], t.msg_count[f], pos)
+            if w < 0:
+                counters[ev.DATA_OUT_OF_WINDOW] += 1
+                continue
+            state.last_write[f] = w
         m = msgs[w]
         k = pos - m["psn_offset"]
         expect_len = max(0, min(t.mtu, m["wire_bytes"] - k * t.mtu))

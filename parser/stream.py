@@ -125,7 +125,8 @@ class StreamParser:
                                  origin=np.zeros((nconn, slots), np.int64),
                                  origin_phase=np.zeros((nconn, slots), np.int64),
                                  last_ns=np.full(1, -1, np.int64), last_psn=np.full(len(t.qpn), -1, np.int64),
-                                 prev_psn=np.full(len(t.qpn), -1, np.int64), gap_ns=gap_ns)
+                                 prev_psn=np.full(len(t.qpn), -1, np.int64),
+                                 last_write=np.full(len(t.qpn), -1, np.int64), gap_ns=gap_ns)
         # Each slot holds its iteration's gradient from the pool, shared with the other streams:
         # retiring hands it on as it is, and nothing of it is copied or cleared here. Until the
         # stream locks on (nothing is placed before), the slots hold an empty stand-in, so

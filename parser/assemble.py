@@ -10,7 +10,8 @@ For every frame record (stage 1, ``parser/decode.py``) of a stream whose flows a
 3. takes its position from its PSN relative to the flow's base: iteration = offset //
    period, packet = offset % period (24-bit arithmetic), so a packet lost on the mirror
    link shifts nothing after it;
-4. finds the planned RDMA write holding that packet (binary search on ``psn_offset``),
+4. finds the planned RDMA write holding that packet (the flow's last write, else a binary
+   search on ``psn_offset``),
    checks opcode, payload length, RETH address/length and ImmDt against the plan;
 5. for LL/LL128 checks the flags against the connection's step counter;
 6. drops a PSN already seen (retransmission, mirror duplicate), after comparing its

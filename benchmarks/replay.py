@@ -6,7 +6,14 @@ Simple over IPv4 with 2 channels, MTU 4096, AdamW with clipping, 3 mirror stream
 egress ports of ranks 0, 1 and 2). It is simulated once for ``--iterations`` captured
 iterations and cached in ``--cache`` (about 0.9 GB and 216 k frames per stream per
 iteration). The captures are read once beforehand so that the replay finds them in the page
-cache. Then the whole offline appliance runs on them, best of ``--repeats``:
+cache, as a capture read from storage is: what the cache held of them is dropped first
+(``POSIX_FADV_DONTNEED``), and reading fills it again through readahead, which on Linux 6.18
+(ext4) makes large folios, mostly of 2 MiB, that a mapping takes in one fault each. How the
+cache held the files before depends on how they got there: after the simulator wrote them
+(and the machine ran other work), touching every page of the 3 mappings took 0.53-0.56 CPU-s
+for the 5.3 GB, a quarter of the replay's CPU in ``perf``; refilled, 0.03 CPU-s.
+``--as-written`` keeps what the cache holds. Then the whole offline appliance runs on them,
+best of ``--repeats``:
 ``gradtap.replay.run_replay`` (``PcapReader`` → ``StreamParser`` per stream in its
 own thread → ``Merger`` → ``ReplicaSink`` → ``Replica``), reading ``--batch-frames`` frames
 per stream at a time (8192 by default, as ``gradtap run`` reads its rings), without
@@ -168,11 +175,14 @@ def capture(cache: Path, iterations: int, config: Path = CONFIG, job: JobSpec | 
     return out
 
 
-def warm(paths: list[Path]) -> tuple[int, int]:
-    """Read ``paths`` once (into the page cache); their total size and the memory available."""
+def warm(paths: list[Path], refill: bool = True) -> tuple[int, int]:
+    """Read ``paths`` once into the page cache, first dropping what it holds of them
+    (``refill``, see the module's docstring); their total size and the memory available."""
     buf = bytearray(64 << 20)
     for path in paths:
         with open(path, "rb", buffering=0) as f:
+            if refill:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             while f.readinto(buf):
                 pass
     with open("/proc/meminfo") as f:
@@ -473,13 +483,16 @@ def main() -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="also how processing grows with the streams (1, 3, 5) and the model (GPT-2 with 6, 12 "
                              "and 24 layers); simulates those captures once into --cache (about 26 GB)")
+    parser.add_argument("--as-written", action="store_true",
+                        help="replay the captures from the page cache as it holds them, instead of refilled "
+                             "through readahead as from storage")
     parser.add_argument("--skip-processing", action="store_true",
                         help="only the --store / --snapshot-every comparisons, not the processing figures")
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
     sim = capture(args.cache, args.iterations, args.config)
     job = replay_job(sim)
-    size, available = warm(sorted((sim / "streams").glob("*.pcap")))
+    size, available = warm(sorted((sim / "streams").glob("*.pcap")), refill=not args.as_written)
     print(f"{sim}: captures {size / 1e9:.2f} GB, memory available {available / 1e9:.1f} GB"
           f"{'' if size < available else ' (the captures do not fit in the page cache: reads hit the disk)'}; "
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, {numba.get_num_threads()} Numba threads")

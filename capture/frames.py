@@ -86,6 +86,14 @@ class FrameBatch:
                           wirelens=self.wirelens[start:], ts_ns=self.ts_ns[start:], linktype=self.linktype,
                           lasting=self.lasting)
 
+    def bursts(self, gap_ns: int) -> list[FrameBatch]:
+        """The batch cut where its frames pause for ``gap_ns`` or longer (a training step's
+        traffic between two forward passes, say), each part sharing ``data``."""
+        cuts = np.flatnonzero(np.diff(self.ts_ns) >= gap_ns) + 1
+        bounds = np.r_[0, cuts, len(self.offsets)]
+        return [FrameBatch(self.data, self.offsets[a:b], self.caplens[a:b], self.wirelens[a:b], self.ts_ns[a:b],
+                           self.linktype, lasting=self.lasting) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
     def owned(self, start: int = 0) -> FrameBatch:
         """Frames ``start:`` in bytes that stay valid while the batch is held: the batch itself
         (its :meth:`tail`) when it is ``lasting``, else a packed copy (a ring's batch is a view)."""

@@ -316,6 +316,16 @@ def test_frame_batch_validates_its_arrays():
     assert len(FrameBatch.concat([])) == 0
 
 
+def test_a_frame_batch_is_cut_into_bursts_at_its_pauses():
+    batch = FrameBatch.from_frames([b"a", b"b", b"c", b"d", b"e"], [0, 10, 500, 510, 2000])
+    parts = batch.bursts(100)
+    assert [frames_of(p) for p in parts] == [[b"a", b"b"], [b"c", b"d"], [b"e"]]
+    assert all(p.data is batch.data and p.lasting for p in parts)
+    assert [frames_of(p) for p in batch.bursts(10)] == [[b"a"], [b"b"], [b"c"], [b"d"], [b"e"]]
+    assert [frames_of(p) for p in batch.bursts(10_000)] == [frames_of(batch)]
+    assert FrameBatch.from_frames([]).bursts(1) == []
+
+
 def test_a_frame_batch_tail_shares_its_data():
     batch = FrameBatch.from_frames([b"abc", b"de", b"fghi"], [1, 2, 3])
     rest = batch.tail(1)

@@ -79,20 +79,13 @@ class Cluster(BridgeLab):
             super().__exit__(*exc)
 
 
-def iterations_of(batch: FrameBatch, gap_ns: int = 1_000_000) -> list[FrameBatch]:
-    """A rank's frames cut at the simulated pauses between iterations."""
-    cuts = np.flatnonzero(np.diff(batch.ts_ns) >= gap_ns) + 1
-    bounds = np.r_[0, cuts, len(batch.offsets)]
-    return [FrameBatch(batch.data, batch.offsets[a:b], batch.caplens[a:b], batch.wirelens[a:b], batch.ts_ns[a:b])
-            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-
-
 @pytest.mark.parametrize("source", ["af_xdp", "af_packet"])
 def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, source):
     job = parse_job(job_doc())
     sim = tmp_path / "sim"
     Simulation(job, sim, iterations=3, seed=3, faults=FaultSpec()).run()
-    sends = {r: iterations_of(read_pcap(sim / "streams" / f"r{r}.pcap")) for r in MIRRORED}
+    # A rank's frames cut at the simulated pauses between iterations.
+    sends = {r: read_pcap(sim / "streams" / f"r{r}.pcap").bursts(1_000_000) for r in MIRRORED}
     rounds = max(len(v) for v in sends.values())
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     with Cluster(source[3]) as cluster:

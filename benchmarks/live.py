@@ -190,8 +190,9 @@ class Bench:
         finally:
             appliance.stop()
             runner.join(timeout=60)
-        if runner.is_alive() or result["r"].exit_code != 0:
-            raise SystemExit(f"{source}: the appliance did not stop cleanly: {result.get('r')}")
+        run = result.get("r")           # None: run() raised (its traceback is above)
+        if runner.is_alive() or run is None or run.exit_code != 0:
+            raise SystemExit(f"{source}: the appliance did not stop cleanly: {run}")
         status = appliance.status()
         captured = sum(c.get("frames", 0) for c in status.capture.values())
         drops = sum(c.get("kernel_drops", 0) + c.get("ring_drops", 0) for c in status.capture.values())

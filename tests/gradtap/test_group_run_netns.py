@@ -39,7 +39,7 @@ from gradtap.updater.replica import Replica
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import dump_job, parse_job
 from tests.capture.netlab import in_netns, quiet_netns, remove_stale
-from tests.gradtap.test_live import MIRRORED, PAUSE_S, RATE, iterations_of, job_doc
+from tests.gradtap.test_live import MIRRORED, PAUSE_S, RATE, SIMULATED_PAUSE_NS, job_doc
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces and AF_PACKET")]
@@ -138,7 +138,7 @@ def test_a_mirror_group_across_namespaces_keeps_a_bit_exact_replica(tmp_path):
     # No node's one egress stream completes a bucket alone, and no iteration follows the last:
     # the nodes merge it once their streams have settled (the pause), not at a deadline.
     Simulation(job, sim, iterations=ITERATIONS, seed=3, faults=FaultSpec()).run()
-    sends = {r: iterations_of(read_pcap(sim / "streams" / f"r{r}.pcap")) for r in MIRRORED}
+    sends = {r: read_pcap(sim / "streams" / f"r{r}.pcap").bursts(SIMULATED_PAUSE_NS) for r in MIRRORED}
     truth_iterations = json.loads((sim / "truth" / "manifest.json").read_text())["iterations"]
     # Declared: the trainer's state when the capture begins (a live clock is not the simulation's).
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)

@@ -47,6 +47,7 @@ N, MIRRORED, MTU = 4, (0, 1, 2), 9000
 RATE = 20_000              # frames per second per rank: bounded, well under the veth ceiling
 GAP_NS = 20_000_000        # the job's iteration gap: longer than the sender's pacing pauses (bursts of 32)
 PAUSE_S = 0.1              # between iterations (the forward pass): longer than the gap
+SIMULATED_PAUSE_NS = 1_000_000   # the simulator's iterations are further apart than this
 
 
 def job_doc():
@@ -84,8 +85,7 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
     job = parse_job(job_doc())
     sim = tmp_path / "sim"
     Simulation(job, sim, iterations=3, seed=3, faults=FaultSpec()).run()
-    # A rank's frames cut at the simulated pauses between iterations.
-    sends = {r: read_pcap(sim / "streams" / f"r{r}.pcap").bursts(1_000_000) for r in MIRRORED}
+    sends = {r: read_pcap(sim / "streams" / f"r{r}.pcap").bursts(SIMULATED_PAUSE_NS) for r in MIRRORED}
     rounds = max(len(v) for v in sends.values())
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     with Cluster(source[3]) as cluster:

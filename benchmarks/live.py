@@ -225,9 +225,10 @@ def summarize(trials: list[Trial]) -> None:
         unpaced = [t for t in trials if t.source == source and t.rate is None]
         where = "unpaced: at the veth ceiling" if best.rate is None else \
             "paced; unpaced lost frames" if unpaced else "paced"
+        verdict = "met" if capture <= TARGET_CORE_S_PER_MFRAME else "NOT met"
         print(f"  {source:9s} {mpps:6.3f} Mpps loss-free ({where}); the appliance {whole:5.2f} core-s per Mframe "
               f"in all ({whole * mpps:4.2f} cores at that rate); the capture alone {capture:5.2f} "
-              f"(target <= {TARGET_CORE_S_PER_MFRAME:.2f}: {'met' if capture <= TARGET_CORE_S_PER_MFRAME else 'NOT met'})")
+              f"(target <= {TARGET_CORE_S_PER_MFRAME:.2f}: {verdict})")
 
 
 def main() -> None:

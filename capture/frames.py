@@ -80,19 +80,22 @@ class FrameBatch:
         start = int(self.offsets[i])
         return memoryview(self.data)[start:start + int(self.caplens[i])]
 
+    def frames(self, lo: int, hi: int | None = None) -> FrameBatch:
+        """Frames ``lo:hi`` of the batch, sharing ``data`` (no copy)."""
+        return FrameBatch(data=self.data, offsets=self.offsets[lo:hi], caplens=self.caplens[lo:hi],
+                          wirelens=self.wirelens[lo:hi], ts_ns=self.ts_ns[lo:hi], linktype=self.linktype,
+                          lasting=self.lasting)
+
     def tail(self, start: int) -> FrameBatch:
         """The batch from frame ``start`` on, sharing ``data`` (no copy)."""
-        return FrameBatch(data=self.data, offsets=self.offsets[start:], caplens=self.caplens[start:],
-                          wirelens=self.wirelens[start:], ts_ns=self.ts_ns[start:], linktype=self.linktype,
-                          lasting=self.lasting)
+        return self.frames(start)
 
     def bursts(self, gap_ns: int) -> list[FrameBatch]:
         """The batch cut where its frames pause for ``gap_ns`` or longer (a training step's
         traffic between two forward passes, say), each part sharing ``data``."""
         cuts = np.flatnonzero(np.diff(self.ts_ns) >= gap_ns) + 1
         bounds = np.r_[0, cuts, len(self.offsets)]
-        return [FrameBatch(self.data, self.offsets[a:b], self.caplens[a:b], self.wirelens[a:b], self.ts_ns[a:b],
-                           self.linktype, lasting=self.lasting) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        return [self.frames(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
     def owned(self, start: int = 0) -> FrameBatch:
         """Frames ``start:`` in bytes that stay valid while the batch is held: the batch itself

@@ -78,19 +78,14 @@ class _Source:
         if b is None:
             return None
         cut = int(np.searchsorted(b.ts_ns, until, side="right"))
-        head = _slice(b, 0, cut)
-        self.pending = _slice(b, cut, len(b.offsets)) if cut < len(b.offsets) else None
+        head = b.frames(0, cut)
+        self.pending = b.frames(cut) if cut < len(b.offsets) else None
         self.frames += cut
         self.bytes += int(head.caplens.sum())
         return head
 
     def close(self) -> None:
         self.reader.close()
-
-
-def _slice(b: FrameBatch, lo: int, hi: int) -> FrameBatch:
-    return FrameBatch(data=b.data, offsets=b.offsets[lo:hi], caplens=b.caplens[lo:hi], wirelens=b.wirelens[lo:hi],
-                      ts_ns=b.ts_ns[lo:hi], linktype=b.linktype, lasting=b.lasting)
 
 
 def _join(a: FrameBatch, b: FrameBatch) -> FrameBatch:

@@ -83,7 +83,7 @@ class StreamState(NamedTuple):
     last_ns: np.ndarray     # int64[1]: time of the last data frame placed (-1: none yet)
     last_psn: np.ndarray    # int64[F]: the newest PSN placed on flow f (-1: none yet)
     prev_psn: np.ndarray    # int64[F]: the PSN of flow f's previous data frame, placed or not
-    last_write: np.ndarray  # int64[F]: the write (row of t.messages) of flow f's last placed packet
+    last_write: np.ndarray  # int64[F]: the write (row of t.messages) flow f's last data packet was found in
     gap_ns: int             # a pause in the data this long may start a new iteration
 
 

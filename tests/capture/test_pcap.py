@@ -326,11 +326,15 @@ def test_a_frame_batch_is_cut_into_bursts_at_its_pauses():
     assert FrameBatch.from_frames([]).bursts(1) == []
 
 
-def test_a_frame_batch_tail_shares_its_data():
-    batch = FrameBatch.from_frames([b"abc", b"de", b"fghi"], [1, 2, 3])
+def test_a_frame_batch_tail_and_frames_share_its_data():
+    batch = FrameBatch.from_frames([b"abc", b"de", b"fghi"], [1, 2, 3], wirelens=[10, 20, 30])
     rest = batch.tail(1)
     assert frames_of(rest) == [b"de", b"fghi"] and rest.ts_ns.tolist() == [2, 3] and rest.data is batch.data
     assert len(batch.tail(3)) == 0
+    middle = batch.frames(1, 2)
+    assert frames_of(middle) == [b"de"] and middle.wirelens.tolist() == [20] and middle.data is batch.data
+    assert middle.lasting and not FrameBatch(batch.data, batch.offsets, batch.caplens, batch.wirelens,
+                                             batch.ts_ns).frames(0, 1).lasting
 
 
 def test_owned_copies_only_what_does_not_last(tmp_path):

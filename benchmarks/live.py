@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.capture import TARGET_CORE_S_PER_MFRAME, Lab, Reservation, machine_busy_s, softnet_drops, task_cpu_s
-from benchmarks.replay import capture
+from benchmarks.replay import capture, variant
 from gradtap.appliance import Appliance, RunOptions
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
@@ -69,12 +69,9 @@ SIMULATED_PAUSE_NS = 1_000_000   # the simulator's iterations are further apart 
 def job() -> JobSpec:
     """``configs/small.yaml`` with a larger MLP (16.8 M parameters, 67 MB of fp32 gradient)."""
     base = load_job(ROOT / "configs" / "small.yaml")
-    doc = base.model_dump()
-    doc["name"] = "live-bench"
-    doc["model"]["kwargs"] = {"sizes": [2048, 4096, 2048, 10]}
-    doc["appliance"]["iteration_gap_ns"] = GAP_NS
-    doc["appliance"]["snapshot_every"] = 1 << 30   # only the final snapshot, after the clock stops
-    return JobSpec.model_validate(doc)
+    # Only the final snapshot, written after the clock stops.
+    return variant(base, "live-bench", model={**base.model.model_dump(), "kwargs": {"sizes": [2048, 4096, 2048, 10]}},
+                   appliance={**base.appliance.model_dump(), "iteration_gap_ns": GAP_NS, "snapshot_every": 1 << 30})
 
 
 # -- the sender process ------------------------------------------------------------------
@@ -157,6 +154,11 @@ class Bench:
         self.conn.send(None)
         self.sender.join(10)
 
+    def _meters(self, pids: list[int]) -> tuple:
+        """(capture workers' CPU, this process's CPU, machine busy, backlog drops, veth drops)."""
+        return ([task_cpu_s(p) for p in pids], time.process_time(), machine_busy_s(), softnet_drops(),
+                self.lab.link_drops())
+
     def trial(self, source: str, rate: float | None, out: Path) -> Trial:
         streams = {m.name: SourceSpec(source, (f"rx{k}",), {"netns": self.lab.rx})
                    for k, m in enumerate(self.job.mirrors)}
@@ -174,8 +176,7 @@ class Bench:
             appliance.offer({**self.start, "time_ns": time.time_ns()}, "the benchmark's trainer")
             time.sleep(PAUSE_S)
             pids = [w.pid for w in appliance.workers.values()]
-            before = ([task_cpu_s(p) for p in pids], time.process_time(), machine_busy_s(), softnet_drops(),
-                      self.lab.link_drops())
+            before = self._meters(pids)
             self.conn.send(("send", rate))
             sent, busy = self.conn.recv()
             iterations = len(json.loads((self.sim / "truth" / "manifest.json").read_text())["iterations"])
@@ -185,8 +186,7 @@ class Bench:
                 if status.recovered + status.unrecoverable >= iterations:
                     break
                 time.sleep(0.02)
-            after = ([task_cpu_s(p) for p in pids], time.process_time(), machine_busy_s(), softnet_drops(),
-                     self.lab.link_drops())
+            after = self._meters(pids)
         finally:
             appliance.stop()
             runner.join(timeout=60)

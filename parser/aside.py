@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from gradtap.core.jit import JIT
+from gradtap.core.jit import JIT_NO_REFCOUNT
 from gradtap.core.memory import copy_bytes, load_acquire
 from gradtap.parser.payload import data_differs, store_payload
 
@@ -58,7 +58,7 @@ def new_aside(stride: int, capacity: int = DEFAULT_CAPACITY) -> Aside:
     return Aside(rec, np.zeros(capacity * stride, np.uint8), np.zeros(1, np.int64))
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def aside_put(aside, slot, block, bits, pending, counted, protocol, wire_off, dest, nbytes, src, pos, length):
     """Keep ``src[pos:pos+length]``, a unit's wire bytes; False when there is no room."""
     stride = aside.data.shape[0] // max(1, aside.rec.shape[0])
@@ -76,7 +76,7 @@ def aside_put(aside, slot, block, bits, pending, counted, protocol, wire_off, de
     return False
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def aside_find(aside, slot, block, bits):
     """The record holding unit ``bits`` of ``block`` in ``slot``, or -1."""
     if aside.used[0] == 0:
@@ -88,7 +88,7 @@ def aside_find(aside, slot, block, bits):
     return -1
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def aside_differs(aside, e, src, pos, length):
     """Whether the data of ``src[pos:pos+length]``, another copy of record ``e``'s unit,
     differs from the data kept there (flags aside)."""
@@ -99,7 +99,7 @@ def aside_differs(aside, e, src, pos, length):
     return data_differs(aside.data, e * stride, src, pos, length, r["protocol"], r["wire_off"])
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def aside_free(aside, slot, block):
     """Drop every unit kept of ``block`` in ``slot`` (of every block: ``block`` -1)."""
     if aside.used[0] == 0:
@@ -111,7 +111,7 @@ def aside_free(aside, slot, block):
             aside.used[0] -= 1
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def reconcile(aside, grads, written, got):
     """Compare every pending unit with the shared gradient of its slot (``grads[slot]``, whose
     ``written[slot]`` bits say what the claiming stream has written): one that agrees is
@@ -135,7 +135,7 @@ def reconcile(aside, grads, written, got):
     return differing
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _lay_over(rec, data, stride, out, lo):
     """Write each record's unit into ``out``, the gradient's bytes from ``lo``."""
     for e in range(rec.shape[0]):

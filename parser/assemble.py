@@ -42,7 +42,7 @@ import numpy as np
 from numba import njit
 
 from gradtap.core.bytes import read_le, read_le_u64
-from gradtap.core.jit import JIT
+from gradtap.core.jit import JIT_NO_REFCOUNT
 from gradtap.core.memory import fetch_or, load_acquire
 from gradtap.parser.aside import aside_differs, aside_find, aside_free, aside_put
 from gradtap.parser.payload import store_payload
@@ -102,7 +102,7 @@ class Slots(NamedTuple):
     end_ns: np.ndarray      # int64[W]: time of the latest data frame (-1: none yet)
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def origins(state, t, c):
     """Connection ``c``'s iteration starts and phases across the window, from its counter at
     the oldest slot's start (``step_base``; phase 0 while it is not known)."""
@@ -115,7 +115,7 @@ def origins(state, t, c):
         at += t.phase_period[phi, c]
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _learn_phased(state, t, c, step, w):
     """The counter of connection ``c`` at the oldest slot's start, from message ``w`` of that
     iteration seen at absolute ``step``: the phase whose plan puts ``w`` there. Where several
@@ -130,7 +130,7 @@ def _learn_phased(state, t, c, step, w):
             return
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _find_flow(rec, t):
     """The stream flow of a record: its destination QP and address pair; -1 if none."""
     for f in range(t.qpn.shape[0]):
@@ -146,7 +146,7 @@ def _find_flow(rec, t):
     return -1
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _find_write(msgs, lo, count, pos):
     """Index of the write whose packets [psn_offset, psn_offset + npkts) hold ``pos``."""
     hi = lo + count - 1
@@ -163,19 +163,19 @@ def _find_write(msgs, lo, count, pos):
     return lo
 
 
-@njit(**JIT, inline="always")
+@njit(**JIT_NO_REFCOUNT, inline="always")
 def _ll_flag(data, line, off):
     """One 32-bit flag of the LL line at ``data[line]`` (int64)."""
     return read_le(data, line + off, LL_HALF_BYTES)
 
 
-@njit(**JIT, inline="always")
+@njit(**JIT_NO_REFCOUNT, inline="always")
 def _ll128_word(data, pos):
     """The uint64 word at ``data[pos]`` of an LL128 line, as int64 (flags stay below 2**63)."""
     return np.int64(read_le_u64(data, pos, LL128_WORD_BYTES))
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _check_flags(data, start, length, protocol, wire_off, flag):
     """True when every LL/LL128 flag in the packet equals ``flag`` (the step + 1)."""
     if protocol == Protocol.LL:
@@ -196,7 +196,7 @@ def _check_flags(data, start, length, protocol, wire_off, flag):
     return True
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _first_flag(data, start, length, protocol, wire_off):
     """The first flag of a packet starting ``wire_off`` bytes into its message (LL: the
     first line's; LL128: word 15 of the first line it reaches), or -1 if the packet holds none."""
@@ -211,7 +211,7 @@ def _first_flag(data, start, length, protocol, wire_off):
     return _ll128_word(data, start + at)
 
 
-@njit(**JIT, inline="always")
+@njit(**JIT_NO_REFCOUNT, inline="always")
 def _n_units(protocol, wire_off, payload_len):
     """The coverage units a packet carries: itself (Simple, LL), or its 128-byte lines (LL128)."""
     if protocol == Protocol.LL128:
@@ -219,7 +219,7 @@ def _n_units(protocol, wire_off, payload_len):
     return 1
 
 
-@njit(**JIT, inline="always")
+@njit(**JIT_NO_REFCOUNT, inline="always")
 def _unit(protocol, block, k, wire_off, payload_len, u):
     """Unit ``u`` of a packet, packet ``k`` of a write whose first coverage block is ``block``:
     ``(block, bit, first payload byte, wire bytes, offset in the message's wire bytes)``.
@@ -232,7 +232,7 @@ def _unit(protocol, block, k, wire_off, payload_len, u):
     return block + k, np.int32(1), 0, payload_len, wire_off
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _uncover(slots, aside, slot, block, k, wire_off, payload_len, protocol):
     """The stream's copies of a packet's units conflict: none of the blocks it touches is
     covered by this stream any more, nor is anything it kept aside of them. A block never
@@ -246,7 +246,7 @@ def _uncover(slots, aside, slot, block, k, wire_off, payload_len, protocol):
             aside_free(aside, slot, b)
 
 
-@njit(**JIT, inline="always")
+@njit(**JIT_NO_REFCOUNT, inline="always")
 def _held_differs(data, pos, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit):
     """Compare another copy of unit ``bit`` of block ``b`` with the stream's own: -1 when the
     stream holds none, else 1 if it differs and 0 if not (the stream's own copy is the shared
@@ -259,7 +259,7 @@ def _held_differs(data, pos, n, protocol, off, dest, nbytes, slots, aside, slot,
     return 1 if aside_differs(aside, e, data, pos, n) else 0
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _own_copy_differs(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k):
     """Whether a second copy of a packet's allgather data (its PSN seen already) differs from
     the stream's first."""
@@ -273,7 +273,7 @@ def _own_copy_differs(data, pos, length, protocol, wire_off, dest, nbytes, slots
     return False
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k):
     """Place a packet's allgather data in the iteration's shared gradient, unit by unit, and
     return its event (see ``parser/shared_gradient.py`` and ``parser/aside.py``):
@@ -320,7 +320,7 @@ def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, sl
     return ev.DATA_SET_ASIDE if differs else ev.DATA_WRITTEN
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _expected_position(k, npkts):
     if npkts == 1:
         return POS_ONLY
@@ -331,7 +331,7 @@ def _expected_position(k, npkts):
     return POS_MIDDLE
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def _classify_other(rec):
     kind = OPCODE_KIND[rec["opcode"]]
     if kind == KIND_ACK:
@@ -345,12 +345,12 @@ def _classify_other(rec):
     return ev.OTHER_SEND_UD
 
 
-@njit(**JIT, inline="always")
+@njit(**JIT_NO_REFCOUNT, inline="always")
 def _bswap32(x):
     return ((x & 0xFF) << 24) | ((x & 0xFF00) << 8) | ((x >> 8) & 0xFF00) | (x >> 24)
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
     """Process ``recs[start:]``; returns ``(status, next_index)``. See the module docstring.
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from numba import njit
 
-from gradtap.core.jit import JIT
+from gradtap.core.jit import JIT_NO_REFCOUNT
 from gradtap.core.memory import compare_bytes, copy_bytes
 from gradtap.wire.ll import LL_DATA1_OFF, LL_DATA2_OFF, LL_HALF_BYTES, LL_LINE_BYTES, LL_LINE_DATA_BYTES
 from gradtap.wire.ll128 import LL128_SLICE_DATA_WORDS, LL128_SLICE_WIRE_WORDS, LL128_WIRE_TO_DATA, LL128_WORD_BYTES
 from gradtap.wire.protocol import Protocol
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def store_payload(data, start, length, protocol, wire_off, grad, dest, nbytes, compare):
     """Write the data of ``length`` payload bytes (at ``wire_off`` in the message) into
     ``grad[dest : dest + nbytes]`` (the message's elements), never past ``nbytes``. With
@@ -57,7 +57,7 @@ def store_payload(data, start, length, protocol, wire_off, grad, dest, nbytes, c
     return False
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def data_differs(a, a_pos, b, b_pos, length, protocol, wire_off):
     """Whether two copies of the same ``length`` wire bytes (at ``wire_off`` in their
     messages) carry other data: LL and LL128 flags are not data (two hops of a chunk carry

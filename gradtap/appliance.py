@@ -32,7 +32,7 @@ from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.control import ControlPlane
 from gradtap.core.errors import CaptureError, ConfigError
 from gradtap.merger.merger import Merger
-from gradtap.pipeline import Pipeline
+from gradtap.pipeline import Pipeline, start_up_frozen
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, ReplicaStart, replica_start
@@ -191,24 +191,25 @@ class Appliance:
             with self._lock:
                 self.pipeline.listening_ns = time.time_ns()    # every worker listens: no iteration begins unseen
             self.ready.set()
-            while not self.stopping.is_set():
-                if all(ring.finished for ring in self.rings.values()):
-                    reason = "every source ended"      # files; a live interface never ends
-                    break
-                # A worker that ended by itself (a file source) exits 0 and has closed its ring.
-                dead = [n for n, w in self.workers.items() if not w.alive and w.exitcode not in (0, None)]
-                if dead:
-                    reason, code = self._crashed(dead[0]), 3
-                    break
-                batches = {n: ring.read(self.options.batch_frames, self.options.poll_s, self.stopping)
-                           for n, ring in self.rings.items()}
-                # A live capture's clock runs on while its ports are quiet; a file's is its frames'.
-                now = -1 if files else time.time_ns()
-                with self._lock:
-                    self.pipeline.round(batches, now)
-                if self.group is not None and self.group.gone:
-                    reason, code = self._group_broken(), GROUP_BROKEN_EXIT
-                    break
+            with start_up_frozen():
+                while not self.stopping.is_set():
+                    if all(ring.finished for ring in self.rings.values()):
+                        reason = "every source ended"      # files; a live interface never ends
+                        break
+                    # A worker that ended by itself (a file source) exits 0 and has closed its ring.
+                    dead = [n for n, w in self.workers.items() if not w.alive and w.exitcode not in (0, None)]
+                    if dead:
+                        reason, code = self._crashed(dead[0]), 3
+                        break
+                    batches = {n: ring.read(self.options.batch_frames, self.options.poll_s, self.stopping)
+                               for n, ring in self.rings.items()}
+                    # A live capture's clock runs on while its ports are quiet; a file's is its frames'.
+                    now = -1 if files else time.time_ns()
+                    with self._lock:
+                        self.pipeline.round(batches, now)
+                    if self.group is not None and self.group.gone:
+                        reason, code = self._group_broken(), GROUP_BROKEN_EXIT
+                        break
             # A group node stopped by a signal, or whose capture died, leaves its group here: the
             # rounds that would close its pending iterations are rounds its peers are not in.
             if self.group is None or reason == "every source ended":

@@ -15,10 +15,12 @@ then the parsers and the merger are built for the resolved job and take the held
 
 from __future__ import annotations
 
+import gc
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -66,6 +68,20 @@ AnchorOutcome = Callable[[Anchor, "int | None", "str | None"], None]   # anchor,
 # The merger a pipeline builds once it has a plan: Merger, or a mirror group's (merger/group.py).
 MergerFactory = Callable[[WirePlan, list, Sink, "int | None", int], Merger]
 HOLD_BYTES = 1 << 30      # frames held per stream while the job's era and protocols are read from the wire
+
+
+@contextmanager
+def start_up_frozen() -> Iterator[None]:
+    """While the rounds run, what the process made before them (modules, PyTorch, the compiled
+    kernels, the replica) is left out of Python's cyclic garbage collector (``gc.freeze``);
+    afterwards it is collected as before. A full collection walks every object it tracks, some
+    400 thousand once torch and Numba are loaded: 0.23 s with the parsers stalled behind it, in
+    a one-second run of ``benchmarks.live``. Frozen, the rounds' own objects are all it walks."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class Pipeline:

@@ -30,7 +30,7 @@ from gradtap.gradient_dump import GradientDump
 from gradtap.merger.merger import IterationReport, Merger, Sink
 from gradtap.parser.lockon import LockFailure
 from gradtap.parser.resolve import Resolution
-from gradtap.pipeline import IterationTiming, MergerFactory, Pipeline, StageTimes
+from gradtap.pipeline import IterationTiming, MergerFactory, Pipeline, StageTimes, start_up_frozen
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, ReplicaStart, replica_start
 from gradtap.store_tier import gradient_log_for, store_close_timeout, uploader_for
@@ -160,21 +160,22 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
     reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradtap-read")
     started = time.perf_counter()
     try:
-        while True:
-            horizons = {n: s.horizon() for n, s in sources.items() if not s.done}
-            live = {n: h for n, h in horizons.items() if h is not None}
-            if not live:
-                break
-            until = min(live.values())
-            batches = {n: sources[n].take(until) for n in live}
-            ahead = reader.submit(lambda: [sources[n].fill() for n in live])
-            try:
-                pipeline.round(batches)
-            finally:
-                ahead.result()
-            for n in live:
-                progress(n, sources[n].bytes, sources[n].file_bytes)
-        reports = pipeline.finish()
+        with start_up_frozen():
+            while True:
+                horizons = {n: s.horizon() for n, s in sources.items() if not s.done}
+                live = {n: h for n, h in horizons.items() if h is not None}
+                if not live:
+                    break
+                until = min(live.values())
+                batches = {n: sources[n].take(until) for n in live}
+                ahead = reader.submit(lambda: [sources[n].fill() for n in live])
+                try:
+                    pipeline.round(batches)
+                finally:
+                    ahead.result()
+                for n in live:
+                    progress(n, sources[n].bytes, sources[n].file_bytes)
+            reports = pipeline.finish()
     finally:
         reader.shutdown()
         pipeline.close()

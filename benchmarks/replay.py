@@ -71,9 +71,9 @@ lag over the iterations; per way: the best run. The upload of iteration k's snap
 iteration k + 1 is processed (and its snapshot written), so every iteration after the first is
 measured with an upload running. Target: snapshots and uploads / snapshots alone <= 1.1 (uploads
 leave the lag unchanged within noise); snapshots alone / no snapshot says what the local
-snapshot itself costs the update path. On GPT-2 small the process's anonymous memory grows from
-replay to replay (16 GB in the fourth, on a 23 GB machine shared with other jobs: the OOM killer
-ended it); there, ``--repeats 1`` with ``--store``.
+snapshot itself costs the update path. (Replays in one process used to grow its anonymous
+memory by 2 GB each, to the OOM killer: a reference cycle kept every replica until a full
+collection. It is gone, and ``tests/gradtap/test_replay.py`` holds it gone.)
 
 **Replica lag with local snapshots** (``--snapshot-every N``, issue 12): the same replay,
 ``--repeats`` times each of three ways interleaved (the two with snapshots swap places every

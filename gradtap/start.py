@@ -18,6 +18,7 @@ dropped: the replica does not resync from it).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 
 from gradtap.control import ControlPlane
@@ -79,7 +80,10 @@ class Numbering:
 
     def __init__(self, start: ReplicaStart, replica: Replica, control: ControlPlane):
         self.start, self.replica, self.control = start, replica, control
-        self.pipeline: Pipeline | None = None
+        # The pipeline holds ``placed``, so a reference back to it would make a cycle that
+        # keeps the replica and the pipeline's buffers (gigabytes) alive until a full
+        # collection, long after they are dropped.
+        self._pipeline: weakref.ref[Pipeline] | None = None
         if start.waiting:
             replica.stale = True
             control.event("replica.waiting", reason="no start state: the replica waits for the trainer's checkpoint "
@@ -88,8 +92,12 @@ class Numbering:
             if start.fallback is not None:      # it was to start from a state that is not there: ask for one
                 control.fallback(*start.fallback)
 
+    @property
+    def pipeline(self) -> Pipeline | None:
+        return None if self._pipeline is None else self._pipeline()
+
     def attach(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
+        self._pipeline = weakref.ref(pipeline)
         if self.start.anchor is not None:
             pipeline.anchor(self.start.anchor, start=True)
 

@@ -60,10 +60,11 @@ def new_aside(stride: int, capacity: int = DEFAULT_CAPACITY) -> Aside:
 
 @njit(**JIT_NO_REFCOUNT)
 def aside_put(aside, slot, block, bits, pending, counted, protocol, wire_off, dest, nbytes, src, pos, length):
-    """Keep ``src[pos:pos+length]``, a unit's wire bytes; False when there is no room."""
+    """Keep ``src[pos:pos+length]``, a unit's wire bytes: the record's index, or -1 when
+    there is no room."""
     stride = aside.data.shape[0] // max(1, aside.rec.shape[0])
     if length > stride or length < 0 or pos < 0 or pos + length > src.shape[0]:
-        return False
+        return -1
     for e in range(aside.rec.shape[0]):
         r = aside.rec[e]
         if r["slot"] >= 0:
@@ -72,8 +73,8 @@ def aside_put(aside, slot, block, bits, pending, counted, protocol, wire_off, de
         r["protocol"], r["wire_off"], r["dest"], r["nbytes"], r["length"] = protocol, wire_off, dest, nbytes, length
         copy_bytes(aside.data, e * stride, src, pos, length)
         aside.used[0] += 1
-        return True
-    return False
+        return e
+    return -1
 
 
 @njit(**JIT_NO_REFCOUNT)

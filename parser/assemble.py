@@ -43,7 +43,7 @@ from numba import njit
 
 from gradtap.core.bytes import read_le, read_le_u64
 from gradtap.core.jit import JIT_NO_REFCOUNT
-from gradtap.core.memory import fetch_or, load_acquire
+from gradtap.core.memory import fetch_or, wait_bits
 from gradtap.parser.aside import aside_differs, aside_find, aside_free, aside_put
 from gradtap.parser.payload import store_payload
 from gradtap.wire import events as ev
@@ -59,6 +59,14 @@ from gradtap.wire.protocol import N_PROTOCOLS, Protocol
 from gradtap.wire.psn import psn_add, psn_ahead, psn_delta
 from gradtap.workload.nccl import NCCL_STEPS
 from gradtap.workload.wire_plan import NO_VA, PHASE_AG
+
+# How often a stream polls the written bit of a unit another stream has claimed before it
+# keeps its copy aside as pending (``parser/aside.py``): about 4 us on a 2024 x86-64 core. The
+# claiming stream sets the bit as soon as its copy of the unit (a packet; an LL128 line) is
+# written, well within that; only a claimer taken off its core, or faulting on a page,
+# outlasts it. Without waiting, a stream placing the same units just behind the claimer
+# stays in step with it: the next unit is found claimed and not yet written too.
+WRITE_POLLS = 1 << 14
 
 DONE, NEED_ADVANCE = 0, 1
 MAX_SKIP = 64            # iterations a stream may jump ahead (e.g. after an outage) before a PSN is absurd
@@ -281,13 +289,19 @@ def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, sl
     - a unit this stream holds already (another flow of the stream carried the same data:
       the allgather forwards each chunk, hop after hop, unchanged) is compared with it;
     - a unit no stream has claimed is claimed, written, published and marked;
-    - a unit another stream has written is compared with it, and marked if equal;
-    - otherwise the copy is kept aside (it differs, or the claiming stream is still writing)."""
+    - a unit another stream has written is compared with it, and marked if equal; one it
+      has claimed is waited for (``WRITE_POLLS``), as the claiming stream is copying it;
+    - otherwise the copy is kept aside (it differs, or the claiming stream is still writing).
+
+    A differing copy that finds no room aside disputes its unit (``data.aside_full``); a
+    copy of a unit still being written that finds none is dropped (``data.unchecked``): the
+    claiming stream's copy covers the unit, unchecked by this one's."""
     if block < 0:
         return ev.DATA_WRITTEN
     grad, claim, written = slots.grads[slot], slots.claim[slot], slots.written[slot]
     got = slots.got
-    conflict, lost, differs, pending = False, False, False, False
+    conflict, lost, unchecked, differs = False, False, False, False
+    counted = -1        # the aside record of the frame's first pending unit, counted as data.written
     for u in range(_n_units(protocol, wire_off, length)):
         b, bit, at, n, off = _unit(protocol, block, k, wire_off, length, u)
         if b < 0 or b >= got.shape[1] or at < 0 or at + n > length:
@@ -301,23 +315,34 @@ def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, sl
             fetch_or(written, b, bit)
             got[slot, b] |= bit
             continue
-        ready = load_acquire(written, b) & bit != 0
+        ready = wait_bits(written, b, bit, WRITE_POLLS)
         if ready and not store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, True):
             got[slot, b] |= bit
             continue
-        if aside_put(aside, slot, b, bit, not ready, not ready and not pending, protocol, off, dest, nbytes, data,
-                     pos + at, n):
+        e = aside_put(aside, slot, b, bit, not ready, not ready and counted < 0, protocol, off, dest, nbytes, data,
+                      pos + at, n)
+        if e >= 0:
             differs |= ready
-            pending |= not ready
-        else:
+            if not ready and counted < 0:
+                counted = e
+        elif ready:
             fetch_or(slots.disputed[slot], b, bit)
             lost = True
+        else:
+            unchecked = True
+    event = ev.DATA_WRITTEN
     if conflict:
         _uncover(slots, aside, slot, block, k, wire_off, length, protocol)
-        return ev.DATA_DUPLICATE_CONFLICT
-    if lost:
-        return ev.DATA_ASIDE_FULL
-    return ev.DATA_SET_ASIDE if differs else ev.DATA_WRITTEN
+        event = ev.DATA_DUPLICATE_CONFLICT
+    elif lost:
+        event = ev.DATA_ASIDE_FULL
+    elif unchecked:
+        event = ev.DATA_UNCHECKED
+    elif differs:
+        event = ev.DATA_SET_ASIDE
+    if counted >= 0 and event != ev.DATA_WRITTEN:
+        aside.rec[counted]["counted"] = 0      # the frame is counted otherwise: reconcile moves nothing
+    return event
 
 
 @njit(**JIT_NO_REFCOUNT)

@@ -75,6 +75,8 @@ EVENTS: tuple[tuple[str, str], ...] = (
                        "for the merger's vote (gradtap.parser.aside)"),
     ("data.aside_full", "allgather data whose bytes differ from the copy another stream wrote first, with the "
                         "stream's set-aside area full: its blocks are disputed, covered by no stream"),
+    ("data.unchecked", "allgather data of a unit another stream was still writing, with the stream's set-aside "
+                       "area full: dropped uncompared; the claiming stream's copy covers the unit, this one not"),
 )
 
 NAMES = tuple(name for name, _ in EVENTS)
@@ -129,6 +131,7 @@ DATA_DUPLICATE_CONFLICT = 42
 OTHER_UNRESOLVED = 43
 DATA_SET_ASIDE = 44
 DATA_ASIDE_FULL = 45
+DATA_UNCHECKED = 46
 
 
 def new_counters() -> np.ndarray:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from numba import config, njit
 
-from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, release, store_release
+from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, release, store_release, \
+    wait_bits
 from tests.core.no_jit import run_without_jit
 
 
@@ -115,6 +116,30 @@ def results() -> dict:
             "claimed": [int(won), claims.tolist()],
             "compared": [int(_compare(src, 0, dst, 0, 3) == 0), int(_compare(src, 7, dst, 3, 11) == 0),
                          int(_compare(src, 7, dst, 3, 12) == 0)]}
+
+
+@njit(nogil=True)
+def _wait(words, index, bits, polls):
+    return wait_bits(words, index, bits, polls)
+
+
+def test_wait_bits_sees_bits_set_and_gives_up_on_bits_never_set():
+    words = np.array([0b0110, 0], np.int32)
+    assert _wait(words, 0, 0b0100, 1) and _wait(words, 0, 0b0110, 1)
+    assert not _wait(words, 0, 0b0111, 1000), "every bit asked for must be set"
+    assert not _wait(words, 1, 1, 0) and not _wait(words, 1, 1, 1 << 12)
+
+
+@pytest.mark.skipif(config.DISABLE_JIT, reason="threads race only in compiled code (nogil)")
+def test_wait_bits_returns_once_another_thread_sets_them():
+    """The waiter polls for seconds at most; the bits set from another thread end it at once."""
+    words = np.zeros(1, np.int32)
+    _wait(words, 0, 1, 1)                   # compiled before the clock starts
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(_wait, words, 0, 0b11, 1 << 36)
+        fetch_or(words, 0, np.int32(0b01))
+        release(words, 0, np.int32(0b11))
+        assert waiting.result(timeout=60)
 
 
 @njit

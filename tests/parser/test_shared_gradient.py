@@ -88,6 +88,15 @@ def test_a_differing_copy_with_no_room_disputes_its_block_for_every_stream(share
     assert not a_holds.bucket(0, NBYTES, np.arange(BLOCKS), need)[1][2], "a disputed block counts as covered"
 
 
+def test_a_copy_of_a_unit_still_being_written_with_no_room_is_dropped_not_disputed(shared):
+    """Nothing says such a copy differs: the claiming stream's copy still covers the unit, and
+    the iteration stays recoverable (a dispute would lose it)."""
+    b = stream_slots(shared)
+    shared.claim[4] = 1                    # another stream has claimed block 4 and is still writing it
+    assert place(b, new_aside(PACKET, capacity=0), 4, packet(4, 3)) == ev.DATA_UNCHECKED
+    assert shared.disputed[4] == 0 and b.got[0, 4] == 0 and shared.written[4] == 0
+
+
 @pytest.mark.parametrize("equal", [True, False])
 def test_a_copy_placed_while_the_claimant_writes_is_compared_once_idle(shared, equal):
     b = stream_slots(shared)

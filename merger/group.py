@@ -203,7 +203,7 @@ class GroupMerger(Merger):
             # for the deadline (the next iteration's traffic) would gain nothing.
             ready = self._due(g) or self._settled(g)
             for b in np.flatnonzero(~it.handed):
-                if not ready and not self._local(g, int(b)).complete:
+                if not ready and (self._incomplete(g, int(b)) or not self._local(g, int(b)).complete):
                     return
                 self._exchange(g, int(b))
             if ready:

@@ -12,6 +12,9 @@ sink never hears of them, and :attr:`Merger.skipped` counts them.
 For the oldest iteration not yet finished it hands each bucket to the sink as soon as the
 union of the streams covers every block of it, duplicates cross-checked (``merger/union.py``),
 so the replica's update overlaps the capture. Iterations are applied strictly in order.
+The merger asks after every round of frames; a bucket one of whose sampled blocks
+(:data:`PROBES` per bucket) no stream covers yet is known incomplete without building any
+stream's view of it, the answer for most buckets in most rounds.
 
 **Settling.** An iteration whose buckets are all handed is finished (the sink told, the
 replica's step ended) only once it has *settled*: every stream has retired it, or no stream
@@ -44,6 +47,7 @@ from gradtap.parser.stream import AssembledIteration
 from gradtap.workload.wire_plan import WirePlan
 
 log = logging.getLogger(__name__)
+PROBES = 64     # blocks per bucket looked at before the whole bucket is (Merger._incomplete)
 
 
 class Sink(Protocol):
@@ -95,6 +99,10 @@ class Merger:
         self.buckets = [BucketBlocks.of(plan.blocks, b, plan.bucket_offsets[b], elem)
                         for b in range(len(plan.bucket_numels))]
         self.byte_range = [(o * elem, (o + n) * elem) for o, n in zip(plan.bucket_offsets, plan.bucket_numels)]
+        self._need = [plan.blocks["need"][bb.index] for bb in self.buckets]
+        # Per bucket, about PROBES of its blocks spread over it: where none of the streams
+        # covers one of them, the bucket is not complete (``_incomplete``).
+        self._probes = [np.arange(0, len(bb.index), max(1, len(bb.index) // PROBES)) for bb in self.buckets]
         # Where a bucket merged from several copies is assembled: None, a bucket of its own,
         # so that every bucket handed stays as it is until its iteration is done (Sink). The
         # streams share their gradient, so nearly every bucket is handed as a view of it.
@@ -154,14 +162,31 @@ class Merger:
     # -- merging ------------------------------------------------------------------------
     def _copies(self, g: int, b: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
         lo, hi = self.byte_range[b]
-        idx = self.buckets[b].index
-        need = self.plan.blocks["need"][idx]
+        idx, need = self.buckets[b].index, self._need[b]
         out = []
         for s in self.streams:
             a = self._held(s, g)
             if a is not None:
                 out.append((s, *a.bucket(lo, hi, idx, need)))
         return out
+
+    def _incomplete(self, g: int, b: int) -> bool:
+        """Whether bucket b of iteration g is surely incomplete, told from a few of its blocks
+        (``_probes``) without building any stream's copy: one of them no stream covers. A
+        stream that kept units aside (its copy may cover more than its bitmap says) makes the
+        answer False, as does a bucket all of whose probes are covered: only
+        :func:`~gradtap.merger.union.union` then says whether it is complete."""
+        probe = self._probes[b]
+        index, need = self.buckets[b].index[probe], self._need[b][probe]
+        covered = np.zeros(len(probe), bool)
+        for s in self.streams:
+            a = self._held(s, g)
+            if a is None:
+                continue
+            if len(a.aside):
+                return False
+            covered |= (a.got[index] & need) == need
+        return not covered.all()
 
     def _stream_coverage(self, g: int) -> dict[str, float]:
         """Per stream holding iteration g, the fraction of its blocks the stream covers."""
@@ -192,6 +217,8 @@ class Merger:
                 continue
             it = self.iterations[g]
             for b in np.flatnonzero(~it.handed):
+                if self._incomplete(g, b):
+                    continue
                 copies = self._copies(g, b)
                 u = union(self.buckets[b], copies, self.byte_range[b][1] - self.byte_range[b][0], self._scratch)
                 if u.complete:

@@ -1,10 +1,13 @@
 """The merger hands iterations on numbered by the trainer's iteration, from ``first_iteration``."""
 
+from pathlib import Path
+
 import numpy as np
 
-from gradtap.merger.merger import Merger
+from gradtap.merger.merger import PROBES, Merger
 from gradtap.parser.stream import AssembledIteration
 from gradtap.workload.layout import job_plan
+from gradtap.workload.spec import load_job
 from tests.simulator.test_simulate import make_job
 
 
@@ -56,3 +59,25 @@ def test_an_unrecoverable_iteration_is_reported_by_its_trainer_iteration():
     assert sink.done == [(10, 10, True), (11, 11, False), (12, 12, True)]
     assert 11 not in {i for i, _ in sink.buckets}
     assert reports[1].missing_blocks
+
+
+def test_a_bucket_is_handed_exactly_when_the_streams_cover_it_whatever_blocks_they_miss():
+    """The merger first looks at a few blocks of each bucket (``Merger._incomplete``); a bucket
+    is still handed in the round its last block is covered by any stream, and never before:
+    one block that no stream holds, anywhere in the bucket, probed or not, holds it back."""
+    plan = job_plan(load_job(Path(__file__).parents[2] / "configs" / "small.yaml"))
+    need = plan.blocks["need"].astype(np.int32)
+    rng = np.random.default_rng(5)
+    grad = np.zeros(plan.grad_bytes, np.uint8)
+    for trial in range(40):
+        merger = Merger(plan, ["a", "b", "c"], sink := Recorder(), first_iteration=0)
+        assert min(len(bb.index) for bb in merger.buckets) > 4 * PROBES, "every bucket is probed, not read whole"
+        missing = np.zeros(len(need), bool)
+        missing[rng.choice(len(need), size=rng.integers(0, 4), replace=False)] = True
+        owner = rng.integers(0, 3, len(need))            # the stream sure to hold each block
+        for s, name in enumerate("abc"):
+            got = np.where(((owner == s) | (rng.random(len(need)) < 0.3)) & ~missing, need, 0).astype(np.int32)
+            merger.update(name, [], [AssembledIteration(name, 0, 0, grad, got, need)])
+        merger.advance()
+        whole = [b for b, bb in enumerate(merger.buckets) if not missing[bb.index].any()]
+        assert sorted(b for _, b in sink.buckets) == whole, (trial, np.flatnonzero(missing))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -56,6 +55,7 @@ class FlatLayout:
                 self.param_start[i] = start + off
             start += b.numel
         self.total = start
+        self._work: dict[tuple[int, str], np.ndarray] = {}
 
     def bucket(self, b: int) -> slice:
         return slice(self.bucket_start[b], self.bucket_start[b] + self.buckets[b].numel)
@@ -64,14 +64,13 @@ class FlatLayout:
         return slice(self.param_start[i], self.param_start[i] + self.params[i].numel)
 
     def work(self, b: int, implementation: str) -> np.ndarray:
-        """The kernels' work list of bucket ``b`` (cached)."""
-        return self._work[implementation][b]
-
-    @cached_property
-    def _work(self) -> dict[str, list[np.ndarray]]:
-        return {impl: [work_spans([self.params[i].numel for i in b.params], impl, start=start)
-                       for b, start in zip(self.buckets, self.bucket_start)]
-                for impl in ("single_tensor", "foreach", "fused")}
+        """The kernels' work list of bucket ``b`` (made for each bucket and implementation
+        when first asked for, then kept)."""
+        key = (b, implementation)
+        if key not in self._work:
+            self._work[key] = work_spans([self.params[i].numel for i in self.buckets[b].params], implementation,
+                                         start=self.bucket_start[b])
+        return self._work[key]
 
 
 def aligned_empty(n: int) -> np.ndarray:

@@ -61,7 +61,7 @@ from gradtap.workload.nccl import NCCL_STEPS
 from gradtap.workload.wire_plan import NO_VA, PHASE_AG
 
 # How often a stream polls the written bit of a unit another stream has claimed before it
-# keeps its copy aside as pending (``parser/aside.py``): about 4 us on a 2024 x86-64 core. The
+# keeps its copy aside as pending (``parser/aside.py``): about 4 us on an AMD EPYC (Zen 5) core. The
 # claiming stream sets the bit as soon as its copy of the unit (a packet; an LL128 line) is
 # written, well within that; only a claimer taken off its core, or faulting on a page,
 # outlasts it. Without waiting, a stream placing the same units just behind the claimer

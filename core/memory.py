@@ -182,8 +182,8 @@ else:
 def wait_bits(arr, index, bits, polls):
     """Whether every bit of ``bits`` is set in ``arr[index]`` (an aligned integer element),
     load-acquired up to ``polls`` times: for bits another thread is about to set, as a
-    stream that claimed a unit of the shared gradient sets its written bit once the unit's
-    few hundred bytes are copied. The caller checks the bounds."""
+    stream that claimed a unit of the shared gradient sets its written bit once it has
+    copied the unit. The caller checks the bounds."""
     for _ in range(polls):
         if load_acquire(arr, index) & bits == bits:
             return True

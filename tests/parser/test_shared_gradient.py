@@ -22,6 +22,7 @@ from gradtap.parser.assemble import Slots, _own_copy_differs, _place
 from gradtap.parser.shared_gradient import GradientPool
 from gradtap.parser.stream import AssembledIteration
 from gradtap.wire import events as ev
+from gradtap.wire.ll128 import LL128_LINE_BYTES
 from gradtap.wire.protocol import Protocol
 
 PACKET = 64
@@ -95,6 +96,22 @@ def test_a_copy_of_a_unit_still_being_written_with_no_room_is_dropped_not_disput
     shared.claim[4] = 1                    # another stream has claimed block 4 and is still writing it
     assert place(b, new_aside(PACKET, capacity=0), 4, packet(4, 3)) == ev.DATA_UNCHECKED
     assert shared.disputed[4] == 0 and b.got[0, 4] == 0 and shared.written[4] == 0
+
+
+def test_a_pending_unit_of_a_frame_counted_as_another_event_is_not_recounted(shared):
+    """A frame's event is counted once. Its first pending unit stands for the frame as
+    ``data.written`` until reconcile finds it differs; a frame that ends in another event
+    (here its second LL128 line differs and finds no room) leaves reconcile nothing to move."""
+    b = stream_slots(shared)
+    shared.claim[0] = 0b11                  # another stream claimed both lines of block 0 ...
+    shared.written[0] = 0b10                # ... and wrote the second: zeros, unlike b's sevens
+    aside = new_aside(LL128_LINE_BYTES, capacity=1)
+    frame = np.full(2 * LL128_LINE_BYTES, 7, np.uint8)
+    assert _place(frame, 0, len(frame), Protocol.LL128, 0, 0, NBYTES, b, aside, 0, 0, 0) == ev.DATA_ASIDE_FULL
+    assert aside.used[0] == 1 and aside.rec[0]["pending"] == 1 and shared.disputed[0] == 0b10
+    shared.written[0] = 0b11                # the first line is written now, zeros too
+    assert reconcile(aside, b.grads, b.written, b.got) == 0, "the frame was counted as data.aside_full"
+    assert aside.rec[0]["pending"] == 0, "the differing line stays aside for the vote"
 
 
 @pytest.mark.parametrize("equal", [True, False])

@@ -2,7 +2,8 @@
 ``parser/aside.py``): the first copy of a unit is written, later ones are compared in
 place, a differing one is kept aside for the vote, one with no room left disputes its
 block, and a copy placed while the claiming stream is still writing is compared once the
-threads are idle. Threads racing for the same units write each exactly once.
+threads are idle (or, with no room left, dropped uncompared). Threads racing for the same
+units write each exactly once.
 
 The placing kernel is driven directly here, with Simple packets of 64 bytes, one per block,
 so that every case is set up exactly; the pipeline-level checks (every merged gradient equal

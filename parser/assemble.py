@@ -45,6 +45,7 @@ from gradtap.core.bytes import read_le, read_le_u64
 from gradtap.core.jit import JIT_NO_REFCOUNT
 from gradtap.core.memory import fetch_or, wait_bits
 from gradtap.parser.aside import aside_differs, aside_find, aside_free, aside_put
+from gradtap.parser.decode import settle_icrc
 from gradtap.parser.payload import store_payload
 from gradtap.wire import events as ev
 from gradtap.wire.headers.aeth import AETH_SYNDROME_MASK, AETH_SYNDROME_SHIFT, AETH_SYNDROME_TYPE_MASK, \
@@ -399,7 +400,9 @@ def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
     msgs = t.messages
     for i in range(start, recs.shape[0]):
         rec = recs[i]
-        if rec["event"] != ev.DECODE_OK:
+        # An ICRC stage 1 left to us is checked here, as the frame's payload comes into the
+        # cache for the placing below.
+        if rec["event"] != ev.DECODE_OK or settle_icrc(data, rec) != ev.DECODE_OK:
             counters[rec["event"]] += 1
             continue
         if OPCODE_KIND[rec["opcode"]] != KIND_WRITE:

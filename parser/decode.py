@@ -69,7 +69,7 @@ from gradtap.wire.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECOD
                            DECODE_OK, DECODE_PAYLOAD_UNEXPECTED, DECODE_UDP_BAD_LENGTH,
                            DECODE_UDP_TRUNCATED, N_EVENTS, OTHER_NON_IP, OTHER_NON_ROCE,
                            OTHER_NON_UDP)
-from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
+from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_DEFERRED, ICRC_OK, ICRC_UNCHECKED
 from gradtap.wire.headers.aeth import AETH_OFF_SYNDROME, AETH_SIZE_SYNDROME
 from gradtap.wire.headers.bth import (BTH_ACKREQ_MASK, BTH_ACKREQ_SHIFT, BTH_DESTQP_MASK,
                                 BTH_DESTQP_SHIFT, BTH_LEN, BTH_OFF_ACKREQ, BTH_OFF_DESTQP,
@@ -125,6 +125,9 @@ from gradtap.wire.icrc import ICRC_LEN, icrc_frame
 
 IPV4_WORD = 4      # RFC 791 §3.1: the IHL counts 32-bit words
 IPV4_FLAG_MF = 1   # RFC 791 §3.1: "More Fragments", the last of the three flag bits
+# What stage 1 does with the ICRC of a complete packet: nothing, check it, or leave a
+# ``decode.ok`` packet's to stage 2 (``ICRC_DEFERRED``; :func:`settle_icrc`).
+VERIFY_OFF, VERIFY_NOW, VERIFY_LATER = 0, 1, 2
 # RFC 4291 §2.5.5.2: an IPv4 address a.b.c.d is stored as the IPv6 address ::ffff:a.b.c.d.
 V4_MAPPED_PREFIX = np.frombuffer(ipaddress.IPv6Address("::ffff:0.0.0.0").packed, np.uint8)[
     :IPV6_SIZE_DST - IPV4_SIZE_DST].copy()
@@ -163,6 +166,7 @@ def _clear(rec):
     rec["reth_len"] = 0
     rec["imm"] = 0
     rec["aeth"] = 0
+    rec["l3_off"] = -1
     rec["payload_off"] = -1
     rec["payload_len"] = 0
     rec["erspan_type"] = ERSPAN_NONE
@@ -338,6 +342,7 @@ def _walk(data, start, caplen, wirelen, verify_icrc, decapsulate, rec):
         else:
             return OTHER_NON_IP
         if proto == IPPROTO_UDP:
+            rec["l3_off"] = l3
             break
         if proto != IPPROTO_GRE or not decapsulate or rec["erspan_type"] != ERSPAN_NONE:
             return OTHER_NON_UDP
@@ -410,11 +415,26 @@ def _walk(data, start, caplen, wirelen, verify_icrc, decapsulate, rec):
         return DECODE_PAYLOAD_UNEXPECTED
     if not complete:
         return DECODE_FRAME_TRUNCATED
-    if verify_icrc:
+    if verify_icrc == VERIFY_LATER:
+        rec["icrc"] = ICRC_DEFERRED
+    elif verify_icrc:
         _check_icrc(data, l3, is_ipv6, end, rec)
         if rec["icrc"] == ICRC_BAD:
             return DECODE_ICRC_BAD
     return DECODE_OK
+
+
+@njit(**JIT)
+def settle_icrc(data, rec):
+    """Check the ICRC stage 1 left to stage 2 (``rec["icrc"] == ICRC_DEFERRED``, a
+    ``decode.ok`` record of a frame in ``data``); a bad one turns the record into
+    ``decode.icrc_bad``, as stage 1 would have. Returns the record's event."""
+    if rec["icrc"] == ICRC_DEFERRED:
+        end = rec["payload_off"] + rec["payload_len"] + rec["padcnt"] + ICRC_LEN
+        _check_icrc(data, rec["l3_off"], rec["ip_version"] == 6, end, rec)
+        if rec["icrc"] == ICRC_BAD:
+            rec["event"] = DECODE_ICRC_BAD
+    return rec["event"]
 
 
 @njit(**JIT)
@@ -428,7 +448,9 @@ def decode_frame(data, start, caplen, wirelen, verify_icrc, decapsulate, rec):
     start, caplen, wirelen:
         The frame's first byte, its captured length and its length on the wire (bytes).
     verify_icrc:
-        Check the ICRC of complete RoCEv2 packets.
+        ``VERIFY_OFF``, ``VERIFY_NOW`` (check the ICRC of complete RoCEv2 packets) or
+        ``VERIFY_LATER`` (as ``VERIFY_NOW``, but a ``decode.ok`` packet's check is left to
+        :func:`settle_icrc`).
     decapsulate:
         Open GRE/ERSPAN packets and decode the Ethernet frame they carry.
     rec:
@@ -455,7 +477,7 @@ def _decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsul
 
 
 def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | None = None, *,
-                 decapsulate: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                 decapsulate: bool = False, defer_icrc: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1 over a batch: one record per frame, in order, and the event counters.
 
     Parameters
@@ -471,6 +493,11 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | 
         Open GRE/ERSPAN (types I, II, III) and decode the Ethernet frame inside: for a mirror
         stream that arrives over L3 (``MirrorSpec.encapsulation`` ``erspan2``/``erspan3``).
         Plain frames decode the same either way; without it GRE is ``other.non_udp``.
+    defer_icrc:
+        With ``verify_icrc``, leave the check of every ``decode.ok`` packet to the consumer
+        (:func:`settle_icrc`, frame by frame, just before it reads the payload: one read of
+        the payload from memory instead of two). Such records have ``icrc ==
+        ICRC_DEFERRED``, and one whose ICRC is bad is ``decode.ok`` until settled.
 
     Returns
     -------
@@ -497,8 +524,9 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | 
                          f"the batch needs {n} writeable rows")
     out = out[:n]
     counters = np.zeros((max(1, min(numba.get_num_threads(), n)), N_EVENTS), np.int64)
+    mode = VERIFY_OFF if not verify_icrc else VERIFY_LATER if defer_icrc else VERIFY_NOW
     _decode_parts(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
-                  bool(verify_icrc), bool(decapsulate), out, counters)
+                  mode, bool(decapsulate), out, counters)
     return out, counters.sum(axis=0)
 
 

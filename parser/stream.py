@@ -85,6 +85,13 @@ class StreamParser:
         Name of one of ``job.mirrors``.
     verify_icrc:
         Check every frame's ICRC (``job.appliance.verify_icrc`` by default).
+    defer_icrc:
+        Once locked on, check a frame's ICRC in stage 2, just before its payload is placed
+        (``decode_batch``'s ``defer_icrc``), instead of in stage 1: each payload is then read
+        from memory once instead of twice, but the check runs in stage 2's one thread
+        instead of stage 1's threads. The better choice for a parser that has at most one
+        core to itself, e.g. one of as many streams as threads
+        (``gradtap/pipeline.py``).
     slots:
         Iterations assembled at once (>= 2: the current one and the next).
     spares:
@@ -107,7 +114,7 @@ class StreamParser:
     """
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
-                 slots: int = DEFAULT_SLOTS, spares: int = DEFAULT_SPARES, gap_ns: int = DEFAULT_GAP_NS,
+                 defer_icrc: bool = False, slots: int = DEFAULT_SLOTS, spares: int = DEFAULT_SPARES, gap_ns: int = DEFAULT_GAP_NS,
                  hold_bytes: int = 1 << 30, lockon_s: float | None = None, lockon_frames: int | None = None,
                  pool: GradientPool | None = None):
         self.job, self.plan = job, plan
@@ -117,6 +124,7 @@ class StreamParser:
         self.decapsulate = self.mirror.encapsulation != "none"
         self.tables = t = stream_tables(job, plan, self.mirror)
         self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
+        self.defer_icrc = defer_icrc
         self.need = plan.blocks["need"].astype(np.int32)
         nconn = t.phase_period.shape[1]
         self.state = StreamState(base_psn=np.full(len(t.qpn), -1, np.int64), step_base=np.full(nconn, -1, np.int64),
@@ -166,8 +174,11 @@ class StreamParser:
 
     def feed(self, batch: FrameBatch) -> list[AssembledIteration]:
         """Parse one batch; returns the iterations it completed."""
-        # Stage 2 counts every record under one event, stage 1's refusals included.
-        recs, _ = decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate)
+        # Stage 2 counts every record under one event, stage 1's refusals included. Once
+        # every flow is placed, nothing reads a record before stage 2, which may then check
+        # the ICRC of each frame just before it places the payload.
+        defer = self.defer_icrc and self.locked and bool((self.state.base_psn[self.tables.data_flows] >= 0).all())
+        recs, _ = decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate, defer_icrc=defer)
         if self.locked:
             return self._assemble(recs, 0, batch.data)
         boundary = self.lockon.observe(recs, batch.data)

@@ -16,6 +16,9 @@ as the GRE and ERSPAN headers were read, whatever the event.
 import numpy as np
 
 ICRC_UNCHECKED, ICRC_OK, ICRC_BAD = 0, 1, 2
+# A complete packet whose ICRC stage 1 was asked to leave to stage 2, which checks it just
+# before it reads the payload (``parser/decode.py``: ``settle_icrc``).
+ICRC_DEFERRED = 3
 
 FRAME_DTYPE = np.dtype([
     ("event", "u1"),
@@ -23,7 +26,7 @@ FRAME_DTYPE = np.dtype([
     ("opcode", "u1"),
     ("padcnt", "u1"),
     ("ackreq", "u1"),
-    ("icrc", "u1"),            # ICRC_UNCHECKED / ICRC_OK / ICRC_BAD
+    ("icrc", "u1"),            # ICRC_UNCHECKED / ICRC_OK / ICRC_BAD / ICRC_DEFERRED
     ("vlan", "u2"),            # outermost VLAN id, 0 if untagged
     ("udp_sport", "u2"),
     ("dest_qp", "u4"),
@@ -35,6 +38,7 @@ FRAME_DTYPE = np.dtype([
     ("reth_len", "u4"),
     ("imm", "u4"),             # ImmDt, the four wire bytes read big-endian
     ("aeth", "u4"),            # syndrome << 24 | MSN
+    ("l3_off", "i8"),          # first byte of the IP header in the batch's data array (-1: none read)
     ("payload_off", "i8"),     # first payload byte in the batch's data array
     ("payload_len", "i4"),     # payload bytes (no headers, pad or ICRC)
     ("ts_ns", "i8"),

@@ -32,8 +32,8 @@ import pytest
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader
 from gradtap.wire import events as ev
-from gradtap.parser.decode import decode_batch, is_roce
-from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_OK, ICRC_UNCHECKED
+from gradtap.parser.decode import decode_batch, is_roce, settle_icrc
+from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_DEFERRED, ICRC_OK, ICRC_UNCHECKED
 from gradtap.wire.headers.opcodes import CNP
 from tests import naive
 from tests.core.no_jit import run_without_jit
@@ -156,6 +156,8 @@ def check_record(rec, data: np.ndarray, frame: bytes, wirelen: int, verify_icrc:
     if f["opcode"] == CNP:       # exactly the 16 reserved bytes: no payload (see the docstring)
         f = dict(f, payload=b"")
     _check_fields(rec, data, f, f["opcode"])
+    ip_header = data[rec["l3_off"]:rec["l3_off"] + f["l4_start"] - f["l3_start"]].tobytes()
+    assert ip_header == frame[f["l3_start"]:f["l4_start"]]
     assert rec["icrc"] == ((ICRC_OK if f["icrc_ok"] else ICRC_BAD) if verify_icrc else ICRC_UNCHECKED)
     assert (event == ev.DECODE_ICRC_BAD) == (verify_icrc and not f["icrc_ok"])
 
@@ -233,8 +235,21 @@ def test_simulated_traffic_with_faults_equals_the_naive_decoder(tmp_path, n, pro
         check_batch(batch, records, counters)
         seen += counters
         assert is_roce(records).sum() >= stream.roce_frames - stream.faults["truncate"]
+        # Deferred, every decode.ok record's ICRC is left to settle_icrc, which then makes
+        # the records stage 1 makes itself.
+        deferred, _ = decode_batch(batch, defer_icrc=True)
+        checked = np.isin(records["event"], [ev.DECODE_OK, ev.DECODE_ICRC_BAD])
+        assert np.array_equal(deferred["icrc"] == ICRC_DEFERRED, checked)
+        _settle_all(batch.data, deferred)
+        assert deferred.tobytes() == records.tobytes()
     # The faults reached the decoder: cut frames and corrupted ones.
     assert seen[ev.DECODE_FRAME_TRUNCATED] > 0 and seen[ev.DECODE_ICRC_BAD] > 0
+
+
+@numba.njit
+def _settle_all(data, records):
+    for i in range(len(records)):
+        settle_icrc(data, records[i])
 
 
 def test_vlan_tags_of_any_depth(tmp_path):

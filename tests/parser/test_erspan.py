@@ -234,8 +234,10 @@ def test_an_encapsulated_frame_decodes_as_the_frame_it_carries(corpus, kind):
     shift = np.array([len(f) - len(c) for f, c in zip(frames, corpus)]) + batch.offsets - plain_batch.offsets
     roce = is_roce(plain)
     assert np.array_equal(records["payload_off"][roce], plain["payload_off"][roce] + shift[roce])
-    inner_fields = [n for n in plain.dtype.names if n not in ("payload_off", "erspan_type", "erspan_session",
-                                                              "gre_seq")]
+    udp = plain["l3_off"] >= 0
+    assert np.array_equal(records["l3_off"][udp], plain["l3_off"][udp] + shift[udp])
+    inner_fields = [n for n in plain.dtype.names if n not in ("payload_off", "l3_off", "erspan_type",
+                                                              "erspan_session", "gre_seq")]
     assert all(np.array_equal(records[n], plain[n]) for n in inner_fields)
     seq = kind != "erspan1"
     assert (records["erspan_type"] == {"erspan1": 1, "erspan3": 3, "erspan3_subheader": 3}.get(kind, 2)).all()

@@ -174,11 +174,7 @@ class StreamParser:
 
     def feed(self, batch: FrameBatch) -> list[AssembledIteration]:
         """Parse one batch; returns the iterations it completed."""
-        # Stage 2 counts every record under one event, stage 1's refusals included. Once
-        # every flow is placed, nothing reads a record before stage 2, which may then check
-        # the ICRC of each frame just before it places the payload.
-        defer = self.defer_icrc and self.locked and bool((self.state.base_psn[self.tables.data_flows] >= 0).all())
-        recs, _ = decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate, defer_icrc=defer)
+        recs = self._decode(batch, placing=self.locked)
         if self.locked:
             return self._assemble(recs, 0, batch.data)
         boundary = self.lockon.observe(recs, batch.data)
@@ -197,7 +193,7 @@ class StreamParser:
             return []
         while True:
             lock, held = self._pending, self._held
-            first = decode_batch(held[0], self.verify_icrc, decapsulate=self.decapsulate)[0]
+            first = self._decode(held[0])
             wrong = misplaced(self.tables, self.lockon.place(first, 0, self.state.base_psn))
             if not wrong:
                 break
@@ -222,10 +218,18 @@ class StreamParser:
         log.info("stream %s: locked on an iteration boundary at t=%d ns; the capture's iteration %d starts "
                  "there%s", self.mirror.name, lock.ts_ns, lock.ordinal,
                  "" if lock.ordinal == 0 else f" ({lock.ordinal} earlier iteration(s) could not be aligned)")
-        out = []
-        for b in held:
-            out += self._assemble(decode_batch(b, self.verify_icrc, decapsulate=self.decapsulate)[0], 0, b.data)
+        out = self._assemble(first, 0, held[0].data)
+        for b in held[1:]:
+            out += self._assemble(self._decode(b, placing=True), 0, b.data)
         return out
+
+    def _decode(self, batch: FrameBatch, placing: bool = False) -> np.ndarray:
+        """Stage 1's records of ``batch`` (stage 2 counts every record under one event,
+        stage 1's refusals included). ``placing``: they go to stage 2 and nowhere else, which
+        then checks a frame's ICRC just before it places the payload, with ``defer_icrc``
+        and every flow placed (placing a flow reads the records first)."""
+        defer = placing and self.defer_icrc and bool((self.state.base_psn[self.tables.data_flows] >= 0).all())
+        return decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate, defer_icrc=defer)[0]
 
     def _assemble(self, recs, start, data) -> list[AssembledIteration]:
         self.lockon.place(recs, start, self.state.base_psn)
@@ -248,7 +252,7 @@ class StreamParser:
         before it as not locked); False, with everything counted, when they hold none."""
         gap, prev = self.lockon.gap_ns, None
         for b, batch in enumerate(self._held):
-            recs = decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate)[0]
+            recs = self._decode(batch)
             job = np.flatnonzero(self.lockon.job(recs))
             ts = recs["ts_ns"][job]
             if len(ts) == 0:
@@ -257,8 +261,7 @@ class StreamParser:
             if len(gaps):
                 at = int(job[gaps[0]])
                 for before in self._held[:b]:
-                    self._count_unlocked(decode_batch(before, self.verify_icrc, decapsulate=self.decapsulate)[0],
-                                         len(before.offsets), before.data)
+                    self._count_unlocked(self._decode(before), len(before.offsets), before.data)
                 self._count_unlocked(recs, at, batch.data)
                 self._pending = Lock(index=0, ts_ns=int(recs["ts_ns"][at]), ordinal=self._pending.ordinal + 1)
                 self._held = [batch.owned(at)] + self._held[b + 1:]
@@ -270,8 +273,7 @@ class StreamParser:
     def _release_held(self) -> None:
         """Count the frames held since the pending boundary (they will not be assembled)."""
         for b in self._held:
-            self._count_unlocked(decode_batch(b, self.verify_icrc, decapsulate=self.decapsulate)[0], len(b.offsets),
-                                 b.data)
+            self._count_unlocked(self._decode(b), len(b.offsets), b.data)
         self._pending, self._held = None, []
 
     def _count_unlocked(self, recs, stop, data) -> None:

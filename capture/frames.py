@@ -99,7 +99,8 @@ class FrameBatch:
 
     def owned(self, start: int = 0) -> FrameBatch:
         """Frames ``start:`` in bytes that stay valid while the batch is held: the batch itself
-        (its :meth:`tail`) when it is ``lasting``, else a packed copy (a ring's batch is a view)."""
+        (its :meth:`tail`) when it is ``lasting``, else a packed copy (a ring's batch is a view),
+        read-only when the batch is (the kernels that take it then need no other compilation)."""
         if self.lasting:
             return self.tail(start)
         offsets, caplens = self.offsets[start:], self.caplens[start:]
@@ -108,6 +109,7 @@ class FrameBatch:
             np.cumsum(caplens[:-1], out=new_offsets[1:])
         data = np.empty(int(caplens.sum(dtype=np.int64)), np.uint8)
         _gather(data, new_offsets, self.data, offsets, caplens)
+        data.flags.writeable = bool(self.data.flags.writeable)
         return FrameBatch(data, new_offsets, caplens.copy(), self.wirelens[start:].copy(),
                           self.ts_ns[start:].copy(), self.linktype, lasting=True)
 

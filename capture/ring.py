@@ -21,8 +21,11 @@ frame longer than ``slot_size`` keeps its first ``slot_size`` bytes, its true le
 ``wirelens``, and is counted in ``truncated``.
 
 The consumer's :meth:`FrameRing.read` returns a :class:`FrameBatch` whose arrays are views
-of the slots (no copy). The slots stay the consumer's until the next ``read`` or
-:meth:`FrameRing.release`; copy what must outlive that.
+of the slots (no copy), the frame bytes read-only: the parser's kernels then take the array
+types a replay of capture files (read-only mappings) gives them, and a rehearsal before the
+capture starts (``gradtap/rehearsal.py``) compiles the very kernels the live frames run. The
+slots stay the consumer's until the next ``read`` or :meth:`FrameRing.release`; copy what
+must outlive that.
 """
 
 from __future__ import annotations
@@ -161,6 +164,8 @@ class FrameRing:
         self._wirelens = np.frombuffer(buf, np.int32, self.slots, meta + 4 * self.slots)
         self._ts = np.frombuffer(buf, np.int64, self.slots, meta + 8 * self.slots)
         self._data = np.frombuffer(buf, np.uint8, self.slots * self.slot_size, data)
+        self._frames = self._data.view()          # what read() lends (see the module docstring)
+        self._frames.flags.writeable = False
         self._offsets = np.arange(self.slots, dtype=np.int64) * self.slot_size
         self._lent = 0          # frames handed out by read() and not yet released
 
@@ -254,7 +259,7 @@ class FrameRing:
         n = min(head - tail, max_frames, self.slots - first)
         self._lent = n
         end = first + n
-        return FrameBatch(self._data, self._offsets[first:end], self._caplens[first:end],
+        return FrameBatch(self._frames, self._offsets[first:end], self._caplens[first:end],
                           self._wirelens[first:end], self._ts[first:end])
 
     def release(self) -> None:
@@ -285,7 +290,7 @@ class FrameRing:
 
     def close(self) -> None:
         """Drop this process's views and mapping (other processes keep theirs)."""
-        self._hdr = self._caplens = self._wirelens = self._ts = self._data = None
+        self._hdr = self._caplens = self._wirelens = self._ts = self._data = self._frames = None
         self.memory.close()
 
     def __enter__(self):

@@ -33,6 +33,7 @@ from gradtap.control import ControlPlane
 from gradtap.core.errors import CaptureError, ConfigError
 from gradtap.merger.merger import Merger
 from gradtap.pipeline import Pipeline, start_up_frozen
+from gradtap.rehearsal import rehearse
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, ReplicaStart, replica_start
@@ -59,6 +60,7 @@ class RunOptions:
     force: bool = False                   # clear an --out holding another replica's snapshots
     start: Path | None = None             # --start: from one of --out's own snapshots, the run continues its replica
     control_token_file: Path | None = None  # --control-token-file (default: the job's, else OUT/control.token)
+    rehearse: bool = True                 # run the pipeline on a miniature of the job before listening (--no-rehearsal)
 
 
 def control_token_file(job: JobSpec, out: Path, options: RunOptions) -> Path:
@@ -186,6 +188,13 @@ class Appliance:
         reason, code = "stopped", 0
         files = any(spec.source == "pcap" for spec in self.specs.values())
         try:
+            if self.options.rehearse:
+                # Compiles every kernel the frames will run, before any frame can wait for one.
+                log.info("rehearsing the pipeline on a miniature of job %s before the capture starts",
+                         self.job.name)
+                done = rehearse(self.job, self.options.batch_frames, self.options.slot_size,
+                                digests=self.options.digests)
+                log.info("rehearsal: %d iterations exact in %.1f s", done.iterations, done.seconds)
             self._start_workers()
             self._pin_parsers()
             with self._lock:

@@ -99,12 +99,15 @@ def _cpus(text: str, what: str) -> list[int]:
 @click.option("--no-status", is_flag=True, help="no live status view (it is shown when stderr is a terminal)")
 @click.option("--force", is_flag=True,
               help="clear the snapshots in --out when they are another replica's (another job or start state)")
+@click.option("--no-rehearsal", is_flag=True,
+              help="listen at once, without first running the pipeline on a simulated miniature of the job "
+                   "(which compiles every kernel, some 20 s after an install or upgrade, and checks it exact)")
 @group_options("capturing")
 def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
                 start: Path | None, store: str | None, start_from_store: bool, metrics_port: int, metrics_address: str, control_port: int,
                 control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...],
                 capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int, hugepages: str,
-                no_status: bool, force: bool, group_at: str | None, rendezvous: str | None,
+                no_status: bool, force: bool, no_rehearsal: bool, group_at: str | None, rendezvous: str | None,
                 group_timeout: float | None) -> None:
     """Capture mirror ports and keep a replica current until SIGINT/SIGTERM.
 
@@ -136,7 +139,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
-                         force=force, start=start, control_token_file=control_token_file)
+                         force=force, start=start, control_token_file=control_token_file, rehearse=not no_rehearsal)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
     if start_from_store:
         with records_progress(console, "replaying the store's gradient log") as progress:

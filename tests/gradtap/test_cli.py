@@ -146,8 +146,8 @@ def test_help_texts_fit_80_columns_and_flags_show_no_value_type():
                 assert re.search(rf"^  {re.escape(spelled)}  +{re.escape(param.help.split()[0])}", texts[name],
                                  re.M), (name, spelled, texts[name])
                 flags += 1
-    assert flags == 14      # --keep, --force (five times), --json (twice), --digests/--no-digests, --no-status,
-    #                         --linux (twice), --start-from-store (twice)
+    assert flags == 15      # --keep, --force (five times), --json (twice), --digests/--no-digests, --no-status,
+    #                         --linux (twice), --start-from-store (twice), --no-rehearsal
 
 
 def test_every_argument_and_option_is_explained():

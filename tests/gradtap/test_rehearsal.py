@@ -1,0 +1,120 @@
+"""The rehearsal ``gradtap run`` makes before listening (``gradtap/rehearsal.py``).
+
+Its point is that no kernel compiles once frames arrive: a fresh process rehearses, then runs
+the live appliance over capture files (through its capture workers and rings, as live), and
+Numba's dispatchers must have gained no compiled signature but the vote's comparison, which
+a rehearsal in step never reaches. It is also a self-check: a planted bug in the updater
+makes it fail, and the appliance then never starts a capture worker.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradtap.appliance import Appliance, RunOptions
+from gradtap.capture.worker import SourceSpec
+from gradtap.rehearsal import MINI_SIZES, RehearsalFailed, miniature, rehearse
+from gradtap.updater.replica import Replica
+from gradtap.workload.spec import parse_job
+from tests.simulator.test_simulate import make_job, simulate
+
+LIVE_AFTER_REHEARSAL = """
+import gc, json, sys
+from pathlib import Path
+import torch
+from numba.core.registry import CPUDispatcher
+from gradtap.appliance import Appliance, RunOptions
+from gradtap.capture.worker import SourceSpec
+from gradtap.rehearsal import rehearse
+from tests.simulator.test_simulate import make_job
+
+
+def compiled():
+    return {d: set(d.signatures) for d in gc.get_objects() if isinstance(d, CPUDispatcher)}
+
+
+def main():
+    sim, job = Path(sys.argv[1]), make_job(3, "LL", 2, "fp32")
+    options = RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True, rehearse=False)
+    rehearse(job, options.batch_frames, options.slot_size, digests=options.digests)
+    before = compiled()
+    streams = {m.name: SourceSpec("pcap", (str(sim / "streams" / f"{m.name}.pcap"),), {}) for m in job.mirrors}
+    start = torch.load(sim / "truth" / "start.pt", weights_only=True)
+    result = Appliance(job, streams, sim.parent / "run", start, options).run()
+    new = {f"{d.py_func.__module__}.{d.py_func.__qualname__}": sorted(map(str, sigs - before.get(d, set())))
+           for d, sigs in compiled().items() if sigs - before.get(d, set())}
+    print(json.dumps({"exit": result.exit_code, "unrecoverable": result.unrecoverable, "new": new}))
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_after_the_rehearsal_the_live_run_compiles_nothing_but_the_vote(tmp_path):
+    job = make_job(3, "LL", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=3)
+    script = tmp_path / "live_after_rehearsal.py"
+    script.write_text(LIVE_AFTER_REHEARSAL)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "sim")], capture_output=True, text=True,
+                          timeout=600, cwd=sys.path[0] if sys.path[0] else None,
+                          env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["exit"] == 0 and out["unrecoverable"] == 0
+    assert set(out["new"]) <= {"gradtap.merger.union._blocks_differ"}, out["new"]
+
+
+def test_the_miniature_keeps_what_the_wire_depends_on_and_nothing_that_reaches_out():
+    job = make_job(4, "auto", 2, "bf16", ipv6=True, nqps=2, mtu=4096, era="auto")
+    doc = job.model_dump(mode="json")
+    doc["appliance"].update(verify_icrc=False, iteration_gap_ns=2_000_000, control_endpoint="http://198.18.9.9/x",
+                            store={"url": "file:///nowhere"})
+    job = parse_job(doc, "test")
+    mini = miniature(job)
+    for section in ("nccl", "ring", "mirrors", "optimizer"):
+        assert getattr(mini, section) == getattr(job, section), section
+    assert (mini.ddp.grad_dtype, mini.ddp.layout, mini.ddp.predivide) == \
+        (job.ddp.grad_dtype, job.ddp.layout, job.ddp.predivide)
+    assert mini.model.kwargs == {"sizes": MINI_SIZES}
+    assert (mini.appliance.verify_icrc, mini.appliance.iteration_gap_ns) == (False, 2_000_000)
+    assert mini.appliance.store is None and mini.appliance.control_endpoint is None
+    assert mini.nccl.era == "auto" and mini.nccl.protocol == "auto"
+    written = miniature(job, simulated=True)
+    assert written.nccl.era == "2.30" and written.nccl.protocol == "auto"
+
+
+@pytest.mark.parametrize("job", [
+    make_job(3, "Simple", 2, "fp32", mtu=4096),
+    make_job(4, "LL128", 2, "bf16", ipv6=True, nqps=2, mtu=4096),
+    make_job(3, "auto", 1, "fp32", era="auto"),
+], ids=["simple", "ll128-ipv6-bf16", "auto"])
+def test_a_rehearsal_is_exact(job):
+    done = rehearse(job, 2048, 4352, digests=True)
+    assert done.iterations == 2
+
+
+def test_a_wrong_gradient_fails_the_rehearsal_and_no_capture_starts(tmp_path, monkeypatch):
+    """A planted bug: the replica applies every bucket with its first byte's lowest bit flipped."""
+    apply_bucket = Replica.apply_bucket
+
+    def wrong(self, bucket, grad, **kw):
+        grad = grad.copy()
+        grad[0] ^= 1
+        apply_bucket(self, bucket, grad, **kw)
+
+    monkeypatch.setattr(Replica, "apply_bucket", wrong)
+    job = make_job(3, "Simple", 2, "fp32", mtu=4096)
+    streams = {m.name: SourceSpec("pcap", (str(tmp_path / f"{m.name}.pcap"),), {}) for m in job.mirrors}
+    simulate(tmp_path / "sim", job, iterations=1)
+    start = torch.load(tmp_path / "sim" / "truth" / "start.pt", weights_only=True)
+    appliance = Appliance(job, streams, tmp_path / "run", start, RunOptions(hugepages="off"))
+    with pytest.raises(RehearsalFailed, match=r"not exact on this host \(iteration 1: .* differs at .*--no-rehearsal"):
+        appliance.run()
+    assert not appliance.workers and not appliance.rings

@@ -33,7 +33,7 @@ from gradtap.control import ControlPlane
 from gradtap.core.errors import CaptureError, ConfigError
 from gradtap.merger.merger import Merger
 from gradtap.pipeline import Pipeline, start_up_frozen
-from gradtap.rehearsal import rehearse
+from gradtap.rehearsal import Rehearsal, rehearse
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
 from gradtap.start import Numbering, ReplicaStart, replica_start
@@ -118,6 +118,7 @@ class Appliance:
         self._final_capture: dict[str, dict] | None = None   # counters kept once the rings are gone
         self.stopping = threading.Event()
         self.ready = threading.Event()     # every capture worker is listening
+        self.rehearsal: Rehearsal | None = None
         self._lock = threading.Lock()      # status() for metrics vs the loop
 
     def _single(self, job: JobSpec, start: ReplicaStart, options: RunOptions):
@@ -188,13 +189,7 @@ class Appliance:
         reason, code = "stopped", 0
         files = any(spec.source == "pcap" for spec in self.specs.values())
         try:
-            if self.options.rehearse:
-                # Compiles every kernel the frames will run, before any frame can wait for one.
-                log.info("rehearsing the pipeline on a miniature of job %s before the capture starts",
-                         self.job.name)
-                done = rehearse(self.job, self.options.batch_frames, self.options.slot_size,
-                                digests=self.options.digests)
-                log.info("rehearsal: %d iterations exact in %.1f s", done.iterations, done.seconds)
+            self.rehearse()
             self._start_workers()
             self._pin_parsers()
             with self._lock:
@@ -236,6 +231,18 @@ class Appliance:
             self._shutdown(final)
         lines = self.sink.lines
         return RunResult(code, reason, len(lines), sum(not x["recovered"] for x in lines))
+
+    def rehearse(self) -> Rehearsal | None:
+        """Run the pipeline on a miniature of the job (``gradtap/rehearsal.py``), unless done
+        or ``options.rehearse`` is off: it compiles every kernel the frames will run, before
+        any frame can wait for one. :meth:`run` does it first; a caller may do it earlier, to
+        show it. Raises :class:`~gradtap.rehearsal.RehearsalFailed` when not exact."""
+        if self.rehearsal is None and self.options.rehearse:
+            log.info("rehearsing the pipeline on a miniature of job %s before the capture starts", self.job.name)
+            self.rehearsal = rehearse(self.job, self.options.batch_frames, self.options.slot_size,
+                                      digests=self.options.digests)
+            log.info("rehearsal: %d iterations exact in %.1f s", self.rehearsal.iterations, self.rehearsal.seconds)
+        return self.rehearsal
 
     def status(self) -> ApplianceStatus:
         """The counters as they are now (thread-safe; the metrics and control threads call it)."""

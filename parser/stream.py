@@ -114,9 +114,9 @@ class StreamParser:
     """
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
-                 defer_icrc: bool = False, slots: int = DEFAULT_SLOTS, spares: int = DEFAULT_SPARES, gap_ns: int = DEFAULT_GAP_NS,
-                 hold_bytes: int = 1 << 30, lockon_s: float | None = None, lockon_frames: int | None = None,
-                 pool: GradientPool | None = None):
+                 defer_icrc: bool = False, slots: int = DEFAULT_SLOTS, spares: int = DEFAULT_SPARES,
+                 gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30, lockon_s: float | None = None,
+                 lockon_frames: int | None = None, pool: GradientPool | None = None):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
         # A stream that arrives over L3 (ERSPAN) is opened frame by frame; stage 1 reads the

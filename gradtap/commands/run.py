@@ -151,6 +151,12 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                               start_source)
     appliance = Appliance(job, specs, out, begin, options, group)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
+    if options.rehearse:
+        with console.status("rehearsing the pipeline on a simulated miniature of the job before listening "
+                            "(some 20 s after an install or upgrade: it compiles every kernel)"):
+            done = appliance.rehearse()
+        console.print(f"rehearsal: {done.iterations} iterations of a miniature of the job exact in "
+                      f"{done.seconds:.1f} s")
     if metrics_port:
         metrics.serve(appliance.status, metrics_port, metrics_address)
     control = None

@@ -154,7 +154,7 @@ def test_gradtap_run_stops_cleanly_on_a_signal(tmp_path, signum):
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 0, err
-        assert "gradtap run: stopped" in err
+        assert "rehearsal: 2 iterations of a miniature of the job exact" in err and "gradtap run: stopped" in err
     finally:
         netns.remove(ns)
 

@@ -240,14 +240,15 @@ def test_simulated_traffic_with_faults_equals_the_naive_decoder(tmp_path, n, pro
         deferred, _ = decode_batch(batch, defer_icrc=True)
         checked = np.isin(records["event"], [ev.DECODE_OK, ev.DECODE_ICRC_BAD])
         assert np.array_equal(deferred["icrc"] == ICRC_DEFERRED, checked)
-        _settle_all(batch.data, deferred)
+        settle_all(batch.data, deferred)
         assert deferred.tobytes() == records.tobytes()
     # The faults reached the decoder: cut frames and corrupted ones.
     assert seen[ev.DECODE_FRAME_TRUNCATED] > 0 and seen[ev.DECODE_ICRC_BAD] > 0
 
 
 @numba.njit
-def _settle_all(data, records):
+def settle_all(data, records):
+    """Stage 2's check of every ICRC stage 1 deferred (assemble makes it frame by frame)."""
     for i in range(len(records)):
         settle_icrc(data, records[i])
 

@@ -33,7 +33,7 @@ from gradtap.wire.frame_record import ICRC_OK
 from gradtap.wire.headers import opcodes as op
 from tests import naive
 from tests.core.no_jit import run_without_jit
-from tests.parser.test_decode import CAPTURES, check_record, first_ethertype, roce_frame
+from tests.parser.test_decode import CAPTURES, check_record, first_ethertype, roce_frame, settle_all
 
 GRE_EVENTS = {"gre_truncated": ev.DECODE_GRE_TRUNCATED, "gre_unsupported": ev.DECODE_GRE_UNSUPPORTED,
               "erspan_truncated": ev.DECODE_ERSPAN_TRUNCATED, "erspan_bad_version": ev.DECODE_ERSPAN_BAD_VERSION,
@@ -231,6 +231,10 @@ def test_an_encapsulated_frame_decodes_as_the_frame_it_carries(corpus, kind):
     plain_batch = FrameBatch.from_frames(corpus)
     plain, plain_counters = decode_batch(plain_batch)
     assert np.array_equal(counters, plain_counters)
+    # The ICRC left to stage 2 is checked over the inner frame's headers, as stage 1 does.
+    deferred, _ = decode_batch(batch, decapsulate=True, defer_icrc=True)
+    settle_all(batch.data, deferred)
+    assert deferred.tobytes() == records.tobytes()
     shift = np.array([len(f) - len(c) for f, c in zip(frames, corpus)]) + batch.offsets - plain_batch.offsets
     roce = is_roce(plain)
     assert np.array_equal(records["payload_off"][roce], plain["payload_off"][roce] + shift[roce])

@@ -21,7 +21,8 @@ Mirrored frames are untrusted. Every read is checked against the frame's capture
 used to read past that end. A frame ends in exactly one event of ``wire/events.py``:
 
 - ``decode.ok``: a complete RoCEv2 packet; every field of the record is valid and the ICRC
-  matched (or was not checked: ``icrc`` is then ``ICRC_UNCHECKED``).
+  matched (or was not checked: ``icrc`` is then ``ICRC_UNCHECKED``; or its check was left to
+  stage 2, ``defer_icrc``: ``ICRC_DEFERRED`` until :func:`settle_icrc`).
 - ``decode.icrc_bad``: the same, but the ICRC did not match (fields filled all the same).
 - ``other.*``: a well-formed frame that is not RoCEv2 (ARP, TCP, UDP to another port ...).
 - ``decode.*``: malformed at the layer the event names.

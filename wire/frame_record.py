@@ -38,7 +38,7 @@ FRAME_DTYPE = np.dtype([
     ("reth_len", "u4"),
     ("imm", "u4"),             # ImmDt, the four wire bytes read big-endian
     ("aeth", "u4"),            # syndrome << 24 | MSN
-    ("l3_off", "i8"),          # first byte of the IP header in the batch's data array (-1: none read)
+    ("l3_off", "i8"),          # first byte of the UDP datagram's IP header in the batch's data array (-1: none)
     ("payload_off", "i8"),     # first payload byte in the batch's data array
     ("payload_len", "i4"),     # payload bytes (no headers, pad or ICRC)
     ("ts_ns", "i8"),

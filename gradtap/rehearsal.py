@@ -32,7 +32,6 @@ updater's kernels for a model whose parameters are not fp32.
 
 from __future__ import annotations
 
-import logging
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,8 +39,6 @@ from pathlib import Path
 
 from gradtap.core.errors import GradtapError
 from gradtap.workload.spec import SUPPORTED_ERAS, ApplianceSpec, JobSpec, parse_job
-
-log = logging.getLogger(__name__)
 
 MINI_SIZES = [32, 64, 10]        # the miniature's MLP: 2,762 parameters
 MINI_BUCKET_MB = 0.004          # about 1,000 parameters per DDP bucket: several buckets

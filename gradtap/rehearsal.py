@@ -18,16 +18,17 @@ replica is checked against the simulator's truth, bit for bit (``gradtap.verify`
 files are mapped read-only and a ring lends its frames read-only too (``capture/ring.py``), so
 the parser's kernels compiled here are the very ones the live frames run; the merger's and
 the updater's take the same arrays either way. A few frames also pass through a frame ring,
-as a capture worker and the appliance pass them.
+as a capture worker and the appliance pass them, and the merger votes once on three copies of
+a bucket, one of them wrong (:func:`_vote`): a clean miniature never reaches the vote, which
+live streams reach whenever their copies diverge.
 
 It is also a self-check of this host and job: a rehearsal that is not exact raises, and
 ``gradtap run`` stops before it listens, saying what differs. It takes 1.1 s in a fresh
 process with the kernels cached, and 17 s with none cached (both on a 2-core AMD EPYC).
 The socket sources' own kernels (``capture/af_packet.py``, ``af_xdp.py``) compile in their
 worker processes, which call them once before they report ready (``capture/worker.py``).
-What is left to compile when first needed: the merger's vote between streams whose copies
-differ (``merger/union.py``, 0.4 s), which a clean miniature never reaches, and the
-updater's kernels for a model whose parameters are not fp32.
+What is left to compile when first needed: the updater's kernels for a model whose
+parameters are not fp32.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def rehearse(job: JobSpec, batch_frames: int, slot_size: int, *, digests: bool =
         check = verify(out / "replay", truth, job_params(mini))
     if not check.ok:
         raise _failed(job, "; ".join(str(d) for d in check.differences[:3]) or "nothing to check")
+    if not _vote():
+        raise _failed(job, "the merger's vote on three copies of a bucket did not take the majority's")
     return Rehearsal(len(sink.applied), time.perf_counter() - started)
 
 
@@ -139,3 +142,21 @@ def _through_a_ring(path: Path, slot_size: int) -> None:
         ring.push(frames.frames(0, RING_FRAMES))
         ring.read(RING_FRAMES, timeout=0).owned()
         ring.release()
+
+
+def _vote() -> bool:
+    """The merger's vote on three streams' copies of a two-block bucket, the first stream's
+    wrong by a bit in its second block (``merger/union.py``): whether the majority's bytes
+    win and the wrong stream is named."""
+    import numpy as np
+
+    from gradtap.merger.union import BucketBlocks, union
+
+    right = np.arange(64, dtype=np.uint8)
+    wrong = right.copy()
+    wrong[40] ^= 1
+    blocks = BucketBlocks(np.arange(2, dtype=np.int64), np.array([0, 32], np.int64), np.full(2, 32, np.int64))
+    merged = union(blocks, [(name, copy, np.ones(2, bool)) for name, copy in
+                            (("a", wrong), ("b", right), ("c", right.copy()))], len(right))
+    groups = [m.groups for m in merged.mismatches]
+    return bool(merged.covered.all()) and np.array_equal(merged.data, right) and groups == [(("b", "c"), ("a",))]

@@ -2,9 +2,9 @@
 
 Its point is that no kernel compiles once frames arrive: a fresh process rehearses, then runs
 the live appliance over capture files (through its capture workers and rings, as live), and
-Numba's dispatchers must have gained no compiled signature but the vote's comparison, which
-a rehearsal in step never reaches. It is also a self-check: a planted bug in the updater
-makes it fail, and the appliance then never starts a capture worker.
+Numba's dispatchers must have gained no compiled signature. It is also a self-check: a
+planted bug in the updater or in the merger's vote makes it fail, and the appliance then never
+starts a capture worker.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,7 +58,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-def test_after_the_rehearsal_the_live_run_compiles_nothing_but_the_vote(tmp_path):
+def test_after_the_rehearsal_the_live_run_compiles_nothing(tmp_path):
     job = make_job(3, "LL", 2, "fp32")
     simulate(tmp_path / "sim", job, iterations=3)
     script = tmp_path / "live_after_rehearsal.py"
@@ -68,7 +69,7 @@ def test_after_the_rehearsal_the_live_run_compiles_nothing_but_the_vote(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["exit"] == 0 and out["unrecoverable"] == 0
-    assert set(out["new"]) <= {"gradtap.merger.union._blocks_differ"}, out["new"]
+    assert out["new"] == {}
 
 
 def test_the_miniature_keeps_what_the_wire_depends_on_and_nothing_that_reaches_out():
@@ -118,3 +119,12 @@ def test_a_wrong_gradient_fails_the_rehearsal_and_no_capture_starts(tmp_path, mo
     with pytest.raises(RehearsalFailed, match=r"not exact on this host \(iteration 1: .* differs at .*--no-rehearsal"):
         appliance.run()
     assert not appliance.workers and not appliance.rings
+
+
+def test_a_vote_that_does_not_take_the_majority_fails_the_rehearsal(monkeypatch):
+    """A planted bug: the merger takes the first covering stream's copy, never comparing."""
+    from gradtap.merger import union
+
+    monkeypatch.setattr(union, "_blocks_differ", lambda a, b, start, nbytes, check: np.zeros(len(start), bool))
+    with pytest.raises(RehearsalFailed, match="did not take the majority's"):
+        rehearse(make_job(3, "Simple", 2, "fp32", mtu=4096), 2048, 4352)

@@ -38,10 +38,14 @@ from gradtap.workload.wire_plan import WirePlan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SLOTS = 2
-# One spare is enough when the gradients handed out come back (``GradientPool.done``) before
-# the next retirement, as they do once the merger has finished the iteration: by then the
-# streams are a whole iteration further on.
+# One iteration is assembled at a time. Data-parallel training sends nothing of iteration N + 1
+# before every rank's allreduce of iteration N has ended and the optimizer has stepped, so no
+# stream carries a packet of N once one of N + 1 has come: the first one, after the pause
+# between them, retires N (``parser/assemble.py``: a PSN past the window needs that pause).
+DEFAULT_SLOTS = 1
+# One spare holds an iteration that a stream has retired until the merger has finished it and
+# every other stream has retired it too. Both happen by the next retirement, a whole iteration
+# later, so two gradients serve any number of streams.
 DEFAULT_SPARES = 1
 DEFAULT_GAP_NS = 1_000_000   # an iteration boundary is a pause of at least 1 ms in the job's traffic
 

@@ -1,5 +1,5 @@
 """The pipeline's gradient arrays are made once, at start-up, and reused: one per iteration
-for all the streams (``parser/shared_gradient.py``), three in all; after that no new one is
+for all the streams (``parser/shared_gradient.py``), two in all; after that no new one is
 made while the merger keeps up, so no page of fresh memory is first written on the
 per-iteration path, and memory does not grow with the number of streams (issue 12). Reused
 arrays are not cleared. The merged gradients are checked against the simulator's truth (each
@@ -69,7 +69,7 @@ def test_gradient_arrays_are_made_once_and_reused(tmp_path, protocol):
     pipeline = Pipeline(job, plan, names, sink, first_iteration=1)
     pool = pipeline.pool
     made = {id(g.grad) for g in pool._spare}
-    assert len(made) == 3, "one gradient per iteration in the window, and one spare, for every stream together"
+    assert len(made) == 2, "one gradient for the iteration in the window, and one spare, for every stream together"
     for g in pool._spare:
         assert g.grad.ctypes.data % CACHE_LINE == 0 and not g.grad.any(), "a start-up array: not zeroed, not aligned"
     assert all(len(p.slots.grads[0]) == 0 for p in pipeline.parsers.values()), "a stream not locked holds a gradient"

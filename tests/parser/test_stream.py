@@ -17,8 +17,10 @@ import sys
 import numpy as np
 import pytest
 
+from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader, read_pcap
 from gradtap.wire import events as ev
+from gradtap.parser.decode import decode_batch
 from gradtap.parser.stream import StreamParser
 from tests import naive
 from tests.parser import naive_coverage
@@ -196,6 +198,52 @@ def test_lock_on_mid_iteration_waits_for_the_next_boundary_and_says_so(tmp_path,
         assert it.covered.all()
     assert_exact(its, tmp_path, plan)
     assert parser.counters[ev.DATA_BEFORE_LOCK] > 0
+
+
+@pytest.mark.slow
+def test_a_late_copy_of_a_retired_iteration_moves_nothing(tmp_path):
+    """One iteration is assembled at a time: the first write after the pause retires the one
+    before. Copies of that iteration's last allgather writes arriving after it (a mirror that
+    reordered across the pause, which real ones do not) are counted and change nothing."""
+    job = make_job(3, "Simple", 2, "fp32")
+    simulate(tmp_path, job, iterations=3)
+    plan = job_plan(job)
+    name = "m-both"
+    frames = read_pcap(tmp_path / "streams" / f"{name}.pcap")
+
+    def parse(batch):
+        parser = StreamParser(job, plan, name)
+        its = []
+        for lo in range(0, len(batch), 64):
+            its += parser.feed(batch.frames(lo, lo + 64))
+        return parser, its + parser.flush()
+
+    clean, clean_its = parse(frames)
+    # The writes of the stream's data flows (their QPNs learnt by the clean parse).
+    t = clean.tables
+    recs, _ = decode_batch(frames)
+    flows = {(int(t.qpn[f]), t.src_ip[f].tobytes(), t.dst_ip[f].tobytes()) for f in t.data_flows}
+    writes = np.array([i for i, r in enumerate(recs) if r["event"] == ev.DECODE_OK and 0x06 <= r["opcode"] <= 0x0B
+                       and (int(r["dest_qp"]), r["src_ip"].tobytes(), r["dst_ip"].tobytes()) in flows])
+    # The pauses: before iteration 0 (after the end of the one the capture began in), 1 and 2.
+    pause = int(np.flatnonzero(np.diff(frames.ts_ns) >= job.appliance.iteration_gap_ns)[1])
+    late = writes[writes <= pause][-5:]
+    first_of_next = int(writes[writes > pause][0])
+    order = np.r_[np.arange(first_of_next + 1), late, np.arange(first_of_next + 1, len(frames))]
+    ts = frames.ts_ns[order].copy()
+    ts[first_of_next + 1:first_of_next + 1 + len(late)] = frames.ts_ns[first_of_next] + 1
+    reordered = FrameBatch(frames.data, frames.offsets[order], frames.caplens[order], frames.wirelens[order], ts,
+                           frames.linktype, lasting=True)
+
+    parser, its = parse(reordered)
+    assert [it.index for it in its] == [it.index for it in clean_its] == [0, 1, 2]
+    for a, b in zip(its, clean_its):
+        assert np.array_equal(a.covered, b.covered) and a.covered.any()
+    assert_exact(its, tmp_path, plan)
+    late_counted = parser.counters[ev.DATA_OUT_OF_WINDOW] + parser.counters[ev.DATA_IMPLAUSIBLE_PSN]
+    assert late_counted == len(late) == 5
+    assert clean.counters[ev.DATA_OUT_OF_WINDOW] == clean.counters[ev.DATA_IMPLAUSIBLE_PSN] == 0
+    assert parser.counters.sum() == clean.counters.sum() + len(late)
 
 
 def test_bad_stream_name_is_a_config_error():

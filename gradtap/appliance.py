@@ -92,7 +92,7 @@ class Appliance:
         if unknown:
             raise ConfigError(f"--stream: {sorted(unknown)} are not mirror streams of job {job.name!r}")
         self.job, self.specs, self.out, self.options = job, streams, Path(out), options
-        start = replica_start(job, start, "the start state")
+        start = replica_start(job, start, "the start state", handed_over=False)     # a dict stays the caller's
         self.group = None
         if group is None:
             merger = self._single(job, start, options)
@@ -123,7 +123,7 @@ class Appliance:
 
     def _single(self, job: JobSpec, start: ReplicaStart, options: RunOptions):
         """The whole replica, its snapshots, store tier, gradient log and attestations."""
-        self.replica = Replica(job, start.take_checkpoint())
+        self.replica = Replica(job, start.take_checkpoint(), consume=start.handed_over)
         origin = ReplicaOrigin.of(self.replica, start.waiting)
         # First: refuses an --out that cannot be written or holds another replica's snapshots.
         self.uploader = uploader_for(job)

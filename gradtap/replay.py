@@ -202,15 +202,16 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     refused before anything in it changes; ``force`` clears the other replica's snapshots.
     ``gradients``: a directory for each recovered iteration's reduced gradient
     (``gradtap/gradient_dump.py``). ``start`` may also be a :class:`ReplicaStart`
-    (:func:`~gradtap.start.replica_start`, ``--start-from-store``): the replica takes its state,
-    so that the start state's memory is freed once the replica is built, when nothing else holds it.
+    (:func:`~gradtap.start.replica_start`, ``--start-from-store``): handed over, its checkpoint
+    gives each tensor up as the replica copies it, so that the start state and the replica are
+    never both held whole; a dict is left as it is.
     ``snapshot_buffers``: copies of the state for writing snapshots in the background
     (``store/snapshot_writer.py``: a snapshot due while they are all being written is skipped);
     0 writes each on the update path, so that every snapshot the schedule names exists.
     ``continues``: the path ``start`` was loaded from (``--start``), so that a start from one of
     ``out``'s own snapshots continues its replica (``Snapshots(continues=)``)."""
-    begin = replica_start(job, start, start_source)
-    replica = Replica(job, begin.take_checkpoint())
+    begin = replica_start(job, start, start_source, handed_over=False)     # a dict stays the caller's
+    replica = Replica(job, begin.take_checkpoint(), consume=begin.handed_over)
     origin = ReplicaOrigin.of(replica, begin.waiting)
     uploader = uploader_for(job)
     snapshots = Snapshots(out / "snapshots", job.name, every=job.appliance.snapshot_every,

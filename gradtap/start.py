@@ -39,6 +39,7 @@ class ReplicaStart:
     anchor: Anchor | None            # anchored: where the start state falls
     source: str                      # where the start state came from, for messages
     fallback: tuple[int, str] | None = None   # waiting because the named start failed: (iteration, why)
+    handed_over: bool = True         # nothing else keeps the checkpoint (take_checkpoint)
 
     @property
     def waiting(self) -> bool:
@@ -46,25 +47,29 @@ class ReplicaStart:
 
     def take_checkpoint(self) -> dict:
         """The state to build the replica from, handed over once. The start keeps no reference
-        to it, so that its tensors (12 bytes per parameter, as much as the replica itself) are
-        freed as soon as the replica has copied them, unless the caller holds the dict too:
-        build the start with :func:`replica_start` from a checkpoint nobody else keeps."""
+        to it. When it was :attr:`handed_over` (nothing else keeps it), the replica takes each
+        tensor out of it as it copies it (``Replica(..., consume=start.handed_over)``), so that
+        its tensors (12 bytes per parameter, as much as the replica itself) are freed one by
+        one instead of being held beside the replica's whole state."""
         if self.checkpoint is None:
             raise RuntimeError(f"{self.source}: the start state was taken already; a ReplicaStart builds one replica")
         checkpoint, self.checkpoint = self.checkpoint, None
         return checkpoint
 
 
-def replica_start(job: JobSpec, checkpoint: dict | ReplicaStart | None, source: str) -> ReplicaStart:
+def replica_start(job: JobSpec, checkpoint: dict | ReplicaStart | None, source: str, *,
+                  handed_over: bool = True) -> ReplicaStart:
     """How a replica of ``job`` starts from ``checkpoint`` (``None``: it waits for the trainer; a
-    :class:`ReplicaStart` is itself)."""
+    :class:`ReplicaStart` is itself). ``handed_over``: nothing else keeps ``checkpoint``, which
+    the replica then empties as it copies it (:meth:`ReplicaStart.take_checkpoint`)."""
     if isinstance(checkpoint, ReplicaStart):
         return checkpoint
     if checkpoint is None:
         return ReplicaStart(seed_checkpoint(job, 0), None, None, "the trainer's first offer")
     _check_time(checkpoint.get("time_ns"), source)
     anchor = anchor_of(checkpoint, source)
-    return ReplicaStart(checkpoint, int(checkpoint["iteration"]) if anchor is None else None, anchor, source)
+    return ReplicaStart(checkpoint, int(checkpoint["iteration"]) if anchor is None else None, anchor, source,
+                        handed_over=handed_over)
 
 
 def _check_time(time_ns, source: str) -> None:

@@ -68,16 +68,18 @@ class Replica:
 
     ``checkpoint`` is a trainer checkpoint dict ``{"model": state_dict, "optimizer":
     state_dict, "iteration": k}`` (``truth/start.pt``); :meth:`from_job` builds one from the
-    job's ``initial_state``. ``buckets`` is the wire layout (default: the job's).
+    job's ``initial_state``. ``buckets`` is the wire layout (default: the job's). With
+    ``consume`` the checkpoint is handed over and left without its tensors
+    (``updater.state.from_checkpoint``).
     """
 
     def __init__(self, job: JobSpec, checkpoint: Mapping[str, Any], *,
-                 buckets: tuple[Bucket, ...] | None = None):
+                 buckets: tuple[Bucket, ...] | None = None, consume: bool = False):
         self.job = job
         self.cfg = job.optimizer
         self.wire = job.ddp.grad_dtype
         self.layout = FlatLayout(job_params(job), job_buckets(job) if buckets is None else buckets)
-        self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg)
+        self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg, consume=consume)
         self.stale = False
         self.offers: dict[int, Mapping[str, Any]] = {}     # iteration -> trainer checkpoint (offer())
         self._reached = -1                                  # the latest iteration begin() was asked for
@@ -93,7 +95,7 @@ class Replica:
             checkpoint = torch.load(job.initial_state.checkpoint, weights_only=True)
         else:
             checkpoint = seed_checkpoint(job, job.initial_state.seed or 0)
-        return cls(job, checkpoint, buckets=buckets)
+        return cls(job, checkpoint, buckets=buckets, consume=True)
 
     @property
     def iteration(self) -> int:

@@ -56,7 +56,7 @@ class ReplicaOrigin:
         s = replica.state
         h = hashlib.sha256()
         for array in (s.param, s.exp_avg, s.exp_avg_sq):
-            h.update(np.ascontiguousarray(array, np.float32).tobytes())
+            h.update(np.ascontiguousarray(array, np.float32))     # its buffer, not a copy
         h.update(f"step {int(s.step)} lr {float(s.lr)!r}".encode())
         return cls(replica.job.name, sections, int(s.iteration), h.hexdigest())
 

@@ -134,21 +134,29 @@ def model_keys(model_state: Mapping[str, torch.Tensor], params: Sequence[ParamSp
     return ModelKeys(tuple(keys))
 
 
-def _check_tensor(what: str, t: Any, spec: ParamSpec) -> np.ndarray:
+def _check_tensor(what: str, t: Any, spec: ParamSpec) -> None:
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(spec.shape) or t.dtype != torch.float32:
         got = (type(t).__name__, tuple(getattr(t, "shape", ())), getattr(t, "dtype", None))
         raise ConfigError(f"checkpoint {what} of {spec.name!r} is {got}; the job says "
                           f"{tuple(spec.shape)} float32")
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().numpy().reshape(-1)
 
 
-def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout,
-                    cfg: OptimizerSpec) -> tuple[FlatState, ModelKeys]:
+def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout, cfg: OptimizerSpec, *,
+                    consume: bool = False) -> tuple[FlatState, ModelKeys]:
     """The flat state of a trainer checkpoint ``{"model", "optimizer", "iteration"}``.
 
     The optimizer state must be empty (no step taken) or hold ``step``, ``exp_avg`` and
     ``exp_avg_sq`` for every parameter with one common step; its hyperparameters must be
-    the job's (a replica with other betas or weight decay could never be exact).
+    the job's (a replica with other betas or weight decay could never be exact). Everything
+    is checked before anything is copied.
+
+    ``consume``: the caller hands the checkpoint over, and each parameter and moment tensor
+    leaves it once copied, so that the checkpoint's tensors and the flat state (12 bytes per
+    parameter each) are not both held at once. Other references to the tensors keep them.
     """
     for key in ("model", "optimizer"):
         if key not in checkpoint:
@@ -157,9 +165,8 @@ def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout,
     params = layout.params
     model = checkpoint["model"]
     keys = model_keys(model, params)
-    flat = [aligned_empty(layout.total) for _ in range(3)]
-    for i, spec in enumerate(params):
-        flat[0][layout.param(i)] = _check_tensor("parameter", model[spec.name], spec)
+    for spec in params:
+        _check_tensor("parameter", model[spec.name], spec)
     optimizer = checkpoint["optimizer"]
     groups = optimizer.get("param_groups", [])
     if len(groups) != 1 or list(groups[0].get("params", [])) != list(range(len(params))):
@@ -173,18 +180,28 @@ def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout,
             raise ConfigError(f"checkpoint optimizer: {name} is {got!r} but the job's optimizer has {want!r}")
     state = optimizer.get("state", {})
     steps = set()
-    if state:
-        for i, spec in enumerate(params):
-            entry = state.get(i)
-            if entry is None:
-                raise ConfigError(f"checkpoint optimizer: parameter {i} ({spec.name!r}) has no state "
-                                  "while others do")
-            steps.add(float(entry["step"]))
-            flat[1][layout.param(i)] = _check_tensor("exp_avg", entry["exp_avg"], spec)
-            flat[2][layout.param(i)] = _check_tensor("exp_avg_sq", entry["exp_avg_sq"], spec)
-        if len(steps) != 1:
-            raise ConfigError(f"checkpoint optimizer: parameters are at different steps {sorted(steps)[:4]}")
-    else:
+    for i, spec in enumerate(params if state else ()):
+        entry = state.get(i)
+        if entry is None:
+            raise ConfigError(f"checkpoint optimizer: parameter {i} ({spec.name!r}) has no state "
+                              "while others do")
+        steps.add(float(entry["step"]))
+        _check_tensor("exp_avg", entry["exp_avg"], spec)
+        _check_tensor("exp_avg_sq", entry["exp_avg_sq"], spec)
+    if len(steps) > 1:
+        raise ConfigError(f"checkpoint optimizer: parameters are at different steps {sorted(steps)[:4]}")
+
+    flat = [aligned_empty(layout.total) for _ in range(3)]
+    for i, spec in enumerate(params):
+        flat[0][layout.param(i)] = _flat(model[spec.name])
+        if consume:
+            del model[spec.name]
+        if state:
+            for k, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
+                flat[k][layout.param(i)] = _flat(state[i][name])
+                if consume:
+                    del state[i][name]
+    if not state:
         flat[1][:] = 0
         flat[2][:] = 0
     step = int(steps.pop()) if steps else 0

@@ -4,7 +4,9 @@ misuse; the simulator's ground truth is reproduced from its own gradients."""
 
 from __future__ import annotations
 
+import copy
 import json
+import weakref
 
 import numpy as np
 import pytest
@@ -278,6 +280,39 @@ def test_a_checkpoint_of_another_optimizer_or_model_is_refused():
         Replica.from_job(parse_job({**json.loads(j.model_dump_json(exclude_none=True)),
                                     "model": {"params": [{"name": "w", "shape": [3]}]},
                                     "ddp": {"layout": "initial"}}))
+
+
+def test_a_consumed_checkpoint_gives_each_tensor_up_once_copied_and_nothing_when_refused():
+    """``consume``: a replica built from a checkpoint handed over takes its tensors out of it, so
+    that the two are never both held (12 B per parameter each); the state is the one built
+    from the same checkpoint kept. A checkpoint that is refused is refused whole, before any
+    tensor leaves it."""
+    j = job()
+    reference = TorchStep(j)
+    reference.step(0, random_reduced(j, np.random.default_rng(0)))
+    good = trainer_checkpoint(reference, 1)
+    kept = Replica(j, good)
+    handed = copy.deepcopy(good)
+    tensors = [*handed["model"].values(), *(t for e in handed["optimizer"]["state"].values()
+                                           for k, t in e.items() if k != "step")]
+    alive = [weakref.ref(t) for t in tensors]
+    del tensors
+    refused = copy.deepcopy(good)
+    refused["optimizer"]["state"][len(kept.layout.params) - 1]["exp_avg_sq"] = torch.zeros(2)
+    before = {k: list(v) for k, v in refused["optimizer"]["state"].items()}
+    with pytest.raises(ConfigError, match="exp_avg_sq of 'layers.6.bias'"):
+        Replica(j, refused, consume=True)
+    assert {k: list(v) for k, v in refused["optimizer"]["state"].items()} == before
+    assert list(refused["model"]) == list(good["model"])
+    consumed = Replica(j, handed, consume=True)
+    assert not handed["model"], "parameters left in the checkpoint"
+    assert all(list(e) == ["step"] for e in handed["optimizer"]["state"].values())
+    assert not any(r() is not None for r in alive), "a tensor of the handed checkpoint is still alive"
+    for a, b in ((kept.state.param, consumed.state.param), (kept.state.exp_avg, consumed.state.exp_avg),
+                 (kept.state.exp_avg_sq, consumed.state.exp_avg_sq)):
+        assert a.tobytes() == b.tobytes()
+    assert (kept.step, kept.iteration) == (consumed.step, consumed.iteration) == (1, 1)
+    assert all(isinstance(good["model"][p.name], torch.Tensor) for p in kept.layout.params), "kept was consumed"
 
 
 @pytest.mark.parametrize("make", [lambda: make_job(), lambda: make_job(dtype="bf16", nqps=2),

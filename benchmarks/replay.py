@@ -14,8 +14,8 @@ cache held the files before depends on how they got there: after the simulator w
 for the 5.3 GB, a quarter of the replay's CPU in ``perf``; refilled, 0.03 CPU-s.
 ``--as-written`` keeps what the cache holds. Then the whole offline appliance runs on them,
 best of ``--repeats``:
-``gradtap.replay.run_replay`` (``PcapReader`` → ``StreamParser`` per stream in its
-own thread → ``Merger`` → ``ReplicaSink`` → ``Replica``), reading ``--batch-frames`` frames
+``gradtap.replay.run_replay`` (``PcapReader`` → ``StreamParser`` per stream, on one
+thread per core → ``Merger`` → ``ReplicaSink`` → ``Replica``), reading ``--batch-frames`` frames
 per stream at a time (8192 by default, as ``gradtap run`` reads its rings), without
 per-iteration digests or periodic snapshots (hashing and disk writes, not processing). The first run's final
 snapshot is checked against the simulator's ground truth (``gradtap.verify``), so the

@@ -4,7 +4,11 @@ the sink (the updater), advanced one round of frames at a time, with the time ea
 A round parses each stream's new frames in parallel threads (the Numba kernels release the
 GIL), every stream into the same gradient per iteration (``parser/shared_gradient.py``);
 the merger and the sink then run on the caller's thread while the parsers wait, so
-nothing reads a slot a parser is writing. ``gradtap.replay`` feeds rounds from capture files,
+nothing reads a slot a parser is writing. With more streams than cores, each stream's frames
+are parsed in pieces, one thread per core taking the next piece of a stream no other thread
+is parsing (:func:`parse_in_pieces`): whole batches on fewer cores than streams leave a core
+idle at the end of every round (3 streams on 2 cores: the third batch starts only when one
+of the first two ends, so a round takes two batches' time where one and a half would do). ``gradtap.replay`` feeds rounds from capture files,
 ``gradtap.appliance`` from the capture workers' shared-memory rings.
 
 A job that leaves ``nccl.era`` or ``nccl.protocol`` to the wire (``auto``) has no plan yet:
@@ -16,8 +20,12 @@ then the parsers and the merger are built for the resolved job and take the held
 from __future__ import annotations
 
 import gc
+import math
+import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -115,7 +123,8 @@ class Pipeline:
         self.last_fed: dict[int, float] = {}        # ordinal -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._retired: dict[int, list[IterationGradient]] = {}   # ordinal -> gradients the merger holds
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(streams)), thread_name_prefix="gradtap-parse")
+        self._threads = max(1, min(len(streams), len(os.sched_getaffinity(0))))
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="gradtap-parse")
         # Before a plan: the resolver, the frames held for the parsers, and the frames let go.
         self.resolver = Resolver(job, self.streams, gap) if plan is None else None
         self.hold_bytes = hold_bytes
@@ -152,7 +161,7 @@ class Pipeline:
             return
         started = time.perf_counter()
         work = [(n, b) for n, b in batches.items() if b is not None and len(b.offsets)]
-        results = list(self._pool.map(lambda nb: self._parse(*nb), work))
+        results = parse_in_pieces(self._pool, self._threads, work, self._parse)
         t = time.perf_counter()
         for name, _ in results:
             self.parsers[name].reconcile()
@@ -353,6 +362,53 @@ class Pipeline:
         retired = self.parsers[name].feed(batch)
         self.times.parse_s[name] += time.perf_counter() - t
         return name, retired
+
+
+def parse_in_pieces(pool: Executor, threads: int, work: list[tuple[str, FrameBatch]],
+                    parse: Callable[[str, FrameBatch], tuple[str, list]]) -> list[tuple[str, list]]:
+    """``parse(name, batch)`` over each stream's batch of ``work`` on ``threads`` threads of
+    ``pool``, a stream's frames in order and never on two threads at once; what each stream's
+    calls return, in ``work``'s order. With more streams than threads, each batch is cut in
+    ``threads / gcd(streams, threads)`` pieces, so that the pieces come out even (3 streams on
+    2 threads: halves, three per thread), and a free thread takes the next piece of the stream
+    with the most left that no thread is parsing. A stream whose parse raises parses nothing
+    more; the first error is raised once the other threads are done."""
+    cut = 1 if len(work) <= threads else threads // math.gcd(len(work), threads)
+    left = {name: deque(batch.frames(len(batch) * k // cut, len(batch) * (k + 1) // cut) for k in range(cut))
+            for name, batch in work}
+    out: dict[str, list] = {name: [] for name, _ in work}
+    busy: set[str] = set()
+    changed = threading.Condition()
+
+    def run() -> None:
+        while True:
+            with changed:
+                while True:
+                    ready = [name for name, pieces in left.items() if pieces and name not in busy]
+                    if ready or not any(left.values()):
+                        break
+                    changed.wait()
+                if not ready:
+                    return
+                name = max(ready, key=lambda n: len(left[n]))
+                piece = left[name].popleft()
+                busy.add(name)
+            try:
+                out[name] += parse(name, piece)[1]
+            except BaseException:
+                with changed:
+                    left[name].clear()
+                raise
+            finally:
+                with changed:
+                    busy.discard(name)
+                    changed.notify_all()
+
+    futures = [pool.submit(run) for _ in range(min(threads, len(work)))]
+    wait(futures)
+    for future in futures:
+        future.result()
+    return [(name, out[name]) for name, _ in work]
 
 
 class _TimedSink:

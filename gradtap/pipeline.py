@@ -8,8 +8,9 @@ nothing reads a slot a parser is writing. With more streams than cores, each str
 are parsed in pieces, one thread per core taking the next piece of a stream no other thread
 is parsing (:func:`parse_in_pieces`): whole batches on fewer cores than streams leave a core
 idle at the end of every round (3 streams on 2 cores: the third batch starts only when one
-of the first two ends, so a round takes two batches' time where one and a half would do). ``gradtap.replay`` feeds rounds from capture files,
-``gradtap.appliance`` from the capture workers' shared-memory rings.
+of the first two ends, so a round takes two batches' time where one and a half would do).
+``gradtap.replay`` feeds rounds from capture files, ``gradtap.appliance`` from the capture
+workers' shared-memory rings.
 
 A job that leaves ``nccl.era`` or ``nccl.protocol`` to the wire (``auto``) has no plan yet:
 until the streams decide it (``parser/resolve.py``), each round's frames are watched and held
@@ -374,7 +375,8 @@ def parse_in_pieces(pool: Executor, threads: int, work: list[tuple[str, FrameBat
     with the most left that no thread is parsing. A stream whose parse raises parses nothing
     more; the first error is raised once the other threads are done."""
     cut = 1 if len(work) <= threads else threads // math.gcd(len(work), threads)
-    left = {name: deque(batch.frames(len(batch) * k // cut, len(batch) * (k + 1) // cut) for k in range(cut))
+    left = {name: deque(p for k in range(cut) if len(p := batch.frames(len(batch) * k // cut,
+                                                                      len(batch) * (k + 1) // cut)))
             for name, batch in work}
     out: dict[str, list] = {name: [] for name, _ in work}
     busy: set[str] = set()

@@ -77,3 +77,12 @@ def test_a_stream_that_raises_stops_and_the_error_comes_after_the_others():
     assert "s0" not in parse.seen, "s0 went on after its error"
     for name, b in work[1:]:
         assert parse.seen[name] == b.ts_ns.tolist()
+
+
+def test_a_batch_shorter_than_the_cut_is_not_parsed_in_empty_pieces():
+    work = [(f"s{k}", batch(1, 1000 * k)) for k in range(3)]
+    parse = Recorder()
+    with ThreadPoolExecutor(2) as pool:
+        parse_in_pieces(pool, 2, work, parse)
+    assert parse.pieces == {"s0": 1, "s1": 1, "s2": 1}
+    assert parse.seen == {"s0": [0], "s1": [1000], "s2": [2000]}

@@ -20,6 +20,7 @@ import pytest
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader, read_pcap
 from gradtap.wire import events as ev
+from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND
 from gradtap.parser.decode import decode_batch
 from gradtap.parser.stream import StreamParser
 from tests import naive
@@ -203,8 +204,8 @@ def test_lock_on_mid_iteration_waits_for_the_next_boundary_and_says_so(tmp_path,
 @pytest.mark.slow
 def test_a_late_copy_of_a_retired_iteration_moves_nothing(tmp_path):
     """One iteration is assembled at a time: the first write after the pause retires the one
-    before. Copies of that iteration's last allgather writes arriving after it (a mirror that
-    reordered across the pause, which real ones do not) are counted and change nothing."""
+    before. Copies of that iteration's last writes arriving after it (a mirror that reordered
+    across the pause, which real ones do not) are counted and change nothing."""
     job = make_job(3, "Simple", 2, "fp32")
     simulate(tmp_path, job, iterations=3)
     plan = job_plan(job)
@@ -223,7 +224,8 @@ def test_a_late_copy_of_a_retired_iteration_moves_nothing(tmp_path):
     t = clean.tables
     recs, _ = decode_batch(frames)
     flows = {(int(t.qpn[f]), t.src_ip[f].tobytes(), t.dst_ip[f].tobytes()) for f in t.data_flows}
-    writes = np.array([i for i, r in enumerate(recs) if r["event"] == ev.DECODE_OK and 0x06 <= r["opcode"] <= 0x0B
+    writes = np.array([i for i, r in enumerate(recs) if r["event"] == ev.DECODE_OK
+                       and OPCODE_KIND[r["opcode"]] == KIND_WRITE
                        and (int(r["dest_qp"]), r["src_ip"].tobytes(), r["dst_ip"].tobytes()) in flows])
     # The pauses: before iteration 0 (after the end of the one the capture began in), 1 and 2.
     pause = int(np.flatnonzero(np.diff(frames.ts_ns) >= job.appliance.iteration_gap_ns)[1])

@@ -44,6 +44,8 @@ is cached or reordered by a compiler; that path is for coverage runs on x86 only
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 from numba import config, njit, types
 from numba.core import cgutils
@@ -52,6 +54,24 @@ from numba.extending import intrinsic
 from gradtap.core.jit import JIT
 
 CACHE_LINE = 64     # bytes, on x86-64 and the arm64 server cores
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def last_level_cache_bytes(cpu_caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of the first CPU's highest-level cache (the last level, shared by the cores of
+    a die), as the kernel reports it in sysfs (``index*/level`` and ``size``, e.g.
+    ``32768K``); None where it reports none."""
+    best: tuple[int, int] | None = None
+    for entry in cpu_caches.glob("index*"):
+        try:
+            level = int((entry / "level").read_text())
+            size = (entry / "size").read_text().strip()
+            nbytes = int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1:] in _SIZE_UNITS else int(size)
+        except (OSError, ValueError):
+            continue
+        if nbytes > 0 and (best is None or level > best[0]):
+            best = (level, nbytes)
+    return None if best is None else best[1]
 
 
 def aligned_bytes(nbytes: int) -> np.ndarray:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gradtap.capture.frames import FrameBatch
+from gradtap.core.memory import last_level_cache_bytes
 from gradtap.parser.aside import NOTHING_ASIDE, AsideCopies, kept, new_aside, reconcile
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
 from gradtap.parser.decode import decode_batch
@@ -96,8 +97,16 @@ class StreamParser:
         instead of stage 1's threads. The better choice for a parser that has at most one
         core to itself, e.g. one of as many streams as threads
         (``gradtap/pipeline.py``).
+    piece_bytes:
+        With the ICRC checked in stage 1, stage 2 reads each payload a second time. A batch
+        larger than this is parsed in pieces of about this size (as many frames each), so
+        that the second read finds the frames in the cache: by default half the host's
+        last-level cache
+        (``core.memory.last_level_cache_bytes``; whole batches where the host does not say).
+        One stream of GPT-2 small, ICRC on, 2 threads: 8.7 GB/s of payload in batches of
+        65,536 frames, 11.7 in 8,192, 13.1 in 4,096 (a 32 MiB L3).
     slots:
-        Iterations assembled at once (>= 2: the current one and the next).
+        Iterations assembled at once (1 by default: see ``DEFAULT_SLOTS``).
     spares:
         Without a ``pool``: gradients its own pool makes at start-up besides the slots', for
         the slots that retire while the gradients handed out are still in use (given back
@@ -118,7 +127,8 @@ class StreamParser:
     """
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
-                 defer_icrc: bool = False, slots: int = DEFAULT_SLOTS, spares: int = DEFAULT_SPARES,
+                 defer_icrc: bool = False, piece_bytes: int | None = None, slots: int = DEFAULT_SLOTS,
+                 spares: int = DEFAULT_SPARES,
                  gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30, lockon_s: float | None = None,
                  lockon_frames: int | None = None, pool: GradientPool | None = None):
         self.job, self.plan = job, plan
@@ -129,6 +139,8 @@ class StreamParser:
         self.tables = t = stream_tables(job, plan, self.mirror)
         self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
         self.defer_icrc = defer_icrc
+        cache = last_level_cache_bytes()
+        self.piece_bytes = piece_bytes if piece_bytes is not None else cache // 2 if cache else 0
         self.need = plan.blocks["need"].astype(np.int32)
         nconn = t.phase_period.shape[1]
         self.state = StreamState(base_psn=np.full(len(t.qpn), -1, np.int64), step_base=np.full(nconn, -1, np.int64),
@@ -178,6 +190,13 @@ class StreamParser:
 
     def feed(self, batch: FrameBatch) -> list[AssembledIteration]:
         """Parse one batch; returns the iterations it completed."""
+        if self.verify_icrc and not self.defer_icrc and 0 < self.piece_bytes < batch.nbytes and len(batch) > 1:
+            n = min(len(batch), -(-batch.nbytes // self.piece_bytes))
+            return [it for k in range(n) for it in self._feed(batch.frames(len(batch) * k // n,
+                                                                          len(batch) * (k + 1) // n))]
+        return self._feed(batch)
+
+    def _feed(self, batch: FrameBatch) -> list[AssembledIteration]:
         recs = self._decode(batch, placing=self.locked)
         if self.locked:
             return self._assemble(recs, 0, batch.data)

@@ -13,7 +13,7 @@ import pytest
 from numba import config, njit
 
 from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, release, store_release, \
-    wait_bits
+    last_level_cache_bytes, wait_bits
 from tests.core.no_jit import run_without_jit
 
 
@@ -152,3 +152,20 @@ def test_without_jit_the_operations_do_the_same():
     expected = results()
     assert expected["words"] == [0, 5, 2 ** 32 - 1, 0] and expected["compared"] == [0, 1, 0]
     assert json.loads(plain) == expected
+
+
+def test_the_last_level_cache_is_the_highest_level_sysfs_reports(tmp_path):
+    caches = [(1, "48K"), (1, "32K"), (2, "1024K"), (3, "32768K")]
+    for k, (level, size) in enumerate(caches):
+        (tmp_path / f"index{k}").mkdir()
+        (tmp_path / f"index{k}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{k}" / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    (tmp_path / "index3" / "size").write_text("2M\n")
+    assert last_level_cache_bytes(tmp_path) == 2 << 20
+    (tmp_path / "index3" / "size").write_text("garbage\n")          # unreadable: the next level down
+    assert last_level_cache_bytes(tmp_path) == 1 << 20
+    assert last_level_cache_bytes(tmp_path / "absent") is None
+    # This host's, as the parser asks: a positive size or None, never an error.
+    here = last_level_cache_bytes()
+    assert here is None or here > 0

@@ -248,6 +248,32 @@ def test_a_late_copy_of_a_retired_iteration_moves_nothing(tmp_path):
     assert parser.counters.sum() == clean.counters.sum() + len(late)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["Simple", "LL128"])
+def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path, protocol):
+    """With the ICRC checked in stage 1, a batch larger than ``piece_bytes`` is parsed in
+    pieces (so that stage 2 finds the frames in the cache): the counters, the coverage and
+    every byte equal those of the batch parsed whole, on a faulty stream."""
+    job = make_job(3, protocol, 2, "fp32", nqps=2)
+    simulate(tmp_path, job, iterations=3, faults="mirror_loss=0.02," + FAULTS_ALL_BUT_MIRROR_LOSS)
+    plan = job_plan(job)
+    frames = read_pcap(tmp_path / "streams" / "m-both.pcap")
+    runs = {}
+    for piece_bytes in (0, 5000):
+        parser = StreamParser(job, plan, "m-both", piece_bytes=piece_bytes)
+        fed = []
+        parser._feed = lambda b, feed=parser._feed: fed.append(len(b)) or feed(b)
+        its = [it for lo in range(0, len(frames), 400) for it in parser.feed(frames.frames(lo, lo + 400))]
+        runs[piece_bytes] = (parser, its + parser.flush(), fed)
+    (whole, whole_its, whole_fed), (pieces, piece_its, piece_fed) = runs[0], runs[5000]
+    assert len(piece_fed) > 20 * len(whole_fed) and sum(piece_fed) == sum(whole_fed) == len(frames)
+    assert np.array_equal(pieces.counters, whole.counters)
+    assert [it.index for it in piece_its] == [it.index for it in whole_its] == [0, 1, 2]
+    for a, b in zip(piece_its, whole_its):
+        assert np.array_equal(a.covered, b.covered)
+    assert_exact(piece_its, tmp_path, plan)
+
+
 def test_bad_stream_name_is_a_config_error():
     from gradtap.core.errors import ConfigError
     job = make_job(2, "LL", 1, "fp32")

@@ -90,6 +90,14 @@ class FrameBatch:
         """The batch from frame ``start`` on, sharing ``data`` (no copy)."""
         return self.frames(start)
 
+    def pieces(self, n: int) -> list[FrameBatch]:
+        """The batch cut into ``n`` runs of consecutive frames, as even in frame count as can
+        be (none empty: fewer when the batch holds fewer than ``n`` frames), each sharing
+        ``data``."""
+        m = len(self.offsets)
+        bounds = [m * k // n for k in range(n + 1)]
+        return [self.frames(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
     def bursts(self, gap_ns: int) -> list[FrameBatch]:
         """The batch cut where its frames pause for ``gap_ns`` or longer (a training step's
         traffic between two forward passes, say), each part sharing ``data``."""

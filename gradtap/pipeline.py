@@ -375,9 +375,7 @@ def parse_in_pieces(pool: Executor, threads: int, work: list[tuple[str, FrameBat
     with the most left that no thread is parsing. A stream whose parse raises parses nothing
     more; the first error is raised once the other threads are done."""
     cut = 1 if len(work) <= threads else threads // math.gcd(len(work), threads)
-    left = {name: deque(p for k in range(cut) if len(p := batch.frames(len(batch) * k // cut,
-                                                                      len(batch) * (k + 1) // cut)))
-            for name, batch in work}
+    left = {name: deque(batch.pieces(cut)) for name, batch in work}
     out: dict[str, list] = {name: [] for name, _ in work}
     busy: set[str] = set()
     changed = threading.Condition()

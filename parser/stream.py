@@ -101,8 +101,8 @@ class StreamParser:
         With the ICRC checked in stage 1, stage 2 reads each payload a second time. A batch
         larger than this is parsed in pieces of about this size (as many frames each), so
         that the second read finds the frames in the cache: by default half the host's
-        last-level cache
-        (``core.memory.last_level_cache_bytes``; whole batches where the host does not say).
+        last-level cache (``core.memory.last_level_cache_bytes``; whole batches where the
+        host does not say).
         One stream of GPT-2 small, ICRC on, 2 threads: 8.7 GB/s of payload in batches of
         65,536 frames, 11.7 in 8,192, 13.1 in 4,096 (a 32 MiB L3).
     slots:
@@ -128,9 +128,8 @@ class StreamParser:
 
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
                  defer_icrc: bool = False, piece_bytes: int | None = None, slots: int = DEFAULT_SLOTS,
-                 spares: int = DEFAULT_SPARES,
-                 gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30, lockon_s: float | None = None,
-                 lockon_frames: int | None = None, pool: GradientPool | None = None):
+                 spares: int = DEFAULT_SPARES, gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30,
+                 lockon_s: float | None = None, lockon_frames: int | None = None, pool: GradientPool | None = None):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
         # A stream that arrives over L3 (ERSPAN) is opened frame by frame; stage 1 reads the
@@ -190,10 +189,8 @@ class StreamParser:
 
     def feed(self, batch: FrameBatch) -> list[AssembledIteration]:
         """Parse one batch; returns the iterations it completed."""
-        if self.verify_icrc and not self.defer_icrc and 0 < self.piece_bytes < batch.nbytes and len(batch) > 1:
-            n = min(len(batch), -(-batch.nbytes // self.piece_bytes))
-            return [it for k in range(n) for it in self._feed(batch.frames(len(batch) * k // n,
-                                                                          len(batch) * (k + 1) // n))]
+        if self.verify_icrc and not self.defer_icrc and 0 < self.piece_bytes < batch.nbytes:
+            return [it for piece in batch.pieces(-(-batch.nbytes // self.piece_bytes)) for it in self._feed(piece)]
         return self._feed(batch)
 
     def _feed(self, batch: FrameBatch) -> list[AssembledIteration]:

@@ -326,6 +326,16 @@ def test_a_frame_batch_is_cut_into_bursts_at_its_pauses():
     assert FrameBatch.from_frames([]).bursts(1) == []
 
 
+def test_a_frame_batch_is_cut_into_even_pieces_none_empty():
+    batch = FrameBatch.from_frames([b"a", b"b", b"c", b"d", b"e"], [0, 1, 2, 3, 4])
+    assert [frames_of(p) for p in batch.pieces(2)] == [[b"a", b"b"], [b"c", b"d", b"e"]]
+    assert [frames_of(p) for p in batch.pieces(3)] == [[b"a"], [b"b", b"c"], [b"d", b"e"]]
+    assert [frames_of(p) for p in batch.pieces(1)] == [frames_of(batch)]
+    assert [frames_of(p) for p in batch.pieces(8)] == [[b"a"], [b"b"], [b"c"], [b"d"], [b"e"]]
+    assert all(p.data is batch.data and p.lasting for p in batch.pieces(2))
+    assert FrameBatch.from_frames([]).pieces(2) == []
+
+
 def test_a_frame_batch_tail_and_frames_share_its_data():
     batch = FrameBatch.from_frames([b"abc", b"de", b"fghi"], [1, 2, 3], wirelens=[10, 20, 30])
     rest = batch.tail(1)

@@ -144,7 +144,8 @@ class Pipeline:
         # memory, ICRC deferred against not: 9.7 against 8.6 GB/s of payload on 1 thread,
         # 10.5 against 11.4 on 2.)
         defer = len(self.streams) >= numba.get_num_threads()
-        self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool, defer_icrc=defer)
+        self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool, defer_icrc=defer,
+                                           alone=len(self.streams) == 1)
                         for name in self.streams}
         self.merger = self._make_merger(plan, self.streams, self._sink, self._first_iteration, self.gap_ns)
 

@@ -29,6 +29,7 @@ from gradtap.parser.decode import decode_batch
 from gradtap.parser.flow_learning import FlowLearner
 from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
 from gradtap.parser.mismatch import what_differs
+from gradtap.parser.payload import Deferred, copy_deferred
 from gradtap.parser.shared_gradient import GradientPool, IterationGradient
 from gradtap.parser.stream_tables import stream_tables
 from gradtap.wire import events as ev
@@ -120,6 +121,10 @@ class StreamParser:
     hold_bytes:
         Frames kept (copied) since the first iteration boundary while lock-on waits for every
         flow to be resolved; past it, that boundary is given up for a later one.
+    alone:
+        No other stream's parser writes the pool's gradients while this one runs (true when it
+        has a pool of its own): the kernel then leaves the payload copies of Simple packets
+        to every thread after it (``parser/payload.py``).
     lockon_s, lockon_frames:
         A stream not locked this long after its first frame (capture time), or after this many
         frames, has failed to lock on: :attr:`failure` says why (``job.appliance`` by default).
@@ -129,7 +134,8 @@ class StreamParser:
     def __init__(self, job: JobSpec, plan: WirePlan, stream: str, *, verify_icrc: bool | None = None,
                  defer_icrc: bool = False, piece_bytes: int | None = None, slots: int = DEFAULT_SLOTS,
                  spares: int = DEFAULT_SPARES, gap_ns: int = DEFAULT_GAP_NS, hold_bytes: int = 1 << 30,
-                 lockon_s: float | None = None, lockon_frames: int | None = None, pool: GradientPool | None = None):
+                 lockon_s: float | None = None, lockon_frames: int | None = None, pool: GradientPool | None = None,
+                 alone: bool | None = None):
         self.job, self.plan = job, plan
         self.mirror = job.mirror(stream)
         # A stream that arrives over L3 (ERSPAN) is opened frame by frame; stage 1 reads the
@@ -154,18 +160,21 @@ class StreamParser:
         # retiring hands it on as it is, and nothing of it is copied or cleared here. Until the
         # stream locks on (nothing is placed before), the slots hold an empty stand-in, so
         # that a stream that never locks holds none of the pool's.
-        if pool is None:
+        own_pool = pool is None
+        if own_pool:
             pool = GradientPool(t.grad_bytes, len(plan.blocks), slots + spares)
         elif (pool.grad_bytes, pool.blocks) != (t.grad_bytes, len(plan.blocks)):
             raise ValueError(f"stream {stream}: the gradient pool holds {pool.grad_bytes} bytes in {pool.blocks} "
                              f"blocks; the plan needs {t.grad_bytes} in {len(plan.blocks)}")
         self.pool = pool
+        self.alone = own_pool if alone is None else alone
         blocks = len(plan.blocks)
         self._unbound = IterationGradient(np.zeros(0, np.uint8), *(np.zeros(blocks, np.int32) for _ in range(3)))
         self._shared = [self._unbound] * slots
         self.slots = Slots(grads=(), claim=(), written=(), disputed=(), got=np.zeros((slots, blocks), np.int32),
                            seen=np.zeros((slots, t.seen_bits), np.uint8),
-                           start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64))
+                           start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64),
+                           pending=Deferred.room(0, slots, blocks) if self.alone else Deferred.room(0))
         self._bind()
         self.aside = new_aside(t.mtu)
         self._origins()
@@ -414,8 +423,15 @@ class StreamParser:
         return out
 
     def _run(self, recs, start, stop, data):
-        return assemble(recs[:stop], start, data, self.tables, self.state, self.slots, self.aside, self.slot0,
-                        self.counters)
+        # Alone, the kernel leaves the payload copies (at most one per record) to all the
+        # threads after it.
+        if self.alone and len(self.slots.pending.ops) < stop:
+            self.slots = self.slots._replace(pending=self.slots.pending.grown(stop))
+        out = assemble(recs[:stop], start, data, self.tables, self.state, self.slots, self.aside, self.slot0,
+                       self.counters)
+        if self.slots.pending.count[0]:
+            copy_deferred(self.slots.pending, data, self.slots.grads)
+        return out
 
     def _retire(self) -> AssembledIteration:
         s = self.slot0

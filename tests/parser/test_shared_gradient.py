@@ -20,6 +20,7 @@ from numba import config, njit
 
 from gradtap.parser.aside import ASIDE_DTYPE, kept, new_aside, reconcile
 from gradtap.parser.assemble import Slots, _own_copy_differs, _place
+from gradtap.parser.payload import Deferred, copy_deferred, defer_payload
 from gradtap.parser.shared_gradient import GradientPool
 from gradtap.parser.stream import AssembledIteration
 from gradtap.wire import events as ev
@@ -31,11 +32,13 @@ BLOCKS = 16
 NBYTES = PACKET * BLOCKS
 
 
-def stream_slots(shared) -> Slots:
-    """One stream's single slot over the iteration gradient ``shared``."""
+def stream_slots(shared, pending: Deferred | None = None) -> Slots:
+    """One stream's single slot over the iteration gradient ``shared``; ``pending``: room for
+    the copies it leaves for later (none: it copies as it places)."""
     return Slots(grads=(shared.grad,), claim=(shared.claim,), written=(shared.written,),
                  disputed=(shared.disputed,), got=np.zeros((1, len(shared.claim)), np.int32),
-                 seen=np.zeros((1, 8), np.uint8), start_ns=np.zeros(1, np.int64), end_ns=np.zeros(1, np.int64))
+                 seen=np.zeros((1, 8), np.uint8), start_ns=np.zeros(1, np.int64), end_ns=np.zeros(1, np.int64),
+                 pending=Deferred.room(0) if pending is None else pending)
 
 
 def packet(k: int, value: int) -> np.ndarray:
@@ -59,6 +62,53 @@ def test_the_first_copy_is_written_and_an_equal_one_is_only_marked(shared):
     shared.grad[3 * PACKET] = 7            # b's compare reads the shared bytes: prove it does not write them
     assert place(b, ab, 3, packet(3, 7)) == ev.DATA_WRITTEN
     assert a.got[0, 3] == b.got[0, 3] == 1 and ab.used[0] == 0 and not shared.grad[:3 * PACKET].any()
+
+
+def test_a_stream_alone_compares_with_its_copies_still_pending(shared):
+    """A parser alone leaves each first copy for later (``parser/payload.py``). Another copy
+    of a unit still pending is compared with the pending one's bytes in the batch: an equal
+    copy is found equal and a differing one differs, with nothing copied yet."""
+    pending = Deferred.room(4, 1, BLOCKS)
+    a, aa = stream_slots(shared, pending), new_aside(PACKET)
+    data = np.concatenate([packet(2, 7), packet(3, 8), packet(3, 9), packet(2, 7), packet(2, 5)])
+
+    def place_at(at, k):
+        return _place(data, at, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, a, aa, 0, 0, k)
+
+    def own_copy_differs(at, k):
+        return _own_copy_differs(data, at, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, a, aa, 0, 0, k)
+
+    assert place_at(0, 2) == place_at(PACKET, 3) == ev.DATA_WRITTEN
+    assert pending.count[0] == 2 and not shared.grad.any(), "placed, published, not yet copied"
+    assert a.got[0, 2] == a.got[0, 3] == 1 and shared.written[2] == shared.written[3] == 1
+    assert not own_copy_differs(3 * PACKET, 2) and own_copy_differs(4 * PACKET, 2) and own_copy_differs(2 * PACKET, 3)
+    assert place_at(PACKET, 3) == ev.DATA_WRITTEN and place_at(2 * PACKET, 3) == ev.DATA_DUPLICATE_CONFLICT
+    assert pending.count[0] == 2 and not shared.grad.any()
+    copy_deferred(pending, data, a.grads)
+    assert pending.count[0] == 0 and pending.op_of[0, 2] == 0 and pending.op_of[0, 3] == 1
+    assert (shared.grad[2 * PACKET:3 * PACKET] == 7).all() and (shared.grad[3 * PACKET:4 * PACKET] == 8).all()
+    assert not own_copy_differs(3 * PACKET, 2) and own_copy_differs(4 * PACKET, 2), "copied: compared in place"
+
+
+def test_deferred_copies_land_where_they_were_placed_on_every_thread():
+    """``copy_deferred`` against slice assignment: copies of random lengths and places, into
+    two slots, from one batch."""
+    rng = np.random.default_rng(5)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    grads = (np.zeros(1 << 19, np.uint8), np.zeros(1 << 19, np.uint8))
+    expect = tuple(g.copy() for g in grads)
+    pending = Deferred.room(256, 2, 256)
+    for j, block in enumerate(rng.permutation(256)):            # disjoint 2 KiB places
+        n, src, slot = int(rng.integers(0, 2049)), int(rng.integers(0, len(data) - 2048)), j % 2
+        assert defer_payload(pending, src, n, Protocol.SIMPLE, 0, slot, int(block), int(block) * 2048, n)
+        expect[slot][block * 2048:block * 2048 + n] = data[src:src + n]
+    assert not defer_payload(pending, 0, 8, Protocol.SIMPLE, 0, 0, 0, 0, 8), "no room left"
+    copy_deferred(pending, data, grads)
+    assert pending.count[0] == 0
+    assert all(np.array_equal(g, e) for g, e in zip(grads, expect))
+    assert not defer_payload(pending, 0, 64, Protocol.LL, 0, 0, 0, 0, 64), "only Simple's bytes move as they are"
+    assert not defer_payload(pending, 0, 8, Protocol.SIMPLE, 0, 2, 0, 0, 8), "a slot it has no room for"
+    assert not defer_payload(Deferred.room(8), 0, 8, Protocol.SIMPLE, 0, 0, 0, 0, 8)
 
 
 def test_a_differing_copy_is_kept_aside_and_shown_to_the_vote(shared):

@@ -274,6 +274,37 @@ def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path
     assert_exact(piece_its, tmp_path, plan)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("protocol", ["Simple", "LL128"])
+def test_a_stream_alone_copies_after_placing_what_it_would_copy_in_place(tmp_path, protocol, monkeypatch):
+    """A parser alone leaves Simple's payload copies to every thread after the kernel
+    (``parser/payload.py``): on a faulty stream (duplicates among the faults, which compare
+    with copies still pending), the counters, the coverage and every byte equal those of
+    a parser that copies as it places."""
+    import gradtap.parser.stream as stream
+    job = make_job(3, protocol, 2, "fp32", nqps=2)
+    simulate(tmp_path, job, iterations=3, faults="mirror_loss=0.02," + FAULTS_ALL_BUT_MIRROR_LOSS)
+    plan = job_plan(job)
+    frames = read_pcap(tmp_path / "streams" / "m-both.pcap")
+    deferred = []
+    monkeypatch.setattr(stream, "copy_deferred",
+                        lambda pending, data, grads, copy=stream.copy_deferred:
+                        deferred.append(int(pending.count[0])) or copy(pending, data, grads))
+    runs = {}
+    for alone in (False, True):
+        parser = StreamParser(job, plan, "m-both", alone=alone)
+        its = [it for lo in range(0, len(frames), 400) for it in parser.feed(frames.frames(lo, lo + 400))]
+        runs[alone] = (parser, its + parser.flush(), sum(deferred))
+    (inline, inline_its, none), (alone, alone_its, copies) = runs[False], runs[True]
+    assert none == 0 and (copies > 0 if protocol == "Simple" else copies == 0)
+    assert alone.counters[ev.DATA_DUPLICATE] > 0
+    assert np.array_equal(alone.counters, inline.counters)
+    assert [it.index for it in alone_its] == [it.index for it in inline_its] == [0, 1, 2]
+    for a, b in zip(alone_its, inline_its):
+        assert np.array_equal(a.covered, b.covered)
+    assert_exact(alone_its, tmp_path, plan)
+
+
 def test_bad_stream_name_is_a_config_error():
     from gradtap.core.errors import ConfigError
     job = make_job(2, "LL", 1, "fp32")

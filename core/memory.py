@@ -1,5 +1,5 @@
 """Native memory operations of the kernels: acquire loads, release stores, an atomic OR,
-memcpy, memcmp.
+memcpy, memcmp, and a copy with non-temporal stores.
 
 Every ring gradtap touches is single-producer/single-consumer with free-running indices,
 the protocol of the kernel's own rings (``Documentation/core-api/circular-buffers.rst``,
@@ -37,6 +37,17 @@ once at start-up, those faults never land on the per-iteration path.
 assignment and comparison are byte loops). They are declared by symbol name, which keeps the
 kernels that call them cacheable.
 
+``stream_bytes`` copies into memory that will not be read soon (an iteration's gradient, far
+larger than the caches) with non-temporal stores: LLVM ``store … !nontemporal`` of whole
+64-byte lines, which the host's widest vector store of that kind carries out (``vmovntdq``
+of 64 or 32 bytes, ``movntdq`` of 16 on x86-64; ``stnp`` on arm64). An ordinary store
+first reads its line into the cache (read for ownership), so a copy of n bytes moves 3n
+bytes through memory; a non-temporal one moves 2n. libc's ``memcpy`` does the same only for
+copies larger than a share of the last-level cache, never for a packet. Non-temporal stores
+are weakly ordered: the thread that made them runs :func:`store_fence` before another
+thread may read the bytes (LLVM ``fence seq_cst``, an ``mfence`` on x86-64, which drains
+them; a lock-prefixed instruction is not documented to on every x86-64 vendor).
+
 Under ``NUMBA_DISABLE_JIT=1`` the same names are plain element reads and writes and NumPy
 slice copies and comparisons. Each is a separate NumPy call from the interpreter, so nothing
 is cached or reordered by a compiler; that path is for coverage runs on x86 only.
@@ -47,6 +58,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from llvmlite import ir
 from numba import config, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
@@ -116,6 +128,11 @@ if config.DISABLE_JIT:
     def compare_bytes(a, a_pos, b, b_pos, n):
         """0 when ``a[a_pos:a_pos+n]`` equals ``b[b_pos:b_pos+n]``, else nonzero."""
         return 0 if (a[a_pos:a_pos + n] == b[b_pos:b_pos + n]).all() else 1
+
+    stream_bytes = copy_bytes
+
+    def store_fence():
+        """Nothing to order without the JIT."""
 else:
     def _element_pointer(context, builder, arrty, array, index, indexty):
         ary = context.make_array(arrty)(context, builder, array)
@@ -196,6 +213,46 @@ else:
         """libc memcmp of ``a[a_pos:a_pos+n]`` and ``b[b_pos:b_pos+n]`` (uint8 arrays, ``n >= 0``
         bytes): 0 when equal. The caller checks the bounds."""
         return _libc_memcmp(a.ctypes.data + a_pos, b.ctypes.data + b_pos, n)
+
+    _LINE = ir.VectorType(ir.IntType(64), CACHE_LINE // 8)
+
+    @intrinsic
+    def _stream_line(typingctx, dst, src):
+        """Copy the 64 bytes at address ``src`` (any alignment) to address ``dst`` (on a cache
+        line) with a non-temporal store."""
+        def codegen(context, builder, sig, args):
+            line = builder.load(builder.inttoptr(args[1], _LINE.as_pointer()), align=1)
+            store = builder.store(line, builder.inttoptr(args[0], _LINE.as_pointer()), align=CACHE_LINE)
+            store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+        return types.none(types.uintp, types.uintp), codegen
+
+    @intrinsic
+    def _fence(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.fence("seq_cst")
+            return context.get_dummy_value()
+        return types.none(), codegen
+
+    @njit(**JIT, inline="always")
+    def stream_bytes(dst, dst_pos, src, src_pos, n):
+        """``dst[dst_pos:dst_pos+n] = src[src_pos:src_pos+n]`` (uint8 arrays, ``n >= 0`` bytes)
+        with non-temporal stores for the whole cache lines of ``dst`` it fills, libc memcpy
+        for the rest; :func:`store_fence` before another thread reads them. The caller checks
+        the bounds."""
+        d, s = np.int64(dst.ctypes.data) + dst_pos, np.int64(src.ctypes.data) + src_pos
+        k = min(n, -d % CACHE_LINE)
+        _libc_memcpy(d, s, k)
+        while k + CACHE_LINE <= n:
+            _stream_line(d + k, s + k)
+            k += CACHE_LINE
+        _libc_memcpy(d + k, s + k, n - k)
+
+    @njit(**JIT, inline="always")
+    def store_fence():
+        """Order this thread's earlier stores, non-temporal ones included, before its later
+        loads and stores."""
+        _fence()
 
 
 @njit(**JIT, inline="always")

@@ -24,7 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from gradtap.core.jit import JIT_NO_REFCOUNT, JIT_PARALLEL
-from gradtap.core.memory import compare_bytes, copy_bytes
+from gradtap.core.memory import compare_bytes, copy_bytes, store_fence, stream_bytes
 from gradtap.wire.ll import LL_DATA1_OFF, LL_DATA2_OFF, LL_HALF_BYTES, LL_LINE_BYTES, LL_LINE_DATA_BYTES
 from gradtap.wire.ll128 import LL128_SLICE_DATA_WORDS, LL128_SLICE_WIRE_WORDS, LL128_WIRE_TO_DATA, LL128_WORD_BYTES
 from gradtap.wire.protocol import Protocol
@@ -55,6 +55,7 @@ class Deferred(NamedTuple):
 
 
 _OP_DATA, _OP_SLOT, _OP_BLOCK, _OP_DEST, _OP_BYTES = range(5)
+_RUN = 64       # copies between two store fences (256 KiB of 4 KiB packets)
 
 
 @njit(**JIT_NO_REFCOUNT, inline="always")
@@ -102,10 +103,15 @@ def pending_differs(deferred, slot, block, data, pos, length, wire_off, nbytes):
 @njit(**JIT_PARALLEL)
 def copy_deferred(deferred, data, grads):
     """Make the pending copies from ``data`` (the batch they were placed from) into ``grads``
-    (the slots' gradients) with every Numba thread, each a run of consecutive copies."""
+    (the slots' gradients) with every Numba thread, in runs of ``_RUN`` consecutive copies
+    (``prange`` gives each thread consecutive runs), with non-temporal stores: an iteration's
+    gradient is read once it is complete, long after these bytes have left the caches."""
     ops = deferred.ops
-    for j in prange(deferred.count[0]):
-        copy_bytes(grads[ops[j, _OP_SLOT]], ops[j, _OP_DEST], data, ops[j, _OP_DATA], ops[j, _OP_BYTES])
+    count = deferred.count[0]
+    for r in prange((count + _RUN - 1) // _RUN):
+        for j in range(r * _RUN, min(count, (r + 1) * _RUN)):
+            stream_bytes(grads[ops[j, _OP_SLOT]], ops[j, _OP_DEST], data, ops[j, _OP_DATA], ops[j, _OP_BYTES])
+        store_fence()
     deferred.count[0] = 0
 
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from numba import config, njit
 
-from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, release, store_release, \
-    last_level_cache_bytes, wait_bits
+from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, release, store_fence, \
+    store_release, stream_bytes, last_level_cache_bytes, wait_bits
 from tests.core.no_jit import run_without_jit
 
 
@@ -90,6 +90,34 @@ def test_copy_bytes_copies_the_range():
 
 
 @njit
+def _stream(dst, dp, src, sp, n):
+    stream_bytes(dst, dp, src, sp, n)
+    store_fence()
+
+
+def test_stream_bytes_copies_every_range_as_slice_assignment_does():
+    """Every offset into a cache line on both sides, lengths around whole lines, and a
+    packet's length: the bytes copied, and none beside them."""
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 9000, dtype=np.uint8)
+    for n in (0, 1, 63, 64, 65, 127, 128, 129, 200, 4096):
+        for dp in range(0, 130, 7):
+            for sp in (0, 1, 33, 64):
+                dst = np.zeros(4500, np.uint8)
+                expect = dst.copy()
+                expect[dp:dp + n] = src[sp:sp + n]
+                _stream(dst, dp, src, sp, n)
+                assert np.array_equal(dst, expect), (n, dp, sp)
+
+
+@pytest.mark.skipif(config.DISABLE_JIT, reason="inspects compiled code")
+def test_the_compiled_stream_copy_holds_non_temporal_stores_and_a_fence():
+    _stream(np.zeros(256, np.uint8), 0, np.zeros(256, np.uint8), 0, 256)
+    ir = "".join(_stream.inspect_llvm().values())
+    assert "!nontemporal" in ir and "fence seq_cst" in ir
+
+
+@njit
 def _compare(a, ap, b, bp, n):
     return compare_bytes(a, ap, b, bp, n)
 
@@ -110,9 +138,12 @@ def results() -> dict:
     release(words, 2, -1)
     src, dst = np.arange(32, dtype=np.uint8), np.zeros(32, np.uint8)
     _copy(dst, 3, src, 7, 11)
+    streamed = np.zeros(300, np.uint8)
+    _stream(streamed, 5, np.arange(300, dtype=np.uint8), 2, 250)
     claims = np.zeros(3, np.int32)
     won = _claim_all(claims, 4, 2)
     return {"words": words.tolist(), "loaded": int(acquire(words, 2)), "copied": dst.tolist(),
+            "streamed": streamed.tolist(),
             "claimed": [int(won), claims.tolist()],
             "compared": [int(_compare(src, 0, dst, 0, 3) == 0), int(_compare(src, 7, dst, 3, 11) == 0),
                          int(_compare(src, 7, dst, 3, 12) == 0)]}

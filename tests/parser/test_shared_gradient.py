@@ -91,17 +91,18 @@ def test_a_stream_alone_compares_with_its_copies_still_pending(shared):
 
 
 def test_deferred_copies_land_where_they_were_placed_on_every_thread():
-    """``copy_deferred`` against slice assignment: copies of random lengths and places, into
-    two slots, from one batch."""
+    """``copy_deferred`` (non-temporal stores, in runs over every thread) against slice
+    assignment: copies of random lengths and places, into two slots, from one batch."""
     rng = np.random.default_rng(5)
     data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
     grads = (np.zeros(1 << 19, np.uint8), np.zeros(1 << 19, np.uint8))
     expect = tuple(g.copy() for g in grads)
     pending = Deferred.room(256, 2, 256)
-    for j, block in enumerate(rng.permutation(256)):            # disjoint 2 KiB places
-        n, src, slot = int(rng.integers(0, 2049)), int(rng.integers(0, len(data) - 2048)), j % 2
-        assert defer_payload(pending, src, n, Protocol.SIMPLE, 0, slot, int(block), int(block) * 2048, n)
-        expect[slot][block * 2048:block * 2048 + n] = data[src:src + n]
+    for j, block in enumerate(rng.permutation(256)):            # disjoint places within 2 KiB each
+        n, src, slot = int(rng.integers(0, 2001)), int(rng.integers(0, len(data) - 2048)), j % 2
+        dest = int(block) * 2048 + int(rng.integers(0, 48))
+        assert defer_payload(pending, src, n, Protocol.SIMPLE, 0, slot, int(block), dest, n)
+        expect[slot][dest:dest + n] = data[src:src + n]
     assert not defer_payload(pending, 0, 8, Protocol.SIMPLE, 0, 0, 0, 0, 8), "no room left"
     copy_deferred(pending, data, grads)
     assert pending.count[0] == 0

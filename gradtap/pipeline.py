@@ -144,6 +144,8 @@ class Pipeline:
         # memory, ICRC deferred against not: 9.7 against 8.6 GB/s of payload on 1 thread,
         # 10.5 against 11.4 on 2.)
         defer = len(self.streams) >= numba.get_num_threads()
+        # One stream writes the pool's gradients alone: its payload copies are made after its
+        # kernel, with every thread (parser/payload.py).
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool, defer_icrc=defer,
                                            alone=len(self.streams) == 1)
                         for name in self.streams}

@@ -258,8 +258,8 @@ def _uncover(slots, aside, slot, block, k, wire_off, payload_len, protocol):
 
 @njit(**JIT_NO_REFCOUNT, inline="always")
 def _gradient_differs(data, pos, n, protocol, off, dest, nbytes, slots, slot, b):
-    """Whether a copy of unit ``b`` differs from the slot's gradient's (its copy still
-    pending, if it is: ``parser/payload.py``)."""
+    """Whether another copy of a unit of block ``b`` differs from the slot's gradient (from
+    the unit's copy still pending, if it is: ``parser/payload.py``)."""
     pending = pending_differs(slots.pending, slot, b, data, pos, n, off, nbytes) if protocol == Protocol.SIMPLE \
         else -1
     if pending >= 0:

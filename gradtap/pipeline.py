@@ -125,7 +125,8 @@ class Pipeline:
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._retired: dict[int, list[IterationGradient]] = {}   # ordinal -> gradients the merger holds
         self._threads = max(1, min(len(streams), len(os.sched_getaffinity(0))))
-        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="gradtap-parse")
+        # The thread that runs the rounds parses too (parse_in_pieces).
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self._threads - 1), thread_name_prefix="gradtap-parse")
         # Before a plan: the resolver, the frames held for the parsers, and the frames let go.
         self.resolver = Resolver(job, self.streams, gap) if plan is None else None
         self.hold_bytes = hold_bytes
@@ -370,9 +371,10 @@ class Pipeline:
 
 def parse_in_pieces(pool: Executor, threads: int, work: list[tuple[str, FrameBatch]],
                     parse: Callable[[str, FrameBatch], tuple[str, list]]) -> list[tuple[str, list]]:
-    """``parse(name, batch)`` over each stream's batch of ``work`` on ``threads`` threads of
-    ``pool``, a stream's frames in order and never on two threads at once; what each stream's
-    calls return, in ``work``'s order. With more streams than threads, each batch is cut in
+    """``parse(name, batch)`` over each stream's batch of ``work`` on ``threads`` threads (the
+    calling thread, which would otherwise wait, and ``threads - 1`` of ``pool``), a stream's
+    frames in order and never on two threads at once; what each stream's calls return, in
+    ``work``'s order. With more streams than threads, each batch is cut in
     ``threads / gcd(streams, threads)`` pieces, so that the pieces come out even (3 streams on
     2 threads: halves, three per thread), and a free thread takes the next piece of the stream
     with the most left that no thread is parsing. A stream whose parse raises parses nothing
@@ -407,8 +409,11 @@ def parse_in_pieces(pool: Executor, threads: int, work: list[tuple[str, FrameBat
                     busy.discard(name)
                     changed.notify_all()
 
-    futures = [pool.submit(run) for _ in range(min(threads, len(work)))]
-    wait(futures)
+    futures = [pool.submit(run) for _ in range(min(threads, len(work)) - 1)]
+    try:
+        run()
+    finally:
+        wait(futures)
     for future in futures:
         future.result()
     return [(name, out[name]) for name, _ in work]

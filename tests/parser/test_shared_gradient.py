@@ -112,6 +112,43 @@ def test_deferred_copies_land_where_they_were_placed_on_every_thread():
     assert not defer_payload(Deferred.room(8), 0, 8, Protocol.SIMPLE, 0, 0, 0, 0, 8)
 
 
+def _place_batches(batches, pending):
+    """One stream places ``batches`` of (block, value, duplicate) packets as the kernel
+    would: a duplicate (its PSN seen already) is compared with the stream's own copy, any
+    other packet placed; the copies left pending are made after each batch. What it did:
+    each packet's outcome, then the shared and per-stream state."""
+    shared = GradientPool(NBYTES, BLOCKS, 1).enter(0)
+    slots, aside = stream_slots(shared, pending), new_aside(PACKET, capacity=4)
+    outcomes = []
+    for packets in batches:
+        data = np.concatenate([packet(k, v) for k, v, _ in packets])
+        for i, (k, _, duplicate) in enumerate(packets):
+            if duplicate:
+                outcomes.append(bool(_own_copy_differs(data, i * PACKET, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES,
+                                                       slots, aside, 0, 0, k)))
+            else:
+                outcomes.append(int(_place(data, i * PACKET, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, slots,
+                                           aside, 0, 0, k)))
+        if pending.count[0]:
+            copy_deferred(pending, data, slots.grads)
+    return outcomes, (shared.grad, shared.claim, shared.written, shared.disputed, slots.got, aside.used)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_stream_alone_places_random_batches_as_one_that_copies_in_place(seed):
+    """Random batches of one stream's packets, with repeats of blocks (equal and differing,
+    placed again or compared as duplicates, in the same batch or a later one): leaving the
+    copies pending gives every outcome and every byte of state that copying in place gives."""
+    rng = np.random.default_rng(seed)
+    batches = [[(int(rng.integers(0, BLOCKS)), int(rng.integers(1, 4)), bool(rng.random() < 0.3))
+                for _ in range(int(rng.integers(1, 24)))] for _ in range(int(rng.integers(1, 5)))]
+    inline = _place_batches(batches, Deferred.room(0))
+    deferred = _place_batches(batches, Deferred.room(32, 1, BLOCKS))
+    assert deferred[0] == inline[0]
+    for a, b in zip(deferred[1], inline[1]):
+        assert np.array_equal(a, b)
+
+
 def test_a_differing_copy_is_kept_aside_and_shown_to_the_vote(shared):
     a, c = stream_slots(shared), stream_slots(shared)
     aa, ac = new_aside(PACKET), new_aside(PACKET)

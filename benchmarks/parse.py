@@ -38,7 +38,8 @@ appends :class:`Row` s, and rows with 2 threads and an ICRC setting are held to 
   real-size 498 MB gradient buffer per iteration), from batches in memory, with a parser
   built before the clock starts (its gradient arrays are made and faulted in at start-up, as
   in the appliance). The parser has its gradients to itself, as one stream's appliance does,
-  so its payload copies run on every thread after its stage-2 kernel (``parser/payload.py``). Its ratios to dpkt and tshark use their frame rates on the tiled capture.
+  so its payload copies run on every thread after its stage-2 kernel (``parser/payload.py``).
+  Its ratios to dpkt and tshark use their frame rates on the tiled capture.
 
 Targets (the issue's, for the whole parser; stage 1 alone is held to them too): payload
 throughput with 2 threads >= 0.6 x 2-thread memcpy with the ICRC checked, >= 0.8 x without;

@@ -100,6 +100,9 @@ class Appliance:
         else:
             merger = self._group(job, start, options, group)
             plan = self.group.plan
+        # The replica and its sink: the pipeline's update thread against status(), offers and
+        # attestations. Taken after self._lock by whoever takes both.
+        self._replica_lock = threading.Lock()
         try:
             self.numbering = Numbering(start, self.replica, self.control)
             self.pipeline = Pipeline(job, plan, list(streams), self.sink, start.first_iteration,
@@ -107,7 +110,8 @@ class Appliance:
                                                                                          **failure.as_event()),
                                      on_anchor=self.numbering.placed,
                                      on_resolved=lambda r: self.control.event("job.resolved", **r.as_event()),
-                                     merger=merger)
+                                     merger=merger, overlap=None if group is None else False,
+                                     update_lock=self._replica_lock)
             self.numbering.attach(self.pipeline)
         except BaseException:
             if self.group is not None:
@@ -119,7 +123,7 @@ class Appliance:
         self.stopping = threading.Event()
         self.ready = threading.Event()     # every capture worker is listening
         self.rehearsal: Rehearsal | None = None
-        self._lock = threading.Lock()      # status() for metrics vs the loop
+        self._lock = threading.Lock()      # the pipeline: status() for metrics vs the loop
 
     def _single(self, job: JobSpec, start: ReplicaStart, options: RunOptions):
         """The whole replica, its snapshots, store tier, gradient log and attestations."""
@@ -170,14 +174,14 @@ class Appliance:
         replaces any offer pending; the iterations of the offers it replaced. Until the
         iterations are numbered, it must carry ``time_ns`` (``gradtap/start.py``)."""
         self._not_for_group("POST /resync (a trainer checkpoint offered)")
-        with self._lock:
+        with self._lock, self._replica_lock:
             return self.numbering.offer(checkpoint, source)
 
     def attest(self, fingerprint: object) -> dict:
         """The trainer's fingerprint of its state (the control endpoint's POST /attest): held
         until the replica reaches that state, then compared (``gradtap/attestation.py``)."""
         self._not_for_group("POST /attest (the trainer's fingerprint)")
-        with self._lock:
+        with self._lock, self._replica_lock:
             return self.attestations.offer(fingerprint)
 
     def _not_for_group(self, what: str) -> None:
@@ -226,6 +230,7 @@ class Appliance:
                 reason, code = ("every source ended, and no stream locked on to the job's traffic "
                                 "(events.jsonl: lockon.failed says why)"), 1
         finally:
+            self.pipeline.close()       # the update thread makes what is queued first
             final = (code == 0 and not self.replica.stale and self.replica.open_iteration is None
                      and bool(self.sink.applied) and self.group is None)
             self._shutdown(final)
@@ -246,7 +251,7 @@ class Appliance:
 
     def status(self) -> ApplianceStatus:
         """The counters as they are now (thread-safe; the metrics and control threads call it)."""
-        with self._lock:
+        with self._lock, self._replica_lock:
             capture = self._final_capture if self._final_capture is not None else self._capture_stats()
             lines = self.sink.lines
             timings = self.pipeline.timings()

@@ -237,7 +237,7 @@ def run_group_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dic
     try:
         numbering = Numbering(begin, node.replica, control)
         result = replay(job, node.plan, pcaps, node.sink, batch_frames=batch_frames, numbering=numbering,
-                        merger=node.merger,
+                        merger=node.merger, overlap=False,
                         on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()),
                         **({} if progress is None else {"progress": progress}))
     finally:

@@ -3,8 +3,11 @@ the sink (the updater), advanced one round of frames at a time, with the time ea
 
 A round parses each stream's new frames in parallel threads (the Numba kernels release the
 GIL), every stream into the same gradient per iteration (``parser/shared_gradient.py``);
-the merger and the sink then run on the caller's thread while the parsers wait, so
-nothing reads a slot a parser is writing. With more streams than cores, each stream's frames
+the merger then runs on the caller's thread while the parsers wait, so nothing reads a slot
+a parser is writing. Where the host has cores the parsers leave free (:func:`overlapping`),
+the sink (the updater) runs on a thread of its own (``gradtap/update_thread.py``), so that
+the next rounds parse while it steps the replica; otherwise it runs on the caller's thread,
+between rounds, and has every core to itself. With more streams than cores, each stream's frames
 are parsed in pieces, one thread per core taking the next piece of a stream no other thread
 is parsing (:func:`parse_in_pieces`): whole batches on fewer cores than streams leave a core
 idle at the end of every round (3 streams on 2 cores: the third batch starts only when one
@@ -42,6 +45,7 @@ from gradtap.parser.lockon import LockFailure
 from gradtap.parser.resolve import Resolution, Resolver
 from gradtap.parser.shared_gradient import GradientPool, IterationGradient
 from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES, StreamParser
+from gradtap.update_thread import UpdateThread
 from gradtap.wire import events as ev
 from gradtap.workload.layout import job_plan
 from gradtap.workload.spec import JobSpec
@@ -94,6 +98,16 @@ def start_up_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def overlapping(parse_threads: int) -> bool:
+    """Whether the sink should run on a thread of its own beside ``parse_threads`` parsing:
+    when this process may run on more cores than that. Where the parsers take every core, a
+    sink beside them only shares those cores, and the replica lag grows by what it shares.
+    Measured with ``benchmarks.replay`` (GPT-2 small, 3 streams parsed on 2 threads, 2 cores,
+    alternated 8 times): replay wall median 0.543 s between rounds, 0.567 s beside them; the
+    worse iteration's lag 0.081 s against 0.143 s."""
+    return len(os.sched_getaffinity(0)) > parse_threads
+
+
 class Pipeline:
     """Every stream's parser, the merger and the sink of ``job``, advanced one round at a time:
     each stream's new frames are parsed, then the merger learns what each stream retired and
@@ -101,12 +115,19 @@ class Pipeline:
     iteration from ``first_iteration`` (that of the capture's first iteration), or, when that
     is None, from where an :meth:`anchor` falls (``merger/numbering.py``); ``on_anchor`` hears
     where each anchor fell, or why it could not be placed. ``merger`` builds the merger from
-    the plan, the streams, the sink, the first iteration and the settle time."""
+    the plan, the streams, the sink, the first iteration and the settle time.
+
+    ``overlap`` (default: :func:`overlapping`) makes the sink's calls, and ``on_anchor``'s, on
+    the update thread, each under ``update_lock`` (which whatever else touches the replica
+    takes too). The merger's buckets must then stay unchanged until their iteration's
+    gradients go back to the pool, as :class:`~gradtap.merger.merger.Merger`'s do; a mirror
+    group's last only until the next bucket, and its sink talks to its peers: False."""
 
     def __init__(self, job: JobSpec, plan: WirePlan | None, streams: list[str], sink: Sink,
                  first_iteration: int | None = 0, on_lockon_failed: Callable[[LockFailure], None] | None = None,
                  on_anchor: AnchorOutcome | None = None, on_resolved: Callable[[Resolution], None] | None = None,
-                 hold_bytes: int = HOLD_BYTES, merger: MergerFactory = Merger):
+                 hold_bytes: int = HOLD_BYTES, merger: MergerFactory = Merger, overlap: bool | None = None,
+                 update_lock: threading.Lock | None = None):
         gap = job.appliance.iteration_gap_ns
         self._make_merger = merger
         self.job, self.streams, self.gap_ns = job, list(streams), gap
@@ -117,14 +138,17 @@ class Pipeline:
         self.listening_ns: int | None = None     # when a live capture began listening (before its first frame)
         self._failures_told: set[str] = set()
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
-        self._sink = _TimedSink(sink, self.times)
+        self._threads = max(1, min(len(streams), len(os.sched_getaffinity(0))))
+        if overlap is None:
+            overlap = overlapping(self._threads)
+        self._sink = _TimedSink(sink, self.times, background=overlap)
+        self.update = UpdateThread(self._sink, update_lock or threading.Lock()) if overlap else None
         self._first_iteration = first_iteration
         self.parsers: dict[str, StreamParser] = {}
         self.merger: Merger | None = None
         self.last_fed: dict[int, float] = {}        # ordinal -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._retired: dict[int, list[IterationGradient]] = {}   # ordinal -> gradients the merger holds
-        self._threads = max(1, min(len(streams), len(os.sched_getaffinity(0))))
         # The thread that runs the rounds parses too (parse_in_pieces).
         self._pool = ThreadPoolExecutor(max_workers=max(1, self._threads - 1), thread_name_prefix="gradtap-parse")
         # Before a plan: the resolver, the frames held for the parsers, and the frames let go.
@@ -150,7 +174,8 @@ class Pipeline:
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool, defer_icrc=defer,
                                            alone=len(self.streams) == 1)
                         for name in self.streams}
-        self.merger = self._make_merger(plan, self.streams, self._sink, self._first_iteration, self.gap_ns)
+        self.merger = self._make_merger(plan, self.streams, self.update or self._sink, self._first_iteration,
+                                        self.gap_ns)
 
     @property
     def resolved(self) -> bool:
@@ -160,6 +185,8 @@ class Pipeline:
         """Parse each stream's new frames, then merge and update. ``now_ns``: the capture's
         clock (a live capture's wall clock, which runs on while no frame comes); the frames'
         own times advance it too."""
+        if self.update is not None:
+            self.update.check()
         if not self.resolved:
             self._watch(batches)
             self._release(now_ns)
@@ -251,24 +278,31 @@ class Pipeline:
                     self._let_go(name, b)
             self._held = {name: [] for name in self.streams}
             self._tell_failures(final=True)
-            return []
-        t = time.perf_counter()
-        flushed = {name: p.flush() for name, p in self.parsers.items()}
-        self._place_anchors()
-        for name, retired in flushed.items():
-            self.merger.update(name, retired, [])
-        reports = self.merger.close()
-        self._tell_failures()
-        self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
+            reports = []
+        else:
+            t = time.perf_counter()
+            flushed = {name: p.flush() for name, p in self.parsers.items()}
+            self._place_anchors()
+            for name, retired in flushed.items():
+                self.merger.update(name, retired, [])
+            reports = self.merger.close()
+            self._tell_failures()
+            self.times.merge_s += time.perf_counter() - t - self._sink.pop_update_time()
+        if self.update is not None:
+            self.update.drain()
         return reports
 
     def _recycle(self) -> None:
         """Give the gradients of iterations the merger has finished (or never took) back to
-        the pool: the merger dropped its copies and the sink got merged buckets of its own, so
-        nothing refers to them any more."""
+        the pool once the sink is done with them: at once, or, with the update thread, once it
+        has made the calls queued before."""
         for g in [g for g in self._retired if g < self.merger.next]:
             for shared in self._retired.pop(g):
-                self.pool.done(shared, g)
+                if self.update is None:
+                    self.pool.done(shared, g)
+                else:
+                    self.pool.returning(shared)
+                    self.update.release(self.pool.done, shared, g)
 
     def anchor(self, anchor: Anchor, *, start: bool = False) -> None:
         """Number iterations by ``anchor`` once the streams show where it falls; when they are
@@ -300,8 +334,12 @@ class Pipeline:
             else:
                 refused = None
             del self._anchors[key]
-            if self._on_anchor is not None:
+            if self._on_anchor is None:
+                continue
+            if self.update is None:
                 self._on_anchor(a, ordinal, refused)
+            else:      # it may change the replica: after the buckets handed before it
+                self.update.call(self._on_anchor, a, ordinal, refused)
 
     def _number(self, a: Anchor, ordinal: int) -> None:
         """Number the merger by ``a``, at ``ordinal``, or check that its numbering agrees."""
@@ -360,7 +398,10 @@ class Pipeline:
         return self._sink.timings({first + i: t for i, t in self.last_fed.items()})
 
     def close(self) -> None:
+        """Stop the parsers' threads, and the update thread once it has made what is queued."""
         self._pool.shutdown()
+        if self.update is not None:
+            self.update.close()
 
     def _parse(self, name: str, batch: FrameBatch):
         t = time.perf_counter()
@@ -420,10 +461,12 @@ def parse_in_pieces(pool: Executor, threads: int, work: list[tuple[str, FrameBat
 
 
 class _TimedSink:
-    """Measures the time the sink (the updater) takes, so merge time excludes it."""
+    """Measures the time the sink (the updater) takes, so that merge time excludes it (none
+    to exclude when the sink runs in the ``background``, on the update thread)."""
 
-    def __init__(self, sink: Sink, times: StageTimes):
+    def __init__(self, sink: Sink, times: StageTimes, background: bool = False):
         self.sink, self.times, self._pending = sink, times, 0.0
+        self.background = background
         self._done: list[tuple[int, float, tuple[float, float, float]]] = []   # iteration, wall, cumulative
 
     def bucket(self, iteration, bucket, data):
@@ -448,7 +491,8 @@ class _TimedSink:
 
     def _spent(self, seconds: float) -> None:
         self.times.update_s += seconds
-        self._pending += seconds
+        if not self.background:
+            self._pending += seconds
 
     def pop_update_time(self) -> float:
         spent, self._pending = self._pending, 0.0

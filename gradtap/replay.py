@@ -142,17 +142,18 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
            progress: Progress = _no_progress, first_iteration: int = 0,
            on_lockon_failed: Callable[[LockFailure], None] | None = None,
            numbering: Numbering | None = None, on_resolved: Callable[[Resolution], None] | None = None,
-           merger: MergerFactory = Merger) -> ReplayResult:
+           merger: MergerFactory = Merger, overlap: bool | None = None) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``, numbering iterations from
     ``first_iteration`` (the trainer's iteration of the captures' first one), or as ``numbering``
     says (``gradtap/start.py``); never hangs (ends at EOF). ``plan`` None: the job's ``auto``
     fields are read from the wire first (``on_resolved`` hears what they are). ``merger``: the
-    pipeline's merger (a mirror group's, ``gradtap/group.py``)."""
+    pipeline's merger (a mirror group's, ``gradtap/group.py``, with ``overlap`` off: see
+    :class:`~gradtap.pipeline.Pipeline`)."""
     if numbering is not None:
         first_iteration = numbering.start.first_iteration
     pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration, on_lockon_failed,
                         on_anchor=None if numbering is None else numbering.placed, on_resolved=on_resolved,
-                        merger=merger)
+                        merger=merger, overlap=overlap)
     if numbering is not None:
         numbering.attach(pipeline)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}

@@ -18,7 +18,11 @@ and written bitmaps are cleared, since a unit's bytes mean something only once w
 
 The buffers are made and faulted in with the pool (``core.memory.prefaulted``); one made
 later (:attr:`GradientPool.fresh`) means the consumer is behind, or the streams are far
-apart. Parsers run in threads: the pool's bookkeeping is under a lock.
+apart. A consumer on a thread of its own (the pipeline's update thread) says which buffers it
+will give back (:meth:`GradientPool.returning`): a parser short of a buffer waits for those
+rather than make one, so that the pool holds no more buffers than when the consumer gives
+each back before the parsers go on. Parsers run in threads: the pool's bookkeeping is under
+a lock.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class GradientPool:
     fresh: int = 0                  # buffers made after start-up
     _spare: list[IterationGradient] = field(default_factory=list)
     _live: dict[int, IterationGradient] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _returning: list[IterationGradient] = field(default_factory=list)   # given back later (returning())
+    _lock: threading.Condition = field(default_factory=threading.Condition)
 
     def __post_init__(self) -> None:
         self._spare = [self._make() for _ in range(self.buffers)]
@@ -78,6 +83,11 @@ class GradientPool:
         """The buffer of iteration ``ordinal`` for a parser whose window it enters."""
         with self._lock:
             it = self._live.get(ordinal)
+            # The consumer's thread never waits for a parser, so this wait ends; meanwhile
+            # another stream's parser may enter the iteration first.
+            while it is None and not self._spare and self._returning:
+                self._lock.wait()
+                it = self._live.get(ordinal)
             if it is None:
                 if self._spare:
                     it = self._spare.pop()
@@ -103,10 +113,19 @@ class GradientPool:
                 if it.consumed:
                     self._reuse(it)
 
+    def returning(self, it: IterationGradient) -> None:
+        """The consumer, on another thread, will be :meth:`done` with ``it``: until then a
+        parser that needs a buffer and finds none spare waits for it."""
+        with self._lock:
+            self._returning.append(it)
+
     def done(self, it: IterationGradient, ordinal: int) -> None:
         """The consumer of iteration ``ordinal`` (every retired copy of it) is done with its
         gradient ``it`` (nothing happens when ``it`` serves another iteration by now)."""
         with self._lock:
+            if any(r is it for r in self._returning):
+                self._returning = [r for r in self._returning if r is not it]
+                self._lock.notify_all()
             if it.consumed or it.ordinal != ordinal:
                 return
             it.consumed = True

@@ -1,12 +1,15 @@
-"""The pipeline's gradient arrays are made once, at start-up, and reused: one per iteration
-for all the streams (``parser/shared_gradient.py``), two in all; after that no new one is
-made while the merger keeps up, so no page of fresh memory is first written on the
-per-iteration path, and memory does not grow with the number of streams (issue 12). Reused
-arrays are not cleared. The merged gradients are checked against the simulator's truth (each
-iteration's reduced gradient, ``truth/iter_N/grad.npy``), so reuse never leaks one
-iteration's bytes into the next."""
+"""The pipeline's gradient arrays are made once, at start-up, and reused: one per iteration for
+all the streams (``parser/shared_gradient.py``), two in all; after that no new one is made
+while the merger keeps up, so no page of fresh memory is first written on the per-iteration
+path, and memory does not grow with the number of streams (issue 12). With the sink on its
+update thread, and slower than the parsers, they wait for its arrays rather than make more
+(``gradtap/update_thread.py``). Reused arrays are not cleared. The merged gradients are
+checked against the simulator's truth (each iteration's reduced gradient,
+``truth/iter_N/grad.npy``), so reuse never leaks one iteration's bytes into the next."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -46,6 +49,14 @@ class Collect:
         self.done.append(iteration)
 
 
+class SlowCollect(Collect):
+    """:class:`Collect`, a fifth of a second late with every iteration: the parsers catch up."""
+
+    def iteration_done(self, iteration, report):
+        time.sleep(0.2)
+        super().iteration_done(iteration, report)
+
+
 def rounds(batches: dict[str, FrameBatch], n: int):
     """Every stream's frames cut into ``n`` rounds on one time grid, as the replay reads them."""
     ts = np.concatenate([b.ts_ns for b in batches.values()])
@@ -59,14 +70,16 @@ def rounds(batches: dict[str, FrameBatch], n: int):
         yield out
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sink-between-rounds", "sink-on-update-thread"])
 @pytest.mark.parametrize("protocol", ["Simple", "LL"])
-def test_gradient_arrays_are_made_once_and_reused(tmp_path, protocol):
+def test_gradient_arrays_are_made_once_and_reused(tmp_path, protocol, overlap):
     job = make_job(3, protocol, 2, "fp32")
     simulate(tmp_path, job, iterations=ITERATIONS)
     plan = job_plan(job)
-    sink = Collect()
+    sink = SlowCollect() if overlap else Collect()
     names = [m.name for m in job.mirrors]
-    pipeline = Pipeline(job, plan, names, sink, first_iteration=1)
+    pipeline = Pipeline(job, plan, names, sink, first_iteration=1, overlap=overlap)
+    assert (pipeline.update is not None) == overlap
     pool = pipeline.pool
     made = {id(g.grad) for g in pool._spare}
     assert len(made) == 2, "one gradient for the iteration in the window, and one spare, for every stream together"

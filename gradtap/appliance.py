@@ -32,7 +32,7 @@ from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.control import ControlPlane
 from gradtap.core.errors import CaptureError, ConfigError
 from gradtap.merger.merger import Merger
-from gradtap.pipeline import Pipeline, start_up_frozen
+from gradtap.pipeline import Cores, Pipeline, start_up_frozen
 from gradtap.rehearsal import Rehearsal, rehearse
 from gradtap.status import ApplianceStatus
 from gradtap.replica_sink import ReplicaSink
@@ -54,6 +54,7 @@ class RunOptions:
     hugepages: str = "auto"
     capture_cpus: dict[str, int] = field(default_factory=dict)   # stream -> core
     parse_cpus: list[int] = field(default_factory=list)          # cores for the parser threads
+    update_cpus: list[int] = field(default_factory=list)         # cores for the update thread (pipeline_cores)
     batch_frames: int = 8192
     poll_s: float = 0.05
     digests: bool = False                 # a state digest per iteration, for `gradtap verify`
@@ -61,6 +62,17 @@ class RunOptions:
     start: Path | None = None             # --start: from one of --out's own snapshots, the run continues its replica
     control_token_file: Path | None = None  # --control-token-file (default: the job's, else OUT/control.token)
     rehearse: bool = True                 # run the pipeline on a miniature of the job before listening (--no-rehearsal)
+
+
+def pipeline_cores(options: RunOptions) -> Cores:
+    """Where the pipeline's threads run: the parsers on ``parse_cpus``; the update thread on
+    ``update_cpus``, else, when the parsers are pinned, on the cores neither they nor the
+    capture workers take (on theirs when there is none left), else anywhere."""
+    parse = frozenset(options.parse_cpus)
+    update = frozenset(options.update_cpus)
+    if parse and not update:
+        update = frozenset(os.sched_getaffinity(0)) - parse - frozenset(options.capture_cpus.values()) or parse
+    return Cores(parse, update)
 
 
 def control_token_file(job: JobSpec, out: Path, options: RunOptions) -> Path:
@@ -111,7 +123,7 @@ class Appliance:
                                      on_anchor=self.numbering.placed,
                                      on_resolved=lambda r: self.control.event("job.resolved", **r.as_event()),
                                      merger=merger, overlap=None if group is None else False,
-                                     update_lock=self._replica_lock)
+                                     update_lock=self._replica_lock, cores=pipeline_cores(options))
             self.numbering.attach(self.pipeline)
         except BaseException:
             if self.group is not None:

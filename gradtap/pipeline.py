@@ -98,14 +98,26 @@ def start_up_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def overlapping(parse_threads: int) -> bool:
+@dataclass(frozen=True)
+class Cores:
+    """Where the pipeline's threads run (empty: wherever this process may): ``parse``, the
+    thread that runs the rounds and the parsers' pool (whoever runs the rounds pins itself
+    there, before they start: the pool's threads inherit its cores); ``update``, the update
+    thread."""
+
+    parse: frozenset[int] = frozenset()
+    update: frozenset[int] = frozenset()
+
+
+def overlapping(parse_threads: int, cores: frozenset[int] | None = None) -> bool:
     """Whether the sink should run on a thread of its own beside ``parse_threads`` parsing:
-    when this process may run on more cores than that. Where the parsers take every core, a
+    when the parsers and the sink may run on more ``cores`` than that (default: those this
+    process may run on). Where the parsers take every core, a
     sink beside them only shares those cores, and the replica lag grows by what it shares.
     Measured with ``benchmarks.replay`` (GPT-2 small, 3 streams parsed on 2 threads, 2 cores,
     alternated 8 times): replay wall median 0.543 s between rounds, 0.567 s beside them; the
     worse iteration's lag 0.081 s against 0.143 s."""
-    return len(os.sched_getaffinity(0)) > parse_threads
+    return len(cores or os.sched_getaffinity(0)) > parse_threads
 
 
 class Pipeline:
@@ -117,9 +129,9 @@ class Pipeline:
     where each anchor fell, or why it could not be placed. ``merger`` builds the merger from
     the plan, the streams, the sink, the first iteration and the settle time.
 
-    ``overlap`` (default: :func:`overlapping`) makes the sink's calls, and ``on_anchor``'s, on
-    the update thread, each under ``update_lock`` (which whatever else touches the replica
-    takes too). The merger's buckets must then stay unchanged until their iteration's
+    ``overlap`` (default: :func:`overlapping` on ``cores``) makes the sink's calls, and
+    ``on_anchor``'s, on the update thread, each under ``update_lock`` (which whatever else
+    touches the replica takes too). The merger's buckets must then stay unchanged until their iteration's
     gradients go back to the pool, as :class:`~gradtap.merger.merger.Merger`'s do; a mirror
     group's last only until the next bucket, and its sink talks to its peers: False."""
 
@@ -127,7 +139,7 @@ class Pipeline:
                  first_iteration: int | None = 0, on_lockon_failed: Callable[[LockFailure], None] | None = None,
                  on_anchor: AnchorOutcome | None = None, on_resolved: Callable[[Resolution], None] | None = None,
                  hold_bytes: int = HOLD_BYTES, merger: MergerFactory = Merger, overlap: bool | None = None,
-                 update_lock: threading.Lock | None = None):
+                 update_lock: threading.Lock | None = None, cores: Cores = Cores()):
         gap = job.appliance.iteration_gap_ns
         self._make_merger = merger
         self.job, self.streams, self.gap_ns = job, list(streams), gap
@@ -138,11 +150,12 @@ class Pipeline:
         self.listening_ns: int | None = None     # when a live capture began listening (before its first frame)
         self._failures_told: set[str] = set()
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
-        self._threads = max(1, min(len(streams), len(os.sched_getaffinity(0))))
+        allowed = frozenset(os.sched_getaffinity(0))
+        self._threads = max(1, min(len(streams), len(cores.parse or allowed)))
         if overlap is None:
-            overlap = overlapping(self._threads)
+            overlap = overlapping(self._threads, (cores.parse or allowed) | (cores.update or allowed))
         self._sink = _TimedSink(sink, self.times, background=overlap)
-        self.update = UpdateThread(self._sink, update_lock or threading.Lock()) if overlap else None
+        self.update = UpdateThread(self._sink, update_lock or threading.Lock(), cores.update) if overlap else None
         self._first_iteration = first_iteration
         self.parsers: dict[str, StreamParser] = {}
         self.merger: Merger | None = None

@@ -29,6 +29,7 @@ starts one only where the host has cores its parsers leave free
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
 from contextlib import nullcontext
@@ -36,17 +37,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from gradtap.core.errors import GradtapError
+from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.merger.merger import IterationReport, Sink
 
 log = logging.getLogger(__name__)
 
 
 class UpdateThread:
-    """``sink``'s calls, made on a thread of its own in the order they are queued, each under
+    """``sink``'s calls, made on a thread of its own (on ``cpus``, when given; the Numba
+    threads its kernels start inherit them) in the order they are queued, each under
     ``lock``. A :class:`~gradtap.merger.merger.Sink` itself."""
 
-    def __init__(self, sink: Sink, lock: threading.Lock, name: str = "gradtap-update"):
+    def __init__(self, sink: Sink, lock: threading.Lock, cpus: frozenset[int] = frozenset(),
+                 name: str = "gradtap-update"):
         self.sink, self.lock = sink, lock
         self.failure: BaseException | None = None     # the first call that raised
         self.queued = 0                                # calls queued so far
@@ -56,6 +59,13 @@ class UpdateThread:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        if cpus:
+            try:
+                os.sched_setaffinity(self._thread.native_id, cpus)
+            except OSError as exc:
+                self.close()
+                raise ConfigError(f"update cores {sorted(cpus)}: {exc.strerror}; give cores this process may run "
+                                  f"on ({sorted(os.sched_getaffinity(0))})") from None
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None:
         self.call(self.sink.bucket, iteration, bucket, data)

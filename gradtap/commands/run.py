@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -38,9 +39,15 @@ def parse_stream(text: str, source: str, netns: str | None):
 
 def _cpus(text: str, what: str) -> list[int]:
     try:
-        return [int(c) for c in text.split(",") if c.strip()]
+        cores = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:
         raise ConfigError(f"{what}: {text!r} is not a comma-separated list of core numbers") from None
+    allowed = os.sched_getaffinity(0)
+    foreign = sorted(set(cores) - allowed)
+    if foreign:
+        raise ConfigError(f"{what}: core(s) {foreign} are not among the cores this process may run on "
+                          f"({','.join(map(str, sorted(allowed)))})")
+    return cores
 
 
 @app.command("run")
@@ -89,7 +96,12 @@ def _cpus(text: str, what: str) -> list[int]:
 @click.option("--capture-cpus", default="", show_default=False, metavar="CPUS",
               help="cores for the capture workers, one per stream")
 @click.option("--parse-cpus", default="", show_default=False, metavar="CPUS",
-              help="cores for parsing, merging and updating")
+              help="cores for parsing and merging (and updating, unless --update-cpus or cores left free say "
+                   "otherwise)")
+@click.option("--update-cpus", default="", show_default=False, metavar="CPUS",
+              help="cores for the update thread (the Adam step), beside the parsers; default: with --parse-cpus, "
+                   "the cores neither it nor --capture-cpus takes, else anywhere. Where the parsers take every "
+                   "core, the update runs between their rounds")
 @click.option("--ring-slots", type=click.IntRange(min=2), default=1 << 16, metavar="N",
               help="frames each stream's shared-memory ring holds")
 @click.option("--slot-size", type=click.IntRange(min=64), default=9216, metavar="BYTES",
@@ -104,9 +116,10 @@ def _cpus(text: str, what: str) -> list[int]:
                    "(which compiles every kernel, some 20 s after an install or upgrade, and checks it exact)")
 @group_options("capturing")
 def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
-                start: Path | None, store: str | None, start_from_store: bool, metrics_port: int, metrics_address: str, control_port: int,
+                start: Path | None, store: str | None, start_from_store: bool, metrics_port: int,
+                metrics_address: str, control_port: int,
                 control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...],
-                capture_cpus: str, parse_cpus: str, ring_slots: int, slot_size: int, hugepages: str,
+                capture_cpus: str, parse_cpus: str, update_cpus: str, ring_slots: int, slot_size: int, hugepages: str,
                 no_status: bool, force: bool, no_rehearsal: bool, group_at: str | None, rendezvous: str | None,
                 group_timeout: float | None) -> None:
     """Capture mirror ports and keep a replica current until SIGINT/SIGTERM.
@@ -139,6 +152,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
+                         update_cpus=_cpus(update_cpus, "--update-cpus"),
                          force=force, start=start, control_token_file=control_token_file, rehearse=not no_rehearsal)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
     if start_from_store:

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import numpy as np
@@ -14,8 +15,9 @@ import pytest
 import torch
 
 from gradtap import metrics
-from gradtap.appliance import Appliance, RunOptions
+from gradtap.appliance import Appliance, RunOptions, pipeline_cores
 from gradtap.capture.worker import SourceSpec
+from gradtap.pipeline import Cores
 from gradtap.store import snapshot
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
@@ -63,6 +65,58 @@ def test_run_over_pcap_sources_serves_metrics_and_ends_cleanly(tmp_path):
     assert f'gradtap_snapshots_total{{result="written"}} {float(counts["written"])}' in body
     assert 'gradtap_decode_events_total{event="data.written"' in body
     assert "gradtap_replica_stale 0.0" in body
+
+
+@pytest.mark.slow
+def test_the_update_thread_runs_on_its_own_cores_and_the_replica_is_exact(tmp_path):
+    """``--parse-cpus`` on one core: the update thread takes the others (``pipeline_cores``),
+    beside the parsers, pinned there, and the replica is the trainer's."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"this process may run on one core ({cores}): no core for an update thread beside the parser")
+    job = make_job(3, "Simple", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=3)
+    streams = {m.name: SourceSpec("pcap", (str(tmp_path / "sim" / "streams" / f"{m.name}.pcap"),), {})
+               for m in job.mirrors}
+    start = torch.load(tmp_path / "sim" / "truth" / "start.pt", weights_only=True)
+    options = RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True, parse_cpus=cores[:1])
+    assert pipeline_cores(options) == Cores(frozenset(cores[:1]), frozenset(cores[1:]))
+    appliance = Appliance(job, streams, tmp_path / "run", start, options)
+    assert appliance.pipeline.update is not None, "no update thread beside a parser pinned to one core"
+    seen = set()
+    bucket = appliance.sink.bucket
+
+    def noting(*args):
+        seen.add((threading.current_thread().name, frozenset(os.sched_getaffinity(0))))
+        bucket(*args)
+
+    appliance.sink.bucket = noting
+    try:
+        result = appliance.run()
+    finally:
+        os.sched_setaffinity(0, cores)      # run() pinned this thread to the parse core
+    assert result.exit_code == 0 and result.unrecoverable == 0, result
+    assert seen == {("gradtap-update", frozenset(cores[1:]))}
+    assert verify(tmp_path / "run", tmp_path / "sim" / "truth", job_params(job)).ok
+    with np.load(tmp_path / "sim" / "truth" / "iter_000003" / "state.npz") as truth:
+        for name, value in appliance.replica.state_dict()["model"].items():
+            assert value.numpy().tobytes() == truth[f"param/{name}"].tobytes(), name
+
+
+def test_cores_the_process_may_not_run_on_are_refused_by_name(tmp_path):
+    from click.testing import CliRunner
+
+    from gradtap.cli import _register, app
+    from gradtap.core.errors import ConfigError
+    _register()
+    job = seed_started_job()
+    (tmp_path / "job.yaml").write_text(dump_job(job))
+    foreign = max(os.sched_getaffinity(0)) + 1
+    done = CliRunner().invoke(app, ["run", str(tmp_path / "job.yaml"), "--stream", "m-egress=lo", "--out",
+                                    str(tmp_path / "out"), "--update-cpus", f"{min(os.sched_getaffinity(0))},{foreign}",
+                                    "--no-rehearsal"])
+    assert isinstance(done.exception, ConfigError), done.output
+    assert f"--update-cpus: core(s) [{foreign}] are not among the cores this process may run on" in str(done.exception)
 
 
 def seed_started_job():

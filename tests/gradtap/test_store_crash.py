@@ -402,7 +402,7 @@ def test_the_store_dies_under_the_appliance_and_comes_back(tmp_path, sim, monkey
     from gradtap.replay import run_replay
     from gradtap.store_tier import with_store
 
-    monkeypatch.setattr(gradtap.pipeline, "overlapping", lambda threads: False)
+    monkeypatch.setattr(gradtap.pipeline, "overlapping", lambda threads, cores=None: False)
 
     for k, v in CREDENTIALS.items():
         monkeypatch.setenv(k, v)

@@ -5,13 +5,14 @@ gives between rounds, the trainer's."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
 import gradtap.pipeline
-from gradtap.core.errors import GradtapError
+from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.parser.shared_gradient import GradientPool
 from gradtap.replay import run_replay
 from gradtap.simulator.truth import iteration_dir
@@ -93,6 +94,21 @@ def test_close_makes_what_is_queued_then_refuses_more():
         update.bucket(0, 5, np.zeros(1))
 
 
+def test_an_update_thread_runs_on_the_cores_it_is_given():
+    lock, last = threading.Lock(), max(os.sched_getaffinity(0))
+    seen = []
+    update = UpdateThread(Record(lock), lock, frozenset({last}))
+    try:
+        update.call(lambda: seen.append(os.sched_getaffinity(0)))
+        update.drain()
+    finally:
+        update.close()
+    assert seen == [{last}]
+    foreign = frozenset({max(os.sched_getaffinity(0)) + 1})
+    with pytest.raises(ConfigError, match=rf"update cores \[{max(foreign)}\]: .*give cores this process may run on"):
+        UpdateThread(Record(lock), lock, foreign)
+
+
 def test_a_parser_short_of_a_buffer_waits_for_the_one_the_updater_returns():
     pool = GradientPool(64, 1, 1)
     first = pool.enter(0)
@@ -125,7 +141,7 @@ def test_a_replica_stepped_beside_the_parsers_is_the_one_stepped_between_rounds(
     simulate(tmp_path / "sim", job, iterations=3)
     truth = tmp_path / "sim" / "truth"
     for overlap in (False, True):
-        monkeypatch.setattr(gradtap.pipeline, "overlapping", lambda threads, on=overlap: on)
+        monkeypatch.setattr(gradtap.pipeline, "overlapping", lambda threads, cores=None, on=overlap: on)
         out = tmp_path / f"overlap-{overlap}"
         _, sink = run_replay(job, streams_of(tmp_path / "sim", job), out, start_of(tmp_path / "sim"),
                              batch_frames=64)

@@ -113,7 +113,8 @@ class Appliance:
             merger = self._group(job, start, options, group)
             plan = self.group.plan
         # The replica and its sink: the pipeline's update thread against status(), offers and
-        # attestations. Taken after self._lock by whoever takes both.
+        # attestations. Taken after self._lock by whoever takes both (an offer: it numbers the
+        # pipeline's iterations too).
         self._replica_lock = threading.Lock()
         try:
             self.numbering = Numbering(start, self.replica, self.control)
@@ -193,7 +194,7 @@ class Appliance:
         """The trainer's fingerprint of its state (the control endpoint's POST /attest): held
         until the replica reaches that state, then compared (``gradtap/attestation.py``)."""
         self._not_for_group("POST /attest (the trainer's fingerprint)")
-        with self._lock, self._replica_lock:
+        with self._replica_lock:
             return self.attestations.offer(fingerprint)
 
     def _not_for_group(self, what: str) -> None:
@@ -262,26 +263,31 @@ class Appliance:
         return self.rehearsal
 
     def status(self) -> ApplianceStatus:
-        """The counters as they are now (thread-safe; the metrics and control threads call it)."""
-        with self._lock, self._replica_lock:
+        """The counters as they are now (thread-safe; the metrics and control threads call it).
+        The pipeline's side and the replica's are read under their own locks, one after the
+        other: holding the first while waiting for the second (an Adam pass under way on the
+        update thread) would keep the next round from starting."""
+        with self._lock:
             capture = self._final_capture if self._final_capture is not None else self._capture_stats()
-            lines = self.sink.lines
             timings = self.pipeline.timings()
             parse_s, merge_s, update_s = self.pipeline.times.total()
+            events, locked = self.pipeline.counters(), self.pipeline.locked()
+            numbered, skipped = self.pipeline.numbered, self.pipeline.skipped
+            group = None if self.group is None else self.group.report()
+        with self._replica_lock:
+            lines = self.sink.lines
             recovered = sum(x["recovered"] for x in lines)
-            return ApplianceStatus(capture=capture, events=self.pipeline.counters(), recovered=recovered,
+            return ApplianceStatus(capture=capture, events=events, recovered=recovered,
                                    unrecoverable=len(lines) - recovered, replica_iteration=self.replica.iteration,
                                    stale=self.replica.stale, lag_s=timings[-1].lag_s if timings else 0.0,
                                    parse_s=parse_s, merge_s=merge_s, update_s=update_s,
-                                   locked=self.pipeline.locked(), numbered=self.pipeline.numbered,
-                                   skipped=self.pipeline.skipped,
+                                   locked=locked, numbered=numbered, skipped=skipped,
                                    attested=0 if self.attestations is None else self.attestations.attested,
                                    diverged=0 if self.attestations is None else self.attestations.diverged,
                                    snapshots=self.snapshots.counts() if self.snapshots is not None else None,
                                    store=None if self.uploader is None else self.uploader.counts(),
                                    gradient_log=None if self.gradient_log is None else self.gradient_log.counts(),
-                                   listening=self.ready.is_set(),
-                                   group=None if self.group is None else self.group.report())
+                                   listening=self.ready.is_set(), group=group)
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

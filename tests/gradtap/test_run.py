@@ -19,6 +19,7 @@ from gradtap.appliance import Appliance, RunOptions, pipeline_cores
 from gradtap.capture.worker import SourceSpec
 from gradtap.pipeline import Cores
 from gradtap.store import snapshot
+from gradtap.updater.replica import seed_checkpoint
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import dump_job
@@ -101,6 +102,28 @@ def test_the_update_thread_runs_on_its_own_cores_and_the_replica_is_exact(tmp_pa
     with np.load(tmp_path / "sim" / "truth" / "iter_000003" / "state.npz") as truth:
         for name, value in appliance.replica.state_dict()["model"].items():
             assert value.numpy().tobytes() == truth[f"param/{name}"].tobytes(), name
+
+
+def test_status_never_holds_the_pipeline_while_it_waits_for_the_replica(tmp_path):
+    """With the update thread in an Adam pass (it holds the replica's lock), a status read
+    waits for it without holding the pipeline's lock, so the next round can start. Holding
+    both would stall the parsers behind every metrics scrape that falls in an update."""
+    job = make_job(3, "Simple", 2, "fp32")
+    streams = {m.name: SourceSpec("pcap", (str(tmp_path / f"{m.name}.pcap"),), {}) for m in job.mirrors}
+    appliance = Appliance(job, streams, tmp_path / "run", seed_checkpoint(job, 0), RunOptions(hugepages="off"))
+    try:
+        done = []
+        with appliance._replica_lock:
+            reader = threading.Thread(target=lambda: done.append(appliance.status()))
+            reader.start()
+            reader.join(0.2)
+            assert not done, "status() read the replica while its lock was held"
+            assert appliance._lock.acquire(timeout=10), "status() holds the pipeline's lock while it waits"
+            appliance._lock.release()
+        reader.join(10)
+        assert len(done) == 1 and done[0].replica_iteration == 0
+    finally:
+        appliance.pipeline.close()
 
 
 def test_cores_the_process_may_not_run_on_are_refused_by_name(tmp_path):

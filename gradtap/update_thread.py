@@ -35,6 +35,7 @@ from collections import deque
 from contextlib import nullcontext
 from typing import Any, Callable
 
+import numba
 import numpy as np
 
 from gradtap.core.errors import ConfigError, GradtapError
@@ -44,9 +45,9 @@ log = logging.getLogger(__name__)
 
 
 class UpdateThread:
-    """``sink``'s calls, made on a thread of its own (on ``cpus``, when given; the Numba
-    threads its kernels start inherit them) in the order they are queued, each under
-    ``lock``. A :class:`~gradtap.merger.merger.Sink` itself."""
+    """``sink``'s calls, made on a thread of its own (on ``cpus``, when given: the threads its
+    Numba kernels start inherit them, and are as many as the cores) in the order they are
+    queued, each under ``lock``. A :class:`~gradtap.merger.merger.Sink` itself."""
 
     def __init__(self, sink: Sink, lock: threading.Lock, cpus: frozenset[int] = frozenset(),
                  name: str = "gradtap-update"):
@@ -57,15 +58,18 @@ class UpdateThread:
         self._queue: deque[tuple[bool, Callable[..., Any], tuple]] = deque()
         self._changed = threading.Condition()
         self._closing = False
+        self._pinned = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
-        if cpus:
-            try:
+        try:
+            if cpus:
                 os.sched_setaffinity(self._thread.native_id, cpus)
-            except OSError as exc:
-                self.close()
-                raise ConfigError(f"update cores {sorted(cpus)}: {exc.strerror}; give cores this process may run "
-                                  f"on ({sorted(os.sched_getaffinity(0))})") from None
+        except OSError as exc:
+            self._pinned.set()
+            self.close()
+            raise ConfigError(f"update cores {sorted(cpus)}: {exc.strerror}; give cores this process may run "
+                              f"on ({sorted(os.sched_getaffinity(0))})") from None
+        self._pinned.set()
 
     def bucket(self, iteration: int, bucket: int, data: np.ndarray) -> None:
         self.call(self.sink.bucket, iteration, bucket, data)
@@ -112,6 +116,10 @@ class UpdateThread:
             self._changed.notify_all()
 
     def _run(self) -> None:
+        self._pinned.wait()
+        # Numba's thread count is per thread: a kernel's prange here runs on no more threads
+        # than the cores this thread may run on.
+        numba.set_num_threads(min(numba.config.NUMBA_NUM_THREADS, len(os.sched_getaffinity(0))))
         while True:
             with self._changed:
                 while not self._queue and not self._closing:

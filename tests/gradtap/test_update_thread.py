@@ -9,6 +9,7 @@ import os
 import threading
 import time
 
+import numba
 import numpy as np
 import pytest
 import gradtap.pipeline
@@ -99,11 +100,11 @@ def test_an_update_thread_runs_on_the_cores_it_is_given():
     seen = []
     update = UpdateThread(Record(lock), lock, frozenset({last}))
     try:
-        update.call(lambda: seen.append(os.sched_getaffinity(0)))
+        update.call(lambda: seen.append((os.sched_getaffinity(0), numba.get_num_threads())))
         update.drain()
     finally:
         update.close()
-    assert seen == [{last}]
+    assert seen == [({last}, 1)], "not on its core, or its kernels would start threads for cores it has not"
     foreign = frozenset({max(os.sched_getaffinity(0)) + 1})
     with pytest.raises(ConfigError, match=rf"update cores \[{max(foreign)}\]: .*give cores this process may run on"):
         UpdateThread(Record(lock), lock, foreign)

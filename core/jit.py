@@ -50,6 +50,16 @@ JIT_NO_REFCOUNT = dict(JIT, _nrt=False)
 PACKAGE = gradtap.__name__
 
 
+def fit_threads() -> int:
+    """Set the calling thread's Numba thread count (Numba keeps one per thread) to the cores
+    it may run on, at most ``NUMBA_NUM_THREADS``, and return it: a thread pinned to fewer
+    cores than the process had when Numba started would otherwise run each ``prange`` on a
+    thread for every one of those cores, crowded onto its own."""
+    n = min(numba.config.NUMBA_NUM_THREADS, len(os.sched_getaffinity(0)))
+    numba.set_num_threads(n)
+    return n
+
+
 @lru_cache(maxsize=None)
 def _spec(name: str):
     """The import spec of module ``name`` without importing it (only its parent packages,

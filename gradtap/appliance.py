@@ -31,6 +31,7 @@ from gradtap.capture.ring import FrameRing
 from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.control import ControlPlane
 from gradtap.core.errors import CaptureError, ConfigError
+from gradtap.core.jit import fit_threads
 from gradtap.merger.merger import Merger
 from gradtap.pipeline import Cores, Pipeline, start_up_frozen
 from gradtap.rehearsal import Rehearsal, rehearse
@@ -315,6 +316,7 @@ class Appliance:
             # The parsers' pool threads are started lazily; pinning the process's main
             # thread first makes every thread it starts inherit these cores.
             os.sched_setaffinity(0, set(cpus))
+            fit_threads()
 
     def _group_broken(self) -> str:
         gone = "; ".join(f"node rank {p} is gone ({why})" for p, why in sorted(self.group.gone.items()))

@@ -38,6 +38,7 @@ import numba
 import numpy as np
 
 from gradtap.capture.frames import FrameBatch
+from gradtap.core.jit import fit_threads
 from gradtap.merger.merger import IterationReport, Merger, Sink
 from gradtap.merger.numbering import Anchor, AnchorRefused, StreamStarts, anchor_ordinal
 from gradtap.parser.decode import decode_batch
@@ -151,9 +152,10 @@ class Pipeline:
         self._failures_told: set[str] = set()
         self.times = StageTimes(parse_s={name: 0.0 for name in streams})
         allowed = frozenset(os.sched_getaffinity(0))
-        self._threads = max(1, min(len(streams), len(cores.parse or allowed)))
+        self._cores = cores.parse or allowed
+        self._threads = max(1, min(len(streams), len(self._cores)))
         if overlap is None:
-            overlap = overlapping(self._threads, (cores.parse or allowed) | (cores.update or allowed))
+            overlap = overlapping(self._threads, self._cores | (cores.update or allowed))
         self._sink = _TimedSink(sink, self.times, background=overlap)
         self.update = UpdateThread(self._sink, update_lock or threading.Lock(), cores.update) if overlap else None
         self._first_iteration = first_iteration
@@ -162,8 +164,10 @@ class Pipeline:
         self.last_fed: dict[int, float] = {}        # ordinal -> start of the last round carrying its frames
         self._placed: dict[str, dict[int, int]] = {name: {} for name in streams}   # StreamParser.placed()
         self._retired: dict[int, list[IterationGradient]] = {}   # ordinal -> gradients the merger holds
-        # The thread that runs the rounds parses too (parse_in_pieces).
-        self._pool = ThreadPoolExecutor(max_workers=max(1, self._threads - 1), thread_name_prefix="gradtap-parse")
+        # The thread that runs the rounds parses too (parse_in_pieces). The pool's threads
+        # start with the first round, on the cores of the thread that runs it.
+        self._pool = ThreadPoolExecutor(max_workers=max(1, self._threads - 1), thread_name_prefix="gradtap-parse",
+                                        initializer=fit_threads)
         # Before a plan: the resolver, the frames held for the parsers, and the frames let go.
         self.resolver = Resolver(job, self.streams, gap) if plan is None else None
         self.hold_bytes = hold_bytes
@@ -181,7 +185,7 @@ class Pipeline:
         # ICRC is best checked frame by frame in stage 2. (One stream of GPT-2 small from
         # memory, ICRC deferred against not: 9.7 against 8.6 GB/s of payload on 1 thread,
         # 10.5 against 11.4 on 2.)
-        defer = len(self.streams) >= numba.get_num_threads()
+        defer = len(self.streams) >= min(numba.get_num_threads(), len(self._cores))
         # One stream writes the pool's gradients alone: its payload copies are made after its
         # kernel, with every thread (parser/payload.py).
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool, defer_icrc=defer,

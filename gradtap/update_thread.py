@@ -35,10 +35,10 @@ from collections import deque
 from contextlib import nullcontext
 from typing import Any, Callable
 
-import numba
 import numpy as np
 
 from gradtap.core.errors import ConfigError, GradtapError
+from gradtap.core.jit import fit_threads
 from gradtap.merger.merger import IterationReport, Sink
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,7 @@ class UpdateThread:
 
     def _run(self) -> None:
         self._pinned.wait()
-        # Numba's thread count is per thread: a kernel's prange here runs on no more threads
-        # than the cores this thread may run on.
-        numba.set_num_threads(min(numba.config.NUMBA_NUM_THREADS, len(os.sched_getaffinity(0))))
+        fit_threads()
         while True:
             with self._changed:
                 while not self._queue and not self._closing:

@@ -73,3 +73,29 @@ def test_an_edit_to_a_callee_or_a_constant_in_another_module_is_compiled_again(t
     (probe / "c.py").write_text(C.format(offset=5))
     result, log = _run(tmp_path)
     assert result == 35 and "data saved" in log
+
+
+def test_a_thread_pinned_to_one_core_runs_its_kernels_on_one_thread():
+    """``fit_threads``: Numba's count is per thread, and a pinned thread's is its cores."""
+    import threading
+
+    import numba
+
+    from gradtap.core.jit import fit_threads
+    cores = os.sched_getaffinity(0)
+    seen = []
+
+    def pinned():
+        os.sched_setaffinity(0, {max(cores)})
+        seen.append((fit_threads(), numba.get_num_threads()))
+
+    thread = threading.Thread(target=pinned)
+    thread.start()
+    thread.join()
+    assert seen == [(1, 1)]
+    assert os.sched_getaffinity(0) == cores, "pinning another thread moved this one"
+    every = min(numba.config.NUMBA_NUM_THREADS, len(cores))
+    thread = threading.Thread(target=lambda: seen.append((fit_threads(), numba.get_num_threads())))
+    thread.start()
+    thread.join()
+    assert seen[1] == (every, every)

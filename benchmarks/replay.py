@@ -126,7 +126,6 @@ import torch
 
 from benchmarks._bandwidth import memcpy_bandwidth
 from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES
-from gradtap.pipeline import overlapping
 from gradtap.replay import ReplayResult, run_replay
 from gradtap.start import replica_start
 from gradtap.store.snapshot_writer import BUFFERS
@@ -352,9 +351,8 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
     print(f"{'iter':>4s} {'parse s (thread-s)':>19s} {'merge s':>8s} {'update s':>9s} {'lag s':>7s}")
     for t in result.timings:
         print(f"{t.iteration:4d} {t.parse_s:19.2f} {t.merge_s:8.2f} {t.update_s:9.2f} {t.lag_s:7.3f}")
-    parse_threads = min(len(result.bytes), cores)
-    print(f"updater: {'on its own thread, beside' if overlapping(parse_threads) else 'between rounds, after'} the "
-          f"{parse_threads} parse thread(s), on {cores} core(s) (gradtap.pipeline.overlapping)")
+    print(f"updater: {'on its own thread, beside the parsers' if result.overlapped else 'between rounds'} "
+          f"({len(result.bytes)} streams on {cores} cores: gradtap.pipeline.overlapping)")
     print(f"\nprocessing time per iteration      {per_iteration:8.2f} s   (replay wall {result.wall_s:.2f} s)")
     print(f"bytes touched per iteration (min)  {touched / iterations / 1e9:8.2f} GB  (frames "
           f"{frame_bytes / iterations / 1e9:.2f}, shared gradient written once + other copies compared "

@@ -108,6 +108,7 @@ class ReplayResult:
     wall_s: float
     timings: list[IterationTiming]
     locked: dict[str, bool]                    # stream -> locked on at some point
+    overlapped: bool = False                   # the sink ran on the update thread, beside the parsers
 
 
 Progress = Callable[[str, int, int], None]     # (stream, bytes read, file bytes)
@@ -184,7 +185,7 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
             s.close()
     return ReplayResult(reports, pipeline.counters(), {n: s.frames for n, s in sources.items()},
                         {n: s.bytes for n, s in sources.items()}, pipeline.times, time.perf_counter() - started,
-                        pipeline.timings(), pipeline.locked())
+                        pipeline.timings(), pipeline.locked(), pipeline.update is not None)
 
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | ReplicaStart, *, digests: bool = True,

@@ -13,13 +13,15 @@ import numba
 import numpy as np
 import pytest
 import gradtap.pipeline
+from gradtap.pipeline import Cores, Pipeline
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.parser.shared_gradient import GradientPool
 from gradtap.replay import run_replay
 from gradtap.simulator.truth import iteration_dir
 from gradtap.update_thread import UpdateThread
 from gradtap.verify import verify
-from gradtap.workload.layout import job_params
+from gradtap.workload.layout import job_params, job_plan
+from tests.gradtap.test_buffers import Collect
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
 
@@ -108,6 +110,25 @@ def test_an_update_thread_runs_on_the_cores_it_is_given():
     foreign = frozenset({max(os.sched_getaffinity(0)) + 1})
     with pytest.raises(ConfigError, match=rf"update cores \[{max(foreign)}\]: .*give cores this process may run on"):
         UpdateThread(Record(lock), lock, foreign)
+
+
+def test_an_update_thread_is_started_only_where_the_parsers_leave_it_a_core():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"this process may run on one core ({cores}): every case but one needs two")
+    job = make_job(3, "Simple", 2, "fp32")
+    plan, names = job_plan(job), [m.name for m in job.mirrors]
+    one, rest, every = frozenset(cores[:1]), frozenset(cores[1:]), frozenset(cores)
+    cases = [(names, Cores(one, rest), True),            # the parsers on one core, the updater on the others
+             (names, Cores(one, one), False),            # on the same core: between rounds
+             (names[:1], Cores(every, every), False),    # a stream alone copies with every core it has
+             (names[:1], Cores(one, frozenset()), True)]  # ... which is one here, and the updater may go anywhere
+    for streams, where, beside in cases:
+        pipeline = Pipeline(job, plan, streams, Collect(), cores=where)
+        try:
+            assert (pipeline.update is not None) == beside, (len(streams), where)
+        finally:
+            pipeline.close()
 
 
 def test_a_parser_short_of_a_buffer_waits_for_the_one_the_updater_returns():

@@ -12,10 +12,11 @@ import time
 import numba
 import numpy as np
 import pytest
+
 import gradtap.pipeline
-from gradtap.pipeline import Cores, Pipeline
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.parser.shared_gradient import GradientPool
+from gradtap.pipeline import Cores, Pipeline
 from gradtap.replay import run_replay
 from gradtap.simulator.truth import iteration_dir
 from gradtap.update_thread import UpdateThread

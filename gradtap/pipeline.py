@@ -1,19 +1,19 @@
 """The pipeline the appliance and offline replay share: every stream's parser, the merger and
 the sink (the updater), advanced one round of frames at a time, with the time each stage takes.
 
-A round parses each stream's new frames in parallel threads (the Numba kernels release the
-GIL), every stream into the same gradient per iteration (``parser/shared_gradient.py``);
-the merger then runs on the caller's thread while the parsers wait, so nothing reads a slot
-a parser is writing. Where the host has cores the parsers leave free (:func:`overlapping`),
-the sink (the updater) runs on a thread of its own (``gradtap/update_thread.py``), so that
-the next rounds parse while it steps the replica; otherwise it runs on the caller's thread,
-between rounds, and has every core to itself. With more streams than cores, each stream's frames
-are parsed in pieces, one thread per core taking the next piece of a stream no other thread
-is parsing (:func:`parse_in_pieces`): whole batches on fewer cores than streams leave a core
-idle at the end of every round (3 streams on 2 cores: the third batch starts only when one
-of the first two ends, so a round takes two batches' time where one and a half would do).
-``gradtap.replay`` feeds rounds from capture files, ``gradtap.appliance`` from the capture
-workers' shared-memory rings.
+A round parses each stream's new frames in parallel threads (the Numba kernels release the GIL),
+every stream into the same gradient per iteration (``parser/shared_gradient.py``); the merger
+then runs on the caller's thread while the parsers wait, so nothing reads a slot a parser is
+writing. Where the host has cores the parsers leave free (:func:`overlapping`), the sink (the
+updater) runs on a thread of its own (``gradtap/update_thread.py``), so that the next rounds
+parse while it steps the replica; otherwise it runs on the caller's thread, between rounds, and
+has every core to itself. With more streams than cores, each stream's frames are parsed in
+pieces, one thread per core taking the next piece of a stream no other thread is parsing
+(:func:`parse_in_pieces`): whole batches on fewer cores than streams leave a core idle at the
+end of every round (3 streams on 2 cores: the third batch starts only when one of the first two
+ends, so a round takes two batches' time where one and a half would do). ``gradtap.replay``
+feeds rounds from capture files, ``gradtap.appliance`` from the capture workers' shared-memory
+rings.
 
 A job that leaves ``nccl.era`` or ``nccl.protocol`` to the wire (``auto``) has no plan yet:
 until the streams decide it (``parser/resolve.py``), each round's frames are watched and held
@@ -112,11 +112,12 @@ class Cores:
 
 def overlapping(parse_threads: int, cores: frozenset[int] | None = None) -> bool:
     """Whether the sink should run on a thread of its own beside ``parse_threads`` busy
-    parsing: when the parsers and the sink may run on more ``cores`` than that (default:
-    those this process may run on). Where the parsers take every core, a sink beside them
-    only shares those cores, and the replica lag grows by what it shares. Measured with ``benchmarks.replay`` (GPT-2 small, 3 streams parsed on 2 threads, 2 cores,
-    alternated 8 times): replay wall median 0.543 s between rounds, 0.567 s beside them; the
-    worse iteration's lag 0.081 s against 0.143 s."""
+    parsing: when the parsers and the sink may run on more ``cores`` than that (default: those
+    this process may run on). Where the parsers take every core, a sink beside them only shares
+    those cores, and the replica lag grows by what it shares. Measured with
+    ``benchmarks.replay`` (GPT-2 small, 3 streams parsed on 2 threads, 2 cores, alternated 8
+    times): replay wall median 0.543 s between rounds, 0.567 s beside them; the worse
+    iteration's lag 0.081 s against 0.143 s."""
     return len(cores or os.sched_getaffinity(0)) > parse_threads
 
 
@@ -131,9 +132,9 @@ class Pipeline:
 
     ``overlap`` (default: :func:`overlapping` on ``cores``) makes the sink's calls, and
     ``on_anchor``'s, on the update thread, each under ``update_lock`` (which whatever else
-    touches the replica takes too). The merger's buckets must then stay unchanged until their iteration's
-    gradients go back to the pool, as :class:`~gradtap.merger.merger.Merger`'s do; a mirror
-    group's last only until the next bucket, and its sink talks to its peers: False."""
+    touches the replica takes too). The merger's buckets must then stay unchanged until their
+    iteration's gradients go back to the pool, as :class:`~gradtap.merger.merger.Merger`'s do; a
+    mirror group's last only until the next bucket, and its sink talks to its peers: False."""
 
     def __init__(self, job: JobSpec, plan: WirePlan | None, streams: list[str], sink: Sink,
                  first_iteration: int | None = 0, on_lockon_failed: Callable[[LockFailure], None] | None = None,

@@ -13,6 +13,8 @@ twice and nothing can drift:
 - ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``,
   ``gradtap_replica_numbered`` (0 while waiting for the trainer's checkpoint with ``time_ns``);
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating;
+- ``gradtap_update_backlog``: calls the update thread has queued and not yet made (buckets and
+  iterations' ends); absent where the updater runs between rounds (``gradtap/update_thread.py``);
 - ``gradtap_attestations_total{result}``: the trainer's fingerprints the replica ``matched``, and
   those that were a ``mismatch`` (each an ``integrity.mismatch`` event: ``gradtap/attestation.py``);
 - ``gradtap_snapshots_total{result}``: local snapshots ``written``, ``skipped`` (due while the
@@ -96,6 +98,9 @@ class ApplianceCollector:
                                 value=int(s.stale))
         yield GaugeMetricFamily("gradtap_replica_lag_seconds", "last iteration: its last frame to the update",
                                 value=s.lag_s)
+        if s.update_backlog is not None:
+            yield GaugeMetricFamily("gradtap_update_backlog", "calls the update thread has queued and not yet made "
+                                    "(buckets, iterations' ends)", value=s.update_backlog)
         yield GaugeMetricFamily("gradtap_replica_numbered", "0 while it is not known which captured iteration is "
                                 "which (waiting for the trainer's checkpoint with time_ns)", value=int(s.numbered))
 

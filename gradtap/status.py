@@ -36,6 +36,9 @@ class ApplianceStatus:
                                                  # logged, dropped (gaps), failed, last_logged; None: no log
     listening: bool = False              # every capture worker has its source open (frames from now on
                                          # are captured; before, a live port's are not)
+    update_backlog: int | None = None    # calls the update thread has queued and not yet made (buckets,
+                                         # iterations' ends; the parsers wait once it holds a gradient they
+                                         # need); None: the updater runs between rounds, with no thread
     group: dict | None = None            # a mirror-group node (gradtap/group.py, GroupNode.report): rank,
                                          # world_size, rendezvous, buckets and elements of its shard, peers
                                          # (rank -> "up" or why it is gone), sent_bytes (and sent_by_kind:

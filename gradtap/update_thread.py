@@ -87,6 +87,11 @@ class UpdateThread:
         failure: it gives back what those calls were reading."""
         self._put(True, fn, args)
 
+    @property
+    def backlog(self) -> int:
+        """Calls queued and not yet made."""
+        return self.queued - self.made
+
     def check(self) -> None:
         """Raise the error of the call that failed, if one did."""
         if self.failure is not None:

@@ -67,6 +67,9 @@ def test_run_over_pcap_sources_serves_metrics_and_ends_cleanly(tmp_path):
     assert f'gradtap_snapshots_total{{result="written"}} {float(counts["written"])}' in body
     assert 'gradtap_decode_events_total{event="data.written"' in body
     assert "gradtap_replica_stale 0.0" in body
+    # An update thread (where this host leaves it a core: gradtap.pipeline.overlapping) shows its backlog.
+    beside = appliance.pipeline.update is not None
+    assert ("gradtap_update_backlog 0.0" in body) == beside and ("gradtap_update_backlog" in body) == beside
 
 
 @pytest.mark.slow
@@ -102,6 +105,7 @@ def test_the_update_thread_runs_on_its_own_cores_and_the_replica_is_exact(tmp_pa
         numba.set_num_threads(threads)
     assert result.exit_code == 0 and result.unrecoverable == 0, result
     assert seen == {("gradtap-update", frozenset(cores[1:]), min(len(cores) - 1, numba.config.NUMBA_NUM_THREADS))}
+    assert appliance.status().update_backlog == 0
     assert parse_threads == 1, "the thread that parses on one core would run its kernels on more threads"
     assert verify(tmp_path / "run", tmp_path / "sim" / "truth", job_params(job)).ok
     with np.load(tmp_path / "sim" / "truth" / "iter_000003" / "state.npz") as truth:

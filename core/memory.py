@@ -1,5 +1,5 @@
 """Native memory operations of the kernels: acquire loads, release stores, an atomic OR,
-memcpy, memcmp, and a copy with non-temporal stores.
+memcpy, memcmp, a copy with non-temporal stores, and a prefetch.
 
 Every ring gradtap touches is single-producer/single-consumer with free-running indices,
 the protocol of the kernel's own rings (``Documentation/core-api/circular-buffers.rst``,
@@ -133,6 +133,9 @@ if config.DISABLE_JIT:
 
     def store_fence():
         """Nothing to order without the JIT."""
+
+    def prefetch_bytes(arr, start, stop):
+        """Nothing to fetch ahead without the JIT."""
 else:
     def _element_pointer(context, builder, arrty, array, index, indexty):
         ary = context.make_array(arrty)(context, builder, array)
@@ -226,6 +229,30 @@ else:
             store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
             return context.get_dummy_value()
         return types.none(types.uintp, types.uintp), codegen
+
+    @intrinsic
+    def _prefetch(typingctx, address):
+        """``llvm.prefetch`` of the cache line at ``address`` for reading, into every cache
+        level (``prefetcht0`` on x86-64, ``prfm pldl1keep`` on arm64): a hint, never a fault."""
+        def codegen(context, builder, sig, args):
+            i8p = ir.IntType(8).as_pointer()
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [
+                i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)]), "llvm.prefetch.p0i8")
+            builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(ir.IntType(32), 0),
+                              ir.Constant(ir.IntType(32), 3), ir.Constant(ir.IntType(32), 1)])
+            return context.get_dummy_value()
+        return types.none(types.uintp), codegen
+
+    @njit(**JIT, inline="always")
+    def prefetch_bytes(arr, start, stop):
+        """Ask for the cache lines of ``arr[start:stop]`` (a C-contiguous ``uint8`` array),
+        clipped to ``arr``, to be read in ahead of their use."""
+        base = np.int64(arr.ctypes.data)
+        a = (base + max(start, 0)) & ~np.int64(CACHE_LINE - 1)
+        end = base + min(stop, arr.shape[0])
+        while a < end:
+            _prefetch(a)
+            a += CACHE_LINE
 
     @intrinsic
     def _fence(typingctx):

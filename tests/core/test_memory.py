@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from numba import config, njit
 
-from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, release, store_fence, \
-    store_release, stream_bytes, last_level_cache_bytes, wait_bits
+from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, prefetch_bytes, release, \
+    store_fence, store_release, stream_bytes, last_level_cache_bytes, wait_bits
 from tests.core.no_jit import run_without_jit
 
 
@@ -118,6 +118,22 @@ def test_the_compiled_stream_copy_holds_non_temporal_stores_and_a_fence():
 
 
 @njit
+def _prefetch(arr, start, stop):
+    prefetch_bytes(arr, start, stop)
+
+
+@pytest.mark.skipif(config.DISABLE_JIT, reason="inspects compiled code")
+def test_the_compiled_prefetch_holds_llvm_prefetch_and_changes_nothing():
+    data = np.arange(4096, dtype=np.uint8)
+    # Every range, the absurd ones of a hostile record included, is clipped to the array.
+    for start, stop in ((0, 4096), (100, 200), (-(1 << 40), 1 << 40), (5000, 9000), (300, 100)):
+        _prefetch(data, start, stop)
+    assert np.array_equal(data, np.arange(4096, dtype=np.uint8))
+    ir = "".join(_prefetch.inspect_llvm().values())
+    assert "llvm.prefetch" in ir
+
+
+@njit
 def _compare(a, ap, b, bp, n):
     return compare_bytes(a, ap, b, bp, n)
 
@@ -142,6 +158,7 @@ def results() -> dict:
     _stream(streamed, 5, np.arange(300, dtype=np.uint8), 2, 250)
     claims = np.zeros(3, np.int32)
     won = _claim_all(claims, 4, 2)
+    _prefetch(streamed, -7, 1 << 20)            # a hint: nothing to see, and nothing raised
     return {"words": words.tolist(), "loaded": int(acquire(words, 2)), "copied": dst.tolist(),
             "streamed": streamed.tolist(),
             "claimed": [int(won), claims.tolist()],

@@ -61,6 +61,7 @@ from numba import njit, prange
 from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
 from gradtap.core.bytes import read_be, read_be_u64, read_le
 from gradtap.core.jit import JIT, JIT_PARALLEL
+from gradtap.core.memory import prefetch_bytes
 from gradtap.wire.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
                            DECODE_ERSPAN_BAD_VERSION, DECODE_ERSPAN_TRUNCATED, DECODE_ERSPAN_UNSUPPORTED,
                            DECODE_ETH_TRUNCATED, DECODE_EXT_TRUNCATED, DECODE_FRAME_TRUNCATED,
@@ -129,6 +130,13 @@ IPV4_FLAG_MF = 1   # RFC 791 §3.1: "More Fragments", the last of the three flag
 # What stage 1 does with the ICRC of a complete packet: nothing, check it, or leave a
 # ``decode.ok`` packet's to stage 2 (``ICRC_DEFERRED``; :func:`settle_icrc`).
 VERIFY_OFF, VERIFY_NOW, VERIFY_LATER = 0, 1, 2
+# Frames ahead fetched into the cache while this one is decoded, when its ICRC is checked
+# here: the ICRC reads the whole frame from memory first, and the hardware's stream
+# prefetchers stop at every 4 KiB page, so each frame began with a full memory latency. One
+# stream of GPT-2 small from memory, ICRC on, 2 threads: 0.103-0.106 s without, 0.092-0.093
+# two frames ahead (3 alternations). Without the check, a frame's headers alone are read,
+# and fetching them ahead gained nothing (0.063-0.064 s against 0.064-0.065).
+AHEAD = 2
 # RFC 4291 §2.5.5.2: an IPv4 address a.b.c.d is stored as the IPv6 address ::ffff:a.b.c.d.
 V4_MAPPED_PREFIX = np.frombuffer(ipaddress.IPv6Address("::ffff:0.0.0.0").packed, np.uint8)[
     :IPV6_SIZE_DST - IPV4_SIZE_DST].copy()
@@ -470,7 +478,10 @@ def _decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsul
     n = len(offsets)
     parts = counters.shape[0]
     for p in prange(parts):
-        for i in range(p * n // parts, (p + 1) * n // parts):
+        stop = (p + 1) * n // parts
+        for i in range(p * n // parts, stop):
+            if verify_icrc == VERIFY_NOW and i + AHEAD < stop:
+                prefetch_bytes(data, offsets[i + AHEAD], offsets[i + AHEAD] + caplens[i + AHEAD])
             rec = out[i]
             event = decode_frame(data, offsets[i], caplens[i], wirelens[i], verify_icrc, decapsulate, rec)
             rec["ts_ns"] = ts_ns[i]

@@ -122,7 +122,10 @@ class UpdateThread:
 
     def _run(self) -> None:
         self._pinned.wait()
-        fit_threads()
+        try:
+            fit_threads()
+        except (OSError, ValueError) as exc:      # the kernels then run on Numba's own count
+            log.warning("%s: Numba's thread count left as it is (%s)", self._thread.name, exc)
         while True:
             with self._changed:
                 while not self._queue and not self._closing:

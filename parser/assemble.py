@@ -48,6 +48,7 @@ from gradtap.parser.aside import aside_differs, aside_find, aside_free, aside_pu
 from gradtap.parser.decode import settle_icrc
 from gradtap.parser.payload import Deferred, defer_payload, pending_differs, store_payload
 from gradtap.wire import events as ev
+from gradtap.wire.frame_record import ICRC_DEFERRED
 from gradtap.wire.headers.aeth import AETH_SYNDROME_MASK, AETH_SYNDROME_SHIFT, AETH_SYNDROME_TYPE_MASK, \
     AETH_SYNDROME_TYPE_SHIFT, SYNDROME_NAK
 from gradtap.wire.headers.opcodes import KIND_ACK, KIND_ATOMIC, KIND_ATOMIC_ACK, KIND_CNP, KIND_READ_REQUEST, \
@@ -57,7 +58,6 @@ from gradtap.wire.ll import LL_FLAG1_OFF, LL_FLAG2_OFF, LL_FLAG_MASK, LL_HALF_BY
 from gradtap.wire.ll128 import LL128_FLAG_WORD, LL128_LINE_BYTES, LL128_LINE_WORDS, LL128_SLICE_LINES, \
     LL128_SLICE_WIRE_WORDS, LL128_WIRE_TO_DATA, LL128_WORD_BYTES
 from gradtap.wire.protocol import N_PROTOCOLS, Protocol
-from gradtap.wire.frame_record import ICRC_DEFERRED
 from gradtap.wire.psn import psn_add, psn_ahead, psn_delta
 from gradtap.workload.nccl import NCCL_STEPS
 from gradtap.workload.wire_plan import NO_VA, PHASE_AG

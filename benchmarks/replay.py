@@ -278,7 +278,8 @@ def lag_with_uploads(sim: Path, job: JobSpec, batch_frames: int, repeats: int, s
         shutil.rmtree(store, ignore_errors=True)
     best = _lag_table(runs, "", repeats)
     ratio = best["snapshots + uploads (file://)"] / best["snapshot every iteration"]
-    print(f"  snapshots + uploads / snapshots alone   {ratio:6.2f}   target <= 1.1: {'met' if ratio <= 1.1 else 'NOT met'}")
+    print(f"  snapshots + uploads / snapshots alone   {ratio:6.2f}   "
+          f"target <= 1.1: {'met' if ratio <= 1.1 else 'NOT met'}")
     print(f"  snapshots alone / no snapshot           {best['snapshot every iteration'] / best['no snapshot']:6.2f}   "
           f"(the local snapshot, written on the update path)")
     median = {name: sorted(sum(lags) / len(lags) for lags in v)[len(v) // 2] for name, v in runs.items()}
@@ -319,7 +320,8 @@ def lag_with_snapshots(sim: Path, job: JobSpec, batch_frames: int, repeats: int,
                   f"written {counts['written']}, skipped {counts['skipped']})")
     best = _lag_table(runs, f" with a snapshot every {every} iteration(s)", repeats)
     background = best["snapshots in the background"] / best["no snapshot"]
-    print(f"  update path / no snapshot               {best['snapshots on the update path'] / best['no snapshot']:6.2f}")
+    print(f"  update path / no snapshot               "
+          f"{best['snapshots on the update path'] / best['no snapshot']:6.2f}")
     print(f"  background / no snapshot                {background:6.2f}   target <= 1.2: "
           f"{'met' if background <= 1.2 else 'NOT met'}")
     print(f"  update path / background                "
@@ -361,7 +363,8 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
           f"compared {2 * shares / iterations / 1e9:.2f}, merged {grad_bytes / 1e9:.2f})")
     print(f"memory traffic rate                {traffic / 1e9:8.2f} GB/s (2 x memcpy {memcpy:.2f} GB/s, 2 threads)")
     print(f"memory-bound minimum per iteration {minimum:8.3f} s   -> processing / minimum = "
-          f"{per_iteration / minimum:.1f} x (target <= 1.5 x: {'met' if per_iteration <= 1.5 * minimum else 'NOT met'})")
+          f"{per_iteration / minimum:.1f} x "
+          f"(target <= 1.5 x: {'met' if per_iteration <= 1.5 * minimum else 'NOT met'})")
     print(f"  by the definition before         {minimum_before:8.3f} s   -> processing / minimum = "
           f"{per_iteration / minimum_before:.1f} x")
     print(f"mirrored traffic                   {frame_bytes * 8 / result.wall_s / 1e9:8.2f} Gbps = "

@@ -162,7 +162,8 @@ def test_a_missing_interface_fails_fast_with_its_reason(tmp_path):
     job = seed_started_job()
     (tmp_path / "job.yaml").write_text(dump_job(job))
     env = {**os.environ, "COLUMNS": "400"}
-    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "run", str(tmp_path / "job.yaml"),
+    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "run",
+                           str(tmp_path / "job.yaml"),
                            "--stream", "m-egress=gradtap-no-such-if0", "--out", str(tmp_path / "out"),
                            "--metrics-port", "0", "--no-status", "--hugepages", "off", "--ring-slots", "64",
                            "--slot-size", "2048"],

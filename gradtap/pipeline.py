@@ -111,12 +111,12 @@ class Cores:
 
 
 def overlapping(parse_threads: int, cores: frozenset[int]) -> bool:
-    """Whether the sink should run on a thread of its own beside ``parse_threads`` busy
-    parsing: when the parsers and the sink may run on more ``cores`` than that. Where the
-    parsers take every core, a sink beside them only shares those cores, and the replica lag
-    grows by what it shares. Measured with ``benchmarks.replay`` (GPT-2 small, 3 streams parsed on 2 threads, 2 cores, alternated 8
-    times): replay wall median 0.543 s between rounds, 0.567 s beside them; the worse
-    iteration's lag 0.081 s against 0.143 s."""
+    """Whether the sink should run on a thread of its own beside ``parse_threads`` busy parsing:
+    when the parsers and the sink may run on more ``cores`` than that. Where the parsers
+    take every core, a sink beside them only shares those cores, and the replica lag grows
+    by what it shares. Measured with ``benchmarks.replay`` (GPT-2 small, 3 streams parsed on
+    2 threads, 2 cores, alternated 8 times): replay wall median 0.543 s between rounds,
+    0.567 s beside them; the worse iteration's lag 0.081 s against 0.143 s."""
     return len(cores) > parse_threads
 
 

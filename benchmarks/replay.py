@@ -7,7 +7,7 @@ egress ports of ranks 0, 1 and 2). It is simulated once for ``--iterations`` cap
 iterations and cached in ``--cache`` (about 0.9 GB and 216 k frames per stream per
 iteration). The captures are read once beforehand so that the replay finds them in the page
 cache, as a capture read from storage is: what the cache held of them is dropped first
-(``POSIX_FADV_DONTNEED``), and reading fills it again through readahead, which on Linux 6.18
+(written back, then ``POSIX_FADV_DONTNEED``), and reading fills it again through readahead, which on Linux 6.18
 (ext4) makes large folios, mostly of 2 MiB, that a mapping takes in one fault each. How the
 cache held the files before depends on how they got there: after the simulator wrote them
 (and the machine ran other work), touching every page of the 3 mappings took 0.53-0.56 CPU-s
@@ -159,20 +159,28 @@ def _lag_table(runs: dict[str, list[list[float]]], what: str, repeats: int) -> d
 def capture(cache: Path, iterations: int, config: Path = CONFIG, job: JobSpec | None = None) -> Path:
     """The simulated job (``job.yaml``, ``streams/``, ``truth/``), made once, then reused:
     ``config``'s, or ``job`` (named for the cache by its ``name``)."""
-    from gradtap.simulator.faults import FaultSpec
-    from gradtap.simulator.run import Simulation
-
     out = cache / f"{config.stem if job is None else job.name}-{iterations}it"
     if out.exists():
         return out
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
     print(f"simulating {iterations} iteration(s) of {config.name if job is None else job.name} into {out} "
           "(once; a few minutes)")
+    # In a fresh process: the memory a simulation of GPT-2 leaves behind would count in the
+    # replay's peak (on a new machine's first run, 24.4 B per parameter above what was held
+    # before, against 20.4 once the captures were cached) and squeeze it.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        child.submit(_simulate, out, iterations, config, job).result()
+    return out
+
+
+def _simulate(out: Path, iterations: int, config: Path, job: JobSpec | None) -> None:
+    from gradtap.simulator.faults import FaultSpec
+    from gradtap.simulator.run import Simulation
+
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
     Simulation(load_job(config) if job is None else job, partial, iterations=iterations, seed=0,
                faults=FaultSpec()).run()
     partial.rename(out)
-    return out
 
 
 def warm(paths: list[Path], refill: bool = True) -> tuple[int, int]:
@@ -182,6 +190,9 @@ def warm(paths: list[Path], refill: bool = True) -> tuple[int, int]:
     for path in paths:
         with open(path, "rb", buffering=0) as f:
             if refill:
+                # Written back first: the cache keeps dirty pages through DONTNEED, so a capture
+                # just simulated would stay as written (its first replay took 2.78 s, not 0.54).
+                os.fsync(f.fileno())
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             while f.readinto(buf):
                 pass
@@ -445,15 +456,13 @@ def scaling(cache: Path, iterations: int, config: Path, batch_frames: int, repea
         **job.model.model_dump(), "kwargs": {**job.model.kwargs, "n_layer": layers}}) for layers in SCALING_LAYERS}
     runs = [[(f"{n} streams", five, n) for n in SCALING_STREAMS],
             [(f"{layers} layers", spec, None) for layers, spec in sized.items()]]
-    # Each simulation and each row in a fresh process: the memory a simulation of GPT-2 leaves
-    # behind would count in the replay's peak and squeeze it (in one process, the runs grew past
-    # a 23 GB machine, and the OOM killer ended the first attempt).
+    # Each row in a fresh process, as each simulation (``capture``): in one process, the runs grew
+    # past a 23 GB machine, and the OOM killer ended the first attempt.
     rows: list[list[Scaled]] = [[], []]
     spawn = multiprocessing.get_context("spawn")
     for group, row in zip(runs, rows):
         for label, spec, streams in group:
-            with ProcessPoolExecutor(1, mp_context=spawn) as child:
-                sim = child.submit(capture, cache, iterations, config, spec).result()
+            sim = capture(cache, iterations, config, spec)
             with ProcessPoolExecutor(1, mp_context=spawn) as child:
                 row.append(child.submit(_scaled, label, sim, streams, batch_frames, repeats).result())
     print(f"\nscaling (best of {repeats}; growth: the row's processing time over the first row's, divided by "

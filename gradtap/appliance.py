@@ -275,6 +275,7 @@ class Appliance:
             events, locked = self.pipeline.counters(), self.pipeline.locked()
             numbered, skipped = self.pipeline.numbered, self.pipeline.skipped
             backlog = None if self.pipeline.update is None else self.pipeline.update.backlog
+            late = self.pipeline.pool.fresh if self.pipeline.resolved else 0
             group = None if self.group is None else self.group.report()
         with self._replica_lock:
             lines = self.sink.lines
@@ -289,7 +290,8 @@ class Appliance:
                                    snapshots=self.snapshots.counts() if self.snapshots is not None else None,
                                    store=None if self.uploader is None else self.uploader.counts(),
                                    gradient_log=None if self.gradient_log is None else self.gradient_log.counts(),
-                                   listening=self.ready.is_set(), update_backlog=backlog, group=group)
+                                   listening=self.ready.is_set(), update_backlog=backlog,
+                                   gradients_made_late=late, group=group)
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

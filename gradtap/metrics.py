@@ -15,6 +15,9 @@ twice and nothing can drift:
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating;
 - ``gradtap_update_backlog``: calls the update thread has queued and not yet made (buckets and
   iterations' ends); absent where the updater runs between rounds (``gradtap/update_thread.py``);
+- ``gradtap_gradients_made_late_total``: iterations' shared gradients made after start-up, each
+  the size of the model's gradient while it serves: the updater was behind the parsers, or one
+  stream far behind the others (``parser/shared_gradient.py``);
 - ``gradtap_attestations_total{result}``: the trainer's fingerprints the replica ``matched``, and
   those that were a ``mismatch`` (each an ``integrity.mismatch`` event: ``gradtap/attestation.py``);
 - ``gradtap_snapshots_total{result}``: local snapshots ``written``, ``skipped`` (due while the
@@ -73,7 +76,10 @@ class ApplianceCollector:
                                            labels=["result"])
         attestations.add_metric(["matched"], s.attested)
         attestations.add_metric(["mismatch"], s.diverged)
-        yield from (frames, nbytes, drops, events, iterations, stages, attestations)
+        late = CounterMetricFamily("gradtap_gradients_made_late", "iterations' shared gradients made after "
+                                   "start-up (the updater was behind, or a stream far behind the others)")
+        late.add_metric([], s.gradients_made_late)
+        yield from (frames, nbytes, drops, events, iterations, stages, attestations, late)
         for name, doc, counts, results in (
                 ("gradtap_snapshots", "local snapshots of the replica", s.snapshots, ("written", "skipped", "failed")),
                 ("gradtap_store_snapshots", "snapshots sent to the durable store", s.store,

@@ -39,6 +39,9 @@ class ApplianceStatus:
     update_backlog: int | None = None    # calls the update thread has queued and not yet made (buckets,
                                          # iterations' ends; the parsers wait once it holds a gradient they
                                          # need); None: the updater runs between rounds, with no thread
+    gradients_made_late: int = 0         # iterations' shared gradients made after start-up
+                                         # (parser/shared_gradient.py): grad_bytes more memory while each
+                                         # serves; the updater was behind, or the streams far apart
     group: dict | None = None            # a mirror-group node (gradtap/group.py, GroupNode.report): rank,
                                          # world_size, rendezvous, buckets and elements of its shard, peers
                                          # (rank -> "up" or why it is gone), sent_bytes (and sent_by_kind:

@@ -70,6 +70,18 @@ def test_run_over_pcap_sources_serves_metrics_and_ends_cleanly(tmp_path):
     # An update thread (where this host leaves it a core: gradtap.pipeline.overlapping) shows its backlog.
     beside = appliance.pipeline.update is not None
     assert ("gradtap_update_backlog 0.0" in body) == beside and ("gradtap_update_backlog" in body) == beside
+    # Shared gradients made after start-up are counted. Pcap sources of this small job run apart:
+    # a stream's ring holds several of its iterations, so one parser enters iterations the
+    # others still hold buffers for (4 in a run here). More are made and counted when every buffer is
+    # held and one more iteration entered.
+    pool = appliance.pipeline.pool
+    late = appliance.status().gradients_made_late
+    assert late == pool.fresh and f"gradtap_gradients_made_late_total {float(late)}" in body
+    for k in range(pool.buffers + 1):
+        pool.enter(1000 + k)
+    assert appliance.status().gradients_made_late == pool.fresh > late
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert f"gradtap_gradients_made_late_total {float(pool.fresh)}" in body
 
 
 @pytest.mark.slow

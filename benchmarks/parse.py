@@ -97,7 +97,7 @@ class Row:
     note: str = ""
     threads: int = 1
     icrc: bool | None = None
-    memcpy: float | None = None      # GB/s, 2 threads, measured around this row's runs (rows held to TARGETS)
+    memcpy: float | None = None      # GB/s, 2 threads, measured around this row's runs (the stages' rows)
 
 
 @dataclass

@@ -10,14 +10,22 @@ stores for large sizes) and releases the GIL, so the threads really run in paral
 Numba store loop is not a fair stand-in: on this class of machine it reaches well under half
 of memcpy's rate because every store first reads its cache line.
 
+``around(measure)`` measures the rate just before and just after ``measure()`` and keeps the
+higher (the lower ratio): this project's VM moves between about 22 and 36 GB/s (2 threads)
+over minutes, so a figure is held to the rate of its own minute, not to one taken at the
+start or the end of a benchmark that may belong to the other spell.
+
 Run ``python -m benchmarks._bandwidth`` to print the figures for 1 and 2 threads.
 """
 
 import os
 import threading
 import time
+from typing import Callable, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def memcpy_bandwidth(threads: int, nbytes: int = 256 << 20, repeats: int = 7) -> float:
@@ -55,6 +63,14 @@ def memcpy_bandwidth(threads: int, nbytes: int = 256 << 20, repeats: int = 7) ->
         t.join()
     best = float(np.min(spans[:, :, 1].max(axis=1) - spans[:, :, 0].min(axis=1)))
     return nbytes / best / 1e9
+
+
+def around(measure: Callable[[], T], threads: int = 2) -> tuple[T, float]:
+    """``measure()`` and the memcpy rate of ``threads`` threads just before and just after it,
+    the higher of the two (GB/s)."""
+    before = memcpy_bandwidth(threads)
+    result = measure()
+    return result, max(before, memcpy_bandwidth(threads))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,8 @@ RDMA WRITEs of 4 KiB packets, CTS writes, ACKs and background traffic), its thre
 streams tiled to ``--frames`` frames (about 1M, 3.7 GB) and cached in ``--cache``. Every
 contender decodes the same frames, and the same run measures the machine's memcpy
 bandwidth (``benchmarks._bandwidth``), so ratios hold even when the machine is busy. A row
-held to a memcpy target is held to the rate measured just before and just after its own runs
-(the higher one, which gives the lower ratio): this project's VM moves between about 22 and
-36 GB/s (2 threads) over minutes, so a rate from the start or the end of the run, a minute
-away, could belong to the other spell. The rates at the start and at the end are printed too.
+held to a memcpy target is held to the rate measured around its own runs
+(``benchmarks._bandwidth.around``); the rates at the start and at the end are printed too.
 
 Figures: Mpps (frames per second) and payload GB/s (1e9 bytes per second of RoCEv2 payload:
 no headers, pad or ICRC; the issue's unit). Each figure is the best of ``REPEATS`` runs.
@@ -66,7 +64,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from benchmarks._bandwidth import memcpy_bandwidth
+from benchmarks._bandwidth import around, memcpy_bandwidth
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapReader, PcapWriter
 from gradtap.parser.decode import decode_batch, is_roce
@@ -153,14 +151,6 @@ def _best(fn, repeats: int = REPEATS, warm: bool = True) -> float:
     return best
 
 
-def _around(measure) -> tuple[float, float]:
-    """``measure()`` (seconds) and the 2-thread memcpy rate just before and just after it, the
-    higher of the two."""
-    before = memcpy_bandwidth(2)
-    seconds = measure()
-    return seconds, max(before, memcpy_bandwidth(2))
-
-
 def _decode_all(batches, verify_icrc, out):
     for batch in batches:
         decode_batch(batch, verify_icrc, out)
@@ -182,7 +172,7 @@ def stage1(bench: Bench) -> None:
         for n in (1, 2):
             numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
             for verify in (True, False):
-                seconds, memcpy = _around(lambda: _best(lambda: _decode_all(bench.batches, verify, out)))
+                seconds, memcpy = around(lambda: _best(lambda: _decode_all(bench.batches, verify, out)))
                 bench.rows.append(Row(f"stage 1, {n} thread{'s' * (n > 1)}, ICRC {'on' if verify else 'off'}",
                                       bench.frames / seconds / 1e6, bench.payload / seconds / 1e9,
                                       threads=n, icrc=verify, memcpy=memcpy))
@@ -306,7 +296,7 @@ def stage2(bench: Bench) -> None:
             numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
             for verify in (True, False):
                 parse(verify)           # compile, warm caches
-                seconds, memcpy = _around(lambda: min(parse(verify) for _ in range(REPEATS)))
+                seconds, memcpy = around(lambda: min(parse(verify) for _ in range(REPEATS)))
                 bench.rows.append(Row(f"stage 1+2, {n} thread{'s' * (n > 1)}, ICRC {'on' if verify else 'off'}",
                                       frames / seconds / 1e6, payload / seconds / 1e9, note, threads=n, icrc=verify,
                                       memcpy=memcpy))

@@ -37,10 +37,10 @@ Figures:
   stream's share written into its own buffer and read once more by the merger's cross-check,
   then the merged gradient written once) is printed beside it. Traffic rate: twice the
   2-thread memcpy rate of ``benchmarks._bandwidth`` (memcpy reads and writes every byte it
-  copies), the higher of the measurements just before and just after each replay. The rate of
-  this project's VM moves over minutes: the 2-thread memcpy read 35.9 GB/s and 22.0 GB/s
-  within the same half hour, and the Adam kernel, from memory, 118 and 67 GB/s with it. So
-  each replay is held to the rate measured around it, each replay's ratio is printed, and the
+  copies), measured around each replay (``benchmarks._bandwidth.around``). The rate of this
+  project's VM moves over minutes: the 2-thread memcpy read 35.9 GB/s and 22.0 GB/s within
+  the same half hour, and the Adam kernel, from memory, 118 and 67 GB/s with it. So each
+  replay is held to the rate of its own minute, each replay's ratio is printed, and the
   figures below are those of the replay with the best ratio (before: the fastest replay against
   the higher of two measurements minutes apart, which could pair a replay in the slow spell
   with a rate of the fast one);
@@ -130,7 +130,7 @@ from pathlib import Path
 import numba
 import torch
 
-from benchmarks._bandwidth import memcpy_bandwidth
+from benchmarks._bandwidth import around
 from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES
 from gradtap.replay import ReplayResult, run_replay
 from gradtap.start import replica_start
@@ -527,11 +527,12 @@ def main() -> None:
         memory = AnonPeak()
         grad_bytes, nparams = job_plan(job).grad_bytes, sum(p.numel for p in params)
         for k in range(args.repeats):
-            before = memcpy_bandwidth(2)
-            started = time.perf_counter()
-            result = replay_once(sim, job, args.batch_frames, params if k == 0 else None, memory if k == 0 else None)
-            setup = time.perf_counter() - started
-            memcpy = max(before, memcpy_bandwidth(2))
+            def timed() -> tuple[ReplayResult, float]:     # the replay, and with its set-up
+                started = time.perf_counter()
+                first = k == 0
+                result = replay_once(sim, job, args.batch_frames, params if first else None, memory if first else None)
+                return result, time.perf_counter() - started
+            (result, setup), memcpy = around(timed)
             ratio = result.wall_s / (sum(bytes_touched(result, grad_bytes, nparams)) / (2 * memcpy * 1e9))
             print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot {setup:.1f} s); "
                   f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x")

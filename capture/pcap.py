@@ -36,7 +36,7 @@ from gradtap.capture.shared_memory import unmap
 from gradtap.core.bytes import read_uint, write_le
 from gradtap.core.errors import CaptureError
 from gradtap.core.jit import JIT
-from gradtap.core.memory import copy_bytes
+from gradtap.core.memory import copy_bytes, prefetch_bytes
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,15 @@ _OPT_SHB_USERAPPL = 4
 _OPT_IF_TSRESOL = 9
 _OPT_IF_TSOFFSET = 14
 
+# Records whose first cache line the walk fetches ahead of its turn, guessing that the records
+# between are as long as the current one (a wrong guess costs one useless fetch). Each record
+# starts a line the walk must read from memory, and the hardware's stream prefetchers stop at
+# every 4 KiB page, so with 4 KB frames each record began with a full memory latency. On a Xeon
+# (family 6 model 207, KVM), walking the 3 streams of the GPT-2 replay (batches of 8192, no
+# copy): 91-93 ns per record against 126-127 without (3 alternations; 8 or 16 ahead: 90-92);
+# one of them as pcapng, 90-91 against 115-116.
+WALK_AHEAD = 4
+
 # Kernel status codes.
 _EOF, _FULL, _BLOCK, _TRUNCATED, _BAD_BLOCK_LEN, _BAD_TRAILER, _BAD_IFACE, _BAD_CAPLEN = range(8)
 # Columns of the per-interface table handed to the pcapng kernel.
@@ -78,6 +87,15 @@ def _put(out, used, buf, src, caplen, offsets, caplens, wirelens, ts_ns, n, wire
     ts_ns[n] = ts
 
 
+@njit(**JIT, inline="always")
+def _fetch_ahead(buf, pos, length):
+    """Fetch the first cache line of the record ``WALK_AHEAD`` records past the one of
+    ``length`` bytes at ``pos``, were they all that long (pcapng: and the line before it, which
+    holds the trailing length of the block before it)."""
+    ahead = pos + WALK_AHEAD * length
+    prefetch_bytes(buf, ahead - 4, ahead + 1)
+
+
 @njit(**JIT)
 def _walk_pcap(buf, pos, end, big, frac_ns, n, used, budget, out, offsets, caplens, wirelens, ts_ns):
     """Copy classic pcap records from ``buf[pos:end]`` into ``out`` (none if ``out`` is
@@ -92,6 +110,7 @@ def _walk_pcap(buf, pos, end, big, frac_ns, n, used, budget, out, offsets, caple
         caplen = read_uint(buf, pos + 8, 4, big)
         if caplen > MAX_CAPLEN:
             return n, used, pos, _BAD_CAPLEN
+        _fetch_ahead(buf, pos, PCAP_RECORD_LEN + caplen)
         if end - pos - PCAP_RECORD_LEN < caplen:
             return n, used, pos, _TRUNCATED
         if used + caplen > budget:
@@ -139,6 +158,7 @@ def _walk_pcapng(buf, pos, end, big, ifaces, n, used, budget, out, offsets, capl
             return n, used, pos, _TRUNCATED
         if read_uint(buf, pos + blen - 4, 4, big) != blen:
             return n, used, pos, _BAD_TRAILER
+        _fetch_ahead(buf, pos, blen)
         if btype == PCAPNG_EPB or btype == PCAPNG_OPB:
             if blen < 32:
                 return n, used, pos, _BAD_BLOCK_LEN

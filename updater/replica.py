@@ -291,16 +291,23 @@ class Replica:
 
     def relayout(self, buckets: tuple[Bucket, ...]) -> None:
         """Take gradients in another bucket layout from the next iteration on (DDP rebuilds
-        its buckets after iteration 0): the state is moved into the new wire order."""
+        its buckets after iteration 0): the state is moved into the new wire order.
+
+        It runs on the update path between two iterations, while the next one arrives. One
+        array is made for the move, not three: each state array, once moved, lends its memory
+        to the next. Memory touched for the first time can be slow: on a KVM guest whose host
+        takes freed pages back, 3 arrays of 64 MiB took 0.08-0.60 s to make and fill, longer
+        than a live ring of 32 k frames at 0.26 Mpps."""
         if self._open is not None:
             raise GradtapError("relayout(): an iteration is open; change layouts between iterations")
         new = FlatLayout(self.layout.params, buckets)
+        spare = aligned_empty(self.layout.total)
         for name in ("param", "exp_avg", "exp_avg_sq"):
             old = getattr(self.state, name)
-            moved = aligned_empty(old.size)
             for i in range(len(new.params)):
-                moved[new.param(i)] = old[self.layout.param(i)]
-            setattr(self.state, name, moved)
+                spare[new.param(i)] = old[self.layout.param(i)]
+            setattr(self.state, name, spare)
+            spare = old
         self.layout = new          # the widened gradient keeps its size: the same parameters
 
     def state_dict(self, *, copy: bool = True) -> dict[str, Any]:

@@ -351,9 +351,14 @@ def test_relayout_follows_ddps_rebuild():
     reduced = random_reduced(j, rng, buckets=initial)
     reference.step(0, reduced)
     replica.apply(0, np.concatenate(reduced))
+    before = {name: getattr(replica.state, name).ctypes.data for name in ("param", "exp_avg", "exp_avg_sq")}
     replica.relayout(rebuilt)
     for name in ("param", "exp_avg", "exp_avg_sq"):     # the kernels' spans are cut on cache lines
         assert getattr(replica.state, name).ctypes.data % 64 == 0, name
+    # One array is new; the other two moved into the memory the state arrays before them left.
+    after = {name: getattr(replica.state, name).ctypes.data for name in before}
+    assert len(set(after.values())) == 3
+    assert after["exp_avg"] == before["param"] and after["exp_avg_sq"] == before["exp_avg"]
     reference.buckets = rebuilt
     for it in range(1, 4):
         reduced = random_reduced(j, rng)

@@ -39,7 +39,7 @@ from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.updater import selfcheck
 from gradtap.updater.clipping import GradNorms
 from gradtap.updater.replica import Replica
-from gradtap.updater.state import FlatLayout, from_checkpoint
+from gradtap.updater.state import FlatLayout, FlatState, ModelKeys, from_checkpoint
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.shards import Shards
@@ -140,7 +140,7 @@ class ShardReplica(Replica):
         self.layout = ShardLayout(self.whole.params, buckets, self._own)
         self.state, self._keys = self._load(checkpoint)
         self.stale = False
-        self.offers: dict[int, Mapping[str, Any]] = {}
+        self.offers: dict[int, tuple[FlatState, ModelKeys]] = {}
         self._reached = -1
         self.root = selfcheck.root_source(self.cfg)
         self._open = None
@@ -182,14 +182,6 @@ class ShardReplica(Replica):
         elif "iteration" in checkpoint:
             part["iteration"] = checkpoint["iteration"]
         return part
-
-    def check_offer(self, checkpoint: Mapping[str, Any]) -> int:
-        return super().check_offer(self._part(checkpoint))
-
-    def resync(self, checkpoint: Mapping[str, Any]) -> None:
-        self.state, self._keys = self._load(checkpoint)
-        self._open = None
-        self.stale = False
 
     def relayout(self, buckets: tuple[Bucket, ...]) -> None:
         raise GradtapError("relayout(): a shard of a mirror group keeps the bucket layout it was sharded by; "

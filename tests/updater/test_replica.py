@@ -220,7 +220,7 @@ def test_a_missed_iteration_makes_stale_and_an_older_one_is_refused():
     assert replica.begin(5) is Begin.STALE
 
 
-def test_a_stale_replica_resyncs_from_the_checkpoint_offered_for_the_iteration_it_begins():
+def test_a_stale_replica_resyncs_from_the_checkpoint_offered_for_the_iteration_it_begins(monkeypatch):
     j = job()
     replica, reference = drive(j, iterations=2)
     rng = np.random.default_rng(3)
@@ -228,9 +228,14 @@ def test_a_stale_replica_resyncs_from_the_checkpoint_offered_for_the_iteration_i
         reference.step(it, random_reduced(j, rng))
     replica.begin(2)
     replica.abort()
-    replica.offer(trainer_checkpoint(reference, 4))
+    checkpoint = trainer_checkpoint(reference, 4)
+    replica.offer(checkpoint)
     assert replica.begin(3) is Begin.STALE and replica.stale          # not the offered iteration
     assert list(replica.offers) == [4]
+    # The offer holds its state ready: begin(), on the update path, makes none and reads no
+    # checkpoint (here, one that no longer holds its tensors).
+    checkpoint["model"].clear()
+    monkeypatch.setattr("gradtap.updater.replica.from_checkpoint", None)
     assert replica.begin(4) is Begin.RESYNCED
     assert not replica.stale and replica.open_iteration == 4 and replica.step == 4 and not replica.offers
     reduced = random_reduced(j, rng)

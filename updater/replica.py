@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -63,6 +63,28 @@ class Begin(enum.Enum):
         return self in (Begin.OPENED, Begin.RESYNCED)
 
 
+class Offer(NamedTuple):
+    """A trainer checkpoint held for the iteration it resyncs (:meth:`Replica.offer`): its flat
+    state, made in ``layout``, and its keys."""
+
+    state: FlatState
+    keys: ModelKeys
+    layout: FlatLayout
+
+
+def _move(state: FlatState, old: FlatLayout, new: FlatLayout) -> None:
+    """Move ``state`` from the order of ``old`` into that of ``new`` (the same parameters).
+    One array is made for the move, not three: each state array, once moved, lends its memory
+    to the next."""
+    spare = aligned_empty(old.total)
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        held = getattr(state, name)
+        for i in range(len(new.params)):
+            spare[new.param(i)] = held[old.param(i)]
+        setattr(state, name, spare)
+        spare = held
+
+
 class Replica:
     """The optimizer state of ``job`` on this host, initialised from ``checkpoint``.
 
@@ -81,7 +103,7 @@ class Replica:
         self.layout = FlatLayout(job_params(job), job_buckets(job) if buckets is None else buckets)
         self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg, consume=consume)
         self.stale = False
-        self.offers: dict[int, tuple[FlatState, ModelKeys]] = {}   # iteration -> its state, ready (offer())
+        self.offers: dict[int, Offer] = {}                  # iteration -> its state, made (offer())
         self._reached = -1                                  # the latest iteration begin() was asked for
         self.root = selfcheck.root_source(self.cfg)
         self._open: _Iteration | None = None
@@ -123,15 +145,16 @@ class Replica:
         iterations of the pending offers it replaced.
 
         What is held is the flat state the check made from it, so that :meth:`begin` only
-        installs it. Making it allocates and fills 12 bytes per parameter, which must not land
-        on the update path while an iteration arrives: on a KVM guest whose host takes freed
-        pages back, it took 0.06-0.53 s for 16.8 M parameters, and a live trial whose first
+        installs it (moved into the layout of the moment if :meth:`relayout` came between).
+        Making it allocates and fills 12 bytes per parameter, which must not land on the
+        update path while an iteration arrives: on a KVM guest whose host takes freed pages
+        back, it took 0.06-0.53 s for 16.8 M parameters, and a live trial whose first
         iteration resynced for 0.53 s lost 24 k frames in rings that hold 0.37 s."""
         iteration, state, keys = self._checked(checkpoint)
         before = set(self.offers)
         if only:
             self.offers.clear()
-        self.offers[iteration] = (state, keys)
+        self.offers[iteration] = Offer(state, keys, self.layout)
         while len(self.offers) > MAX_OFFERS:
             del self.offers[max(self.offers)]
         return sorted((before - set(self.offers)) | (before & {iteration}))
@@ -192,7 +215,10 @@ class Replica:
         if self.stale:
             if iteration not in self.offers:
                 return Begin.STALE
-            self._install(*self.offers.pop(iteration))
+            offer = self.offers.pop(iteration)
+            if offer.layout is not self.layout:
+                _move(offer.state, offer.layout, self.layout)
+            self._install(offer.state, offer.keys)
             outcome = Begin.RESYNCED
         if iteration < self.state.iteration:
             raise GradtapError(f"begin({iteration}): the replica's next iteration is {self.state.iteration}")
@@ -310,21 +336,14 @@ class Replica:
         """Take gradients in another bucket layout from the next iteration on (DDP rebuilds
         its buckets after iteration 0): the state is moved into the new wire order.
 
-        It runs on the update path between two iterations, while the next one arrives. One
-        array is made for the move, not three: each state array, once moved, lends its memory
-        to the next. Memory touched for the first time can be slow: on a KVM guest whose host
-        takes freed pages back, 3 arrays of 64 MiB took 0.08-0.60 s to make and fill, longer
-        than a live ring of 32 k frames at 0.26 Mpps."""
+        It runs on the update path between two iterations, while the next one arrives, so it
+        makes one array, not three (:func:`_move`): memory touched for the first time can be
+        slow. On a KVM guest whose host takes freed pages back, 3 arrays of 64 MiB took
+        0.08-0.60 s to make and fill, longer than a live ring of 32 k frames at 0.26 Mpps."""
         if self._open is not None:
             raise GradtapError("relayout(): an iteration is open; change layouts between iterations")
         new = FlatLayout(self.layout.params, buckets)
-        spare = aligned_empty(self.layout.total)
-        for name in ("param", "exp_avg", "exp_avg_sq"):
-            old = getattr(self.state, name)
-            for i in range(len(new.params)):
-                spare[new.param(i)] = old[self.layout.param(i)]
-            setattr(self.state, name, spare)
-            spare = old
+        _move(self.state, self.layout, new)
         self.layout = new          # the widened gradient keeps its size: the same parameters
 
     def state_dict(self, *, copy: bool = True) -> dict[str, Any]:

@@ -38,8 +38,8 @@ import torch
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.updater import selfcheck
 from gradtap.updater.clipping import GradNorms
-from gradtap.updater.replica import Replica
-from gradtap.updater.state import FlatLayout, FlatState, ModelKeys, from_checkpoint
+from gradtap.updater.replica import Offer, Replica
+from gradtap.updater.state import FlatLayout, from_checkpoint
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.shards import Shards
@@ -140,7 +140,7 @@ class ShardReplica(Replica):
         self.layout = ShardLayout(self.whole.params, buckets, self._own)
         self.state, self._keys = self._load(checkpoint)
         self.stale = False
-        self.offers: dict[int, tuple[FlatState, ModelKeys]] = {}
+        self.offers: dict[int, Offer] = {}
         self._reached = -1
         self.root = selfcheck.root_source(self.cfg)
         self._open = None

@@ -247,6 +247,31 @@ def test_a_stale_replica_resyncs_from_the_checkpoint_offered_for_the_iteration_i
     assert replica.begin(5) is Begin.OPENED
 
 
+def test_an_offer_made_before_ddps_rebuild_resyncs_in_the_rebuilt_layout():
+    """The offer's state is made in the layout of the moment; DDP's rebuild comes before the
+    replica begins the offered iteration, which must then hold it in the rebuilt order."""
+    j = job(kind="adamw", weight_decay=0.1)
+    initial, rebuilt = job_buckets(j, "initial"), job_buckets(j)
+    replica, reference = Replica.from_job(j, buckets=initial), TorchStep(j, buckets=initial)
+    rng = np.random.default_rng(5)
+    reduced = random_reduced(j, rng, buckets=initial)
+    reference.step(0, reduced)
+    replica.apply(0, np.concatenate(reduced))
+    reference.buckets = rebuilt
+    reference.step(1, random_reduced(j, rng))
+    replica.offer(copy.deepcopy(trainer_checkpoint(reference, 2)))      # still in the initial layout
+    replica.relayout(rebuilt)
+    assert replica.begin(1) is Begin.OPENED
+    replica.abort()                                                     # iteration 1 is lost
+    assert replica.begin(2) is Begin.RESYNCED
+    reduced = random_reduced(j, rng)
+    reference.step(2, reduced)
+    for b, grad in enumerate(reduced):
+        replica.apply_bucket(b, grad)
+    replica.end()
+    assert_equal_state(replica, reference)
+
+
 def test_offers_are_bounded_and_dropped_once_passed():
     j = job()
     replica, reference = drive(j, iterations=1)
@@ -356,14 +381,11 @@ def test_relayout_follows_ddps_rebuild():
     reduced = random_reduced(j, rng, buckets=initial)
     reference.step(0, reduced)
     replica.apply(0, np.concatenate(reduced))
-    before = {name: getattr(replica.state, name).ctypes.data for name in ("param", "exp_avg", "exp_avg_sq")}
     replica.relayout(rebuilt)
     for name in ("param", "exp_avg", "exp_avg_sq"):     # the kernels' spans are cut on cache lines
         assert getattr(replica.state, name).ctypes.data % 64 == 0, name
-    # One array is new; the other two moved into the memory the state arrays before them left.
-    after = {name: getattr(replica.state, name).ctypes.data for name in before}
-    assert len(set(after.values())) == 3
-    assert after["exp_avg"] == before["param"] and after["exp_avg_sq"] == before["exp_avg"]
+    # The move lends each array's memory to the next: no two may end up sharing it.
+    assert len({getattr(replica.state, name).ctypes.data for name in ("param", "exp_avg", "exp_avg_sq")}) == 3
     reference.buckets = rebuilt
     for it in range(1, 4):
         reduced = random_reduced(j, rng)

@@ -209,6 +209,17 @@ def trainer_checkpoint(reference: TorchStep, iteration: int) -> dict:
             "iteration": iteration}
 
 
+def finish_both(j, replica: Replica, reference: TorchStep, iteration: int, rng) -> None:
+    """Iteration ``iteration``, which the replica has begun, on random gradients: the reference
+    steps it, the replica takes it bucket by bucket, and both must then be equal."""
+    reduced = random_reduced(j, rng)
+    reference.step(iteration, reduced)
+    for b, grad in enumerate(reduced):
+        replica.apply_bucket(b, grad)
+    replica.end()
+    assert_equal_state(replica, reference)
+
+
 def test_a_missed_iteration_makes_stale_and_an_older_one_is_refused():
     j = job()
     replica, _ = drive(j, iterations=2)
@@ -238,12 +249,7 @@ def test_a_stale_replica_resyncs_from_the_checkpoint_offered_for_the_iteration_i
     monkeypatch.setattr("gradtap.updater.replica.from_checkpoint", None)
     assert replica.begin(4) is Begin.RESYNCED
     assert not replica.stale and replica.open_iteration == 4 and replica.step == 4 and not replica.offers
-    reduced = random_reduced(j, rng)
-    reference.step(4, reduced)
-    for b, grad in enumerate(reduced):
-        replica.apply_bucket(b, grad)
-    replica.end()
-    assert_equal_state(replica, reference)
+    finish_both(j, replica, reference, 4, rng)
     assert replica.begin(5) is Begin.OPENED
 
 
@@ -264,12 +270,7 @@ def test_an_offer_made_before_ddps_rebuild_resyncs_in_the_rebuilt_layout():
     assert replica.begin(1) is Begin.OPENED
     replica.abort()                                                     # iteration 1 is lost
     assert replica.begin(2) is Begin.RESYNCED
-    reduced = random_reduced(j, rng)
-    reference.step(2, reduced)
-    for b, grad in enumerate(reduced):
-        replica.apply_bucket(b, grad)
-    replica.end()
-    assert_equal_state(replica, reference)
+    finish_both(j, replica, reference, 2, rng)
 
 
 def test_offers_are_bounded_and_dropped_once_passed():

@@ -141,7 +141,8 @@ AHEAD = 2
 # 6 model 207, KVM) one stream of GPT-2 small, walked and decoded in batches of 8192 frames,
 # took 0.067-0.070 s against 0.076-0.086 without (2 alternations; 8 or 16 ahead: the same),
 # and the parse of the GPT-2 replay's 2 iterations 1.009-1.058 thread-s against 1.016-1.202
-# (median of 4 replays, 3 alternations). On an AMD EPYC (Zen 5) it gained nothing: 0.063-0.064 s against 0.064-0.065.
+# (median of 4 replays, 3 alternations). On an AMD EPYC (Zen 5) it gained nothing: 0.063-0.064
+# s against 0.064-0.065.
 HEADERS_AHEAD = 4
 HEADER_BYTES = 2 * CACHE_LINE
 # RFC 4291 §2.5.5.2: an IPv4 address a.b.c.d is stored as the IPv6 address ::ffff:a.b.c.d.

@@ -60,6 +60,7 @@ class ReplicaSink:
                  lasting_buckets: bool = False):
         self.replica, self.control = replica, control
         self.lasting_buckets = lasting_buckets
+        replica.prepare(lasting=lasting_buckets)
         self.gradient_log = gradient_log
         self.attestations = attestations
         self.snapshots = snapshots

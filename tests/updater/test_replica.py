@@ -209,13 +209,14 @@ def trainer_checkpoint(reference: TorchStep, iteration: int) -> dict:
             "iteration": iteration}
 
 
-def finish_both(j, replica: Replica, reference: TorchStep, iteration: int, rng) -> None:
+def finish_both(j, replica: Replica, reference: TorchStep, iteration: int, rng, lasting: bool = False) -> None:
     """Iteration ``iteration``, which the replica has begun, on random gradients: the reference
-    steps it, the replica takes it bucket by bucket, and both must then be equal."""
+    steps it, the replica takes it bucket by bucket (``apply_bucket``'s ``lasting``), and both
+    must then be equal."""
     reduced = random_reduced(j, rng)
     reference.step(iteration, reduced)
     for b, grad in enumerate(reduced):
-        replica.apply_bucket(b, grad)
+        replica.apply_bucket(b, grad, lasting=lasting)
     replica.end()
     assert_equal_state(replica, reference)
 
@@ -251,6 +252,26 @@ def test_a_stale_replica_resyncs_from_the_checkpoint_offered_for_the_iteration_i
     assert not replica.stale and replica.open_iteration == 4 and replica.step == 4 and not replica.offers
     finish_both(j, replica, reference, 4, rng)
     assert replica.begin(5) is Begin.OPENED
+
+
+@pytest.mark.parametrize("case, lasting, widened", [
+    (dict(clip=1e-2, predivide=False, wire="bf16"), True, True),
+    (dict(clip=1e-2), False, True),             # fp32 pre-divided, but not kept as handed
+    (dict(clip=1e-2), True, False),             # fp32 pre-divided and kept: nothing to widen into
+    (dict(predivide=False, wire="bf16"), True, False),   # no clipping: stepped bucket by bucket
+])
+def test_prepare_makes_at_start_up_what_stepping_needs(case, lasting, widened, monkeypatch):
+    """After prepare(), an iteration makes no memory of its own: what it would have made at its
+    first clipped bucket, on the update path, was made at start-up; and only what it needs."""
+    j = job(**case)
+    replica, reference = Replica.from_job(j), TorchStep(j)
+    replica.prepare(lasting=lasting)
+    assert (replica._grad32 is not None) == widened
+    monkeypatch.setattr("gradtap.updater.replica.prefaulted", None)    # any later making fails
+    rng = np.random.default_rng(7)
+    for it in range(3):
+        replica.begin(it)
+        finish_both(j, replica, reference, it, rng, lasting)
 
 
 def test_an_offer_made_before_ddps_rebuild_resyncs_in_the_rebuilt_layout():

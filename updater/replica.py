@@ -258,7 +258,7 @@ class Replica:
                               self.state.exp_avg_sq[sl], work, c, wire=self.wire, sqrt=self.root)
         else:
             b = self.layout.buckets[bucket]
-            if lasting and self.wire == "fp32" and self.job.ddp.predivide:
+            if self._kept_as_handed(lasting):
                 it.kept[bucket] = g
                 at = sl.start
                 it.norms.add(b.params, [g[self.layout.param(i).start - at:self.layout.param(i).stop - at]
@@ -381,9 +381,13 @@ class Replica:
         ``lasting`` as the fp32 pre-divided gradient, which is kept as it is. (Memory touched
         for the first time can take seconds for a large model: 64 MiB arrays took up to 0.2 s
         each on a KVM guest whose host takes freed pages back.)"""
-        if self.cfg.clip_grad_norm and self._grad32 is None and \
-                not (lasting and self.wire == "fp32" and self.job.ddp.predivide):
+        if self.cfg.clip_grad_norm and self._grad32 is None and not self._kept_as_handed(lasting):
             self._grad32 = self._widened()
+
+    def _kept_as_handed(self, lasting: bool) -> bool:
+        """Whether a clipped iteration keeps a bucket handed over with ``lasting`` as it is, to
+        read again at :meth:`end`: the wire holds the float32 gradient the trainer clips."""
+        return lasting and self.wire == "fp32" and self.job.ddp.predivide
 
     def _widened(self) -> np.ndarray:
         """The float32 gradient clipped iterations are widened into, made and faulted in once

@@ -17,6 +17,16 @@ timeout. Either way the exchange raises :class:`PeerGone` naming the peers (rank
 receive or send failed, with gloo's reason. A link that raised is finished: gloo's pairs
 are broken, so every later exchange raises the same error without waiting.
 
+**Who is gone.** A node whose round failed lets go of its gloo pairs, and so its live peers
+see their connections to it close too: from where they stand it looks just as dead as the
+node that died. So before it lets go, a node leaves a *notice* in the rendezvous store
+naming the peers it lost, and a node whose round failed reads the notices of the peers it
+lost (waiting up to ``NOTICE_GRACE_S`` for them): a peer with a notice is alive, and the
+peers its notice names are gone in its place (followed on, so a chain of notices ends at
+the nodes that wrote none). A peer whose notices lead to no silent node (it and this node,
+or it and another live node, lost each other: a cut link, not a death) stays named. The notices are keyed by the run's secret, so
+a store file reused from an earlier run cannot speak for this one.
+
 torch.distributed is imported here and in the modules that use this one, never by the
 command line's ``--help``.
 """
@@ -24,7 +34,11 @@ command line's ``--help``.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
+import time
 from pathlib import Path
+from typing import NoReturn
 from urllib.parse import urlparse
 
 import torch
@@ -35,6 +49,8 @@ from gradtap.merger.digest import SECRET_BYTES, DigestKey, digest_key, new_secre
 from gradtap.workload.spec import MirrorGroupSpec
 
 SIZE_TAG, DATA_TAG = 1, 2
+NOTICE_GRACE_S = 1.0      # how long a failed round waits for its lost peers' notices
+NOTICE_POLL_S = 0.02
 
 
 class GroupBroken(GradtapError):
@@ -66,10 +82,13 @@ class GroupLink:
         self.received_bytes = 0
         self.sent_by_kind: dict[str, int] = {}     # sent_bytes by what the rounds carried
         self._gone: PeerGone | None = None
-        self._pg = None
+        self._pg = self._store = None
+        self._notice_prefix: str | None = None      # set once the run's secret is agreed
         if self.world > 1:
             self._pg = self._connect()
-        self.digest_key: DigestKey = digest_key(self._agree_secret())
+        secret = self._agree_secret()
+        self._notice_prefix = f"gradtap/{hashlib.sha256(secret).hexdigest()[:16]}/left/"
+        self.digest_key: DigestKey = digest_key(secret)
 
     def _agree_secret(self) -> bytes:
         """Rank 0's fresh secret, sent to every peer (see the module docstring)."""
@@ -79,10 +98,8 @@ class GroupLink:
             return secret
         got = self.exchange({}, "the digest key (rendezvous)", peers=[0])[0]
         if len(got) != SECRET_BYTES:
-            self._gone = PeerGone({0: f"sent a digest key of {len(got)} bytes, not {SECRET_BYTES}"},
-                                  f"the digest key (rendezvous, rank {self.rank})")
-            self.close()
-            raise self._gone
+            self._fail({0: f"sent a digest key of {len(got)} bytes, not {SECRET_BYTES}"},
+                       f"the digest key (rendezvous, rank {self.rank})")
         return got
 
     def _connect(self):
@@ -105,6 +122,7 @@ class GroupLink:
             else:
                 store = dist.FileStore(str(Path(url.path)), cfg.world_size)
                 store.set_timeout(self.timeout)
+            self._store = store
             return dist.ProcessGroupGloo(store, cfg.rank, cfg.world_size, options)
         except RuntimeError as exc:
             raise PeerGone({p: _first_line(exc) for p in range(cfg.world_size) if p != cfg.rank},
@@ -147,14 +165,14 @@ class GroupLink:
         """Post every send and receive, then wait for each; the peers whose work failed are gone."""
         failed: dict[int, str] = {}
         works = []
-        try:
-            for p, t in recv.items():
-                works.append((p, self._pg.recv([t], p, tag)))
-            for p, t in send.items():
-                works.append((p, self._pg.send([t], p, tag)))
-        except RuntimeError as exc:       # a broken pair refuses new work at once: which one is not said
-            failed = {p: _first_line(exc) for p in recv.keys() | send.keys()}
-            works = []
+        for post, tensors in ((self._pg.recv, recv), (self._pg.send, send)):
+            for p, t in tensors.items():
+                if p in failed:
+                    continue
+                try:
+                    works.append((p, post([t], p, tag)))
+                except RuntimeError as exc:       # a broken pair refuses new work at once
+                    failed[p] = _first_line(exc)
         for p, work in works:
             if p in failed:
                 continue
@@ -163,16 +181,71 @@ class GroupLink:
             except RuntimeError as exc:
                 failed[p] = _first_line(exc)
         if failed:
-            self._gone = PeerGone(failed, f"{during} (rank {self.rank})")
-            self.close()
-            raise self._gone
+            self._fail(failed, f"{during} (rank {self.rank})")
+
+    def _fail(self, failed: dict[int, str], during: str) -> NoReturn:
+        """The link is broken: leave the notice, let go of the pairs, and raise
+        :class:`PeerGone` naming the peers truly gone (see the module docstring)."""
+        self._leave_notice(failed)
+        self._release(abort=True)
+        self._gone = PeerGone(self._truly_gone(failed), during)
+        raise self._gone
+
+    def _leave_notice(self, failed: dict[int, str]) -> None:
+        if self._store is None or self._notice_prefix is None:
+            return
+        try:
+            self._store.set(self._notice_prefix + str(self.rank), json.dumps({str(p): w for p, w in failed.items()}))
+        except RuntimeError:
+            pass          # the store went with its host: peers will name this node, as before notices
+
+    def _truly_gone(self, failed: dict[int, str]) -> dict[int, str]:
+        """``failed`` with each peer that left a notice replaced by the silent peers its notices
+        lead to; a peer whose notices lead to none (only to live nodes: a cut, not a death)
+        stays named."""
+        if self._store is None or self._notice_prefix is None:
+            return failed
+        deadline = time.monotonic() + NOTICE_GRACE_S
+        notices: dict[int, dict[int, str] | None] = {}
+        gone: dict[int, str] = {}
+        for peer, why in failed.items():
+            silent: dict[int, str] = {}
+            seen, todo = {self.rank}, [(peer, why)]
+            while todo:
+                p, reason = todo.pop()
+                if p in seen:
+                    continue
+                seen.add(p)
+                if p not in notices:
+                    notices[p] = self._notice(p, deadline)
+                if notices[p] is None:
+                    silent[p] = reason
+                else:
+                    todo.extend((q, f"{w} (seen by rank {p}, which left)") for q, w in notices[p].items())
+            gone.update(silent or {peer: why})
+        return gone
+
+    def _notice(self, peer: int, deadline: float) -> dict[int, str] | None:
+        """Peer ``peer``'s notice, waited for until ``deadline``; None if it left none."""
+        key = self._notice_prefix + str(peer)
+        try:
+            while not self._store.check([key]):
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(NOTICE_POLL_S)
+            return {int(p): str(w) for p, w in json.loads(self._store.get(key)).items()}
+        except (RuntimeError, ValueError, TypeError, AttributeError):
+            return None   # no store any more, or a notice that is not ours to read
 
     def close(self) -> None:
         """Let go of the gloo pairs (after a failure, or at the end)."""
+        self._release(abort=self._gone is not None)
+
+    def _release(self, abort: bool) -> None:
         pg, self._pg = self._pg, None
         if pg is not None:
             try:
-                if self._gone is not None:
+                if abort:
                     pg.abort()
                 else:
                     pg.shutdown()

@@ -62,3 +62,66 @@ def test_messages_arrive_and_a_hung_peer_is_named_at_the_timeout(tmp_path):
         assert peers == [2] and "rank 2" in text and "round 2" in text
         assert TIMEOUT_S * 0.9 <= waited < TIMEOUT_S * 4, waited
         assert seen[("again", r)]          # a broken link refuses at once, with the same reason
+
+
+def leaver(rank, rendezvous, out):
+    """Rank 2 dies after round 1; rank 0 then finds it gone in a round of their own and lets go
+    of its pairs; rank 1, which only ever meets rank 0 afterwards, sees rank 0's connection
+    closed, yet must name rank 2, the node truly gone."""
+    from gradtap.merger.group_link import GroupLink, PeerGone
+    from gradtap.workload.spec import MirrorGroupSpec
+
+    link = GroupLink(MirrorGroupSpec(rank=rank, world_size=3, rendezvous=rendezvous, timeout_s=TIMEOUT_S))
+    link.all_gather(b"x", "round 1")
+    if rank == 2:
+        os._exit(3)
+    if rank == 1:
+        time.sleep(1.0)             # rank 0 has let go of its pairs by now
+    try:
+        link.exchange({}, "round 2", peers=[2] if rank == 0 else [0])
+    except PeerGone as exc:
+        out.put((rank, {p: why for p, why in exc.peers.items()}))
+
+
+def test_a_peer_that_left_alive_is_not_named_gone(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=leaver, args=(r, f"file://{tmp_path / 'rdv'}", out), daemon=True) for r in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        seen = dict(out.get(timeout=120) for _ in range(2))
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    assert sorted(seen[0]) == [2]
+    assert sorted(seen[1]) == [2] and "seen by rank 0, which left" in seen[1][2], seen[1]
+
+
+@pytest.mark.parametrize("notices, failed, gone", [
+    ({}, [1, 2], [1, 2]),                         # nobody left a notice: all are gone
+    ({1: [2]}, [1, 2], [2]),                       # 1 left because 2 died
+    ({1: [0, 2]}, [1], [2]),                       # 1 named this node too: only 2 is gone
+    ({1: [3], 3: [2]}, [1], [2]),                  # a chain of notices ends at the silent node
+    ({1: [0]}, [1], [1]),                          # 1 and this node lost each other: 1 stays named
+    ({1: [2], 2: [1]}, [1], [1]),                  # 1 and 2 lost each other: 1 stays named
+    ({1: [0]}, [1, 2], [1, 2]),                    # a cut to 1 and a death of 2: both named
+], ids=["none", "left-for-another", "named-me-too", "chain", "mutual", "mutual-others", "cut-and-death"])
+def test_notices_name_the_peers_truly_gone(notices, failed, gone):
+    import json
+
+    import torch.distributed as dist
+
+    from gradtap.merger import group_link
+    from gradtap.merger.group_link import GroupLink
+
+    link = object.__new__(GroupLink)      # the attribution alone, over a real in-process store
+    link.rank, link._store, link._notice_prefix = 0, dist.HashStore(), "run/left/"
+    for p, lost in notices.items():
+        link._store.set(f"run/left/{p}", json.dumps({str(q): f"{p} lost {q}" for q in lost}))
+    grace, group_link.NOTICE_GRACE_S = group_link.NOTICE_GRACE_S, 0.05
+    try:
+        assert sorted(link._truly_gone({p: "closed" for p in failed})) == gone
+    finally:
+        group_link.NOTICE_GRACE_S = grace

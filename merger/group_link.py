@@ -24,8 +24,9 @@ naming the peers it lost, and a node whose round failed reads the notices of the
 lost (waiting up to ``NOTICE_GRACE_S`` for them): a peer with a notice is alive, and the
 peers its notice names are gone in its place (followed on, so a chain of notices ends at
 the nodes that wrote none). A peer whose notices lead to no silent node (it and this node,
-or it and another live node, lost each other: a cut link, not a death) stays named. The notices are keyed by the run's secret, so
-a store file reused from an earlier run cannot speak for this one.
+or it and another live node, lost each other: a cut link, not a death) stays named. The
+notices are keyed by the run's secret, so a store file reused from an earlier run cannot
+speak for this one.
 
 torch.distributed is imported here and in the modules that use this one, never by the
 command line's ``--help``.
@@ -197,7 +198,7 @@ class GroupLink:
         try:
             self._store.set(self._notice_prefix + str(self.rank), json.dumps({str(p): w for p, w in failed.items()}))
         except RuntimeError:
-            pass          # the store went with its host: peers will name this node, as before notices
+            pass          # the store went with its host: the peers will name this node gone
 
     def _truly_gone(self, failed: dict[int, str]) -> dict[int, str]:
         """``failed`` with each peer that left a notice replaced by the silent peers its notices

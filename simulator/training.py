@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import ConfigError, GradtapError, PlanError
+from gradtap.core.vector_math import settle_vector_math
 from gradtap.workload.data import Batch, batch_loss
 from gradtap.workload.buckets import Bucket, ParamLike
 from gradtap.workload.schedule import learning_rate
@@ -92,6 +93,7 @@ def make_optimizer(params: Sequence[torch.nn.Parameter], cfg: Any) -> torch.opti
     if cfg.implementation not in implementations:
         raise ConfigError(f"optimizer.implementation: {cfg.implementation!r} is not one of "
                           f"{sorted(implementations)}")
+    settle_vector_math()        # the steps' torch.sqrt must not be the process's first, parallel, call
     return classes[cfg.kind](params, lr=learning_rate(cfg, 0), betas=tuple(cfg.betas),
                              eps=cfg.eps, weight_decay=cfg.weight_decay,
                              **implementations[cfg.implementation])

@@ -54,6 +54,7 @@ from numba import njit, prange
 
 from gradtap.core.errors import GradtapError
 from gradtap.core.jit import JIT, JIT_PARALLEL
+from gradtap.core.vector_math import settle_vector_math
 from gradtap.updater import mkl_sqrt
 from gradtap.updater.intrinsics import div32, fma32, widen
 
@@ -371,6 +372,7 @@ def adam_step(implementation: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, 
         _SINGLE_TENSOR_MKL[sqrt](p, g, m, v, work, c, half)
     elif sqrt == SQRT_TORCH:
         _moments_all(p, g, m, v, work, c, half)
+        settle_vector_math()
         root = torch.sqrt(torch.from_numpy(v)).numpy()
         _params_all(p, m, root, work, c)
     else:

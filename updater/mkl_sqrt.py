@@ -70,6 +70,7 @@ from numba import config, njit
 
 from gradtap.core.errors import GradtapError
 from gradtap.core.jit import JIT
+from gradtap.core.vector_math import settle_vector_math
 from gradtap.updater.intrinsics import fma32, has_feature, rsqrt12, rsqrt12x4, rsqrt14, rsqrt14x16
 
 log = logging.getLogger(__name__)
@@ -235,6 +236,7 @@ def reproduces_torch(kernel: str) -> bool:
         return False
     x = probe_inputs()
     ours = sqrt(x, kernel).view(np.uint32)
+    settle_vector_math()
     theirs = torch.sqrt(torch.from_numpy(x)).numpy().view(np.uint32)
     differ = np.flatnonzero(ours != theirs)
     if differ.size:

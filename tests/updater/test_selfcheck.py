@@ -83,3 +83,30 @@ def test_kernels_equal_torch_without_the_jit():
                          timeout=600, env=dict(os.environ, NUMBA_DISABLE_JIT="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["ok"]
+
+
+FRESH_SCRIPT = """
+from gradtap.updater import selfcheck
+print(",".join(selfcheck.mkl_roots()) or "-")
+"""
+FRESH_PROCESSES = 12
+
+
+@pytest.mark.slow
+def test_every_fresh_process_finds_the_same_roots():
+    """The self-check's answer is the host's, not the process's: MKL's vector math, set up by
+    a parallel first call, gave one thread low-accuracy roots in about 1 process in 10 on a
+    Xeon (``core/vector_math.py``), and that process took the slow torch.sqrt path. In 12
+    fresh processes (torch's default threads: one per CPU; not set, which would start its
+    thread pool before the first call), every one finds the roots this one does."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: torch.sqrt runs on one thread, and its first call cannot race")
+    root = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", FRESH_SCRIPT], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(FRESH_PROCESSES)]
+    answers = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        answers.append(out.split()[-1])
+    assert answers == [",".join(selfcheck.mkl_roots()) or "-"] * FRESH_PROCESSES

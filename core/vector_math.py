@@ -7,14 +7,15 @@ threads), one thread's share may come back from a low-accuracy kernel. On a Xeon
 model 207, AVX-512 with FP16; PyTorch 2.13.0 CPU, 2 threads) the first ``torch.sqrt`` of
 ``updater.mkl_sqrt.probe_inputs`` (24 M floats) in a fresh process gave, in about 1 process
 in 10, roots with a relative error up to 3.3e-4 (about 12 bits) for the second thread's half,
-12 M of them; every later call in the same process, and every first call made after a
-one-thread call (90 processes, 40 of them through this function), gave MKL's usual roots. So a process that will compare with
-or compute through ``torch.sqrt`` first calls :func:`settle_vector_math`.
+12 M of them. Every later call in the same process, and every first call made after a
+one-thread call (90 processes, 40 of them through this function), gave MKL's usual roots.
+So a process that will compare with or compute through ``torch.sqrt`` first calls
+:func:`settle_vector_math`.
 
-Without the settling, the updater's self-check found in that one process in 10 that no MKL
-root reproduces ``torch.sqrt`` and took the 10x slower ``torch.sqrt`` path, and the
-simulator's ground truth, if its first optimizer step was the first call, held the
-low-accuracy roots.
+Without the settling, the updater's self-check found, in that one process in 10, that no
+MKL root reproduces ``torch.sqrt``, and took the 10x slower ``torch.sqrt`` path; and a
+simulator whose first optimizer step made the first call would hold the low-accuracy roots
+in its ground truth.
 """
 
 from __future__ import annotations

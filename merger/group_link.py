@@ -21,12 +21,12 @@ are broken, so every later exchange raises the same error without waiting.
 see their connections to it close too: from where they stand it looks just as dead as the
 node that died. So before it lets go, a node leaves a *notice* in the rendezvous store
 naming the peers it lost, and a node whose round failed reads the notices of the peers it
-lost (waiting up to ``NOTICE_GRACE_S`` for them): a peer with a notice is alive, and the
-peers its notice names are gone in its place (followed on, so a chain of notices ends at
-the nodes that wrote none). A peer whose notices lead to no silent node (it and this node,
-or it and another live node, lost each other: a cut link, not a death) stays named. The
-notices are keyed by the run's secret, so a store file reused from an earlier run cannot
-speak for this one.
+lost (waiting up to ``NOTICE_GRACE_S`` for them, and no longer for a store whose host does
+not answer): a peer with a notice is alive, and the peers its notice names are gone in its
+place (followed on, so a chain of notices ends at the nodes that wrote none). A peer whose
+notices lead to no silent node (it and this node, or it and another live node, lost each
+other: a cut link, not a death) stays named. The notices are keyed by the run's secret, so
+a store file reused from an earlier run cannot speak for this one.
 
 torch.distributed is imported here and in the modules that use this one, never by the
 command line's ``--help``.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import threading
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -52,6 +53,7 @@ from gradtap.workload.spec import MirrorGroupSpec
 SIZE_TAG, DATA_TAG = 1, 2
 NOTICE_GRACE_S = 1.0      # how long a failed round waits for its lost peers' notices
 NOTICE_POLL_S = 0.02
+NOTICE_SLACK_S = 0.5      # past the grace, a store that has not answered is given up on
 
 
 class GroupBroken(GradtapError):
@@ -187,9 +189,9 @@ class GroupLink:
     def _fail(self, failed: dict[int, str], during: str) -> NoReturn:
         """The link is broken: leave the notice, let go of the pairs, and raise
         :class:`PeerGone` naming the peers truly gone (see the module docstring)."""
-        self._leave_notice(failed)
+        _within_grace(lambda: self._leave_notice(failed), None)
         self._release(abort=True)
-        self._gone = PeerGone(self._truly_gone(failed), during)
+        self._gone = PeerGone(_within_grace(lambda: self._truly_gone(failed), failed), during)
         raise self._gone
 
     def _leave_notice(self, failed: dict[int, str]) -> None:
@@ -252,6 +254,21 @@ class GroupLink:
                     pg.shutdown()
             except RuntimeError:
                 pass      # the group is gone already; nothing is left to release
+
+
+def _within_grace(work, fallback):
+    """``work()``, or ``fallback`` when it has not returned within the notices' grace. The
+    store's host may be the node that hung, and a read from a stopped TCP store host waits
+    past any timeout the store is given; the thread left waiting is a daemon."""
+    result = [fallback]
+
+    def run() -> None:
+        result[0] = work()
+
+    thread = threading.Thread(target=run, name="gradtap-group-notice", daemon=True)
+    thread.start()
+    thread.join(NOTICE_GRACE_S + NOTICE_SLACK_S)
+    return result[0]
 
 
 def _first_line(exc: BaseException) -> str:

@@ -125,3 +125,36 @@ def test_notices_name_the_peers_truly_gone(notices, failed, gone):
         assert sorted(link._truly_gone({p: "closed" for p in failed})) == gone
     finally:
         group_link.NOTICE_GRACE_S = grace
+
+
+def test_a_hung_store_host_is_named_at_the_timeout(tmp_path):
+    """Rank 0 hosts the TCP rendezvous store and hangs: the survivors still name it within the
+    timeout, their reads of the store for notices bounded too."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=peer, args=(r, 3, f"tcp://127.0.0.1:{port}", 0, out), daemon=True)
+             for r in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        seen = {}
+        while len(seen) < 3 + 2:
+            try:
+                kind, rank, value = out.get(timeout=120)
+            except queue.Empty:
+                pytest.fail(f"nodes hung: heard only {sorted(seen)}")
+            if kind != "again":
+                seen[(kind, rank)] = value
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
+    for r in (1, 2):
+        peers, text, waited = seen[("gone", r)]
+        assert peers == [0] and "rank 0" in text, text
+        assert TIMEOUT_S * 0.9 <= waited < TIMEOUT_S * 4, waited

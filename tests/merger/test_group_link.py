@@ -36,11 +36,12 @@ def peer(rank, world, rendezvous, silent, out):
             out.put(("again", rank, str(again) == str(exc)))
 
 
-def test_messages_arrive_and_a_hung_peer_is_named_at_the_timeout(tmp_path):
+def hear_peers(rendezvous: str, silent: int) -> dict:
+    """Run :func:`peer` in 3 processes, rank ``silent`` hanging after round 1; every message
+    they put, by ``(kind, rank)``: 3 of round 1, and from each survivor "gone" and "again"."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=peer, args=(r, 3, f"file://{tmp_path / 'rdv'}", 2, out), daemon=True)
-             for r in range(3)]
+    procs = [ctx.Process(target=peer, args=(r, 3, rendezvous, silent, out), daemon=True) for r in range(3)]
     try:
         for p in procs:
             p.start()
@@ -55,6 +56,11 @@ def test_messages_arrive_and_a_hung_peer_is_named_at_the_timeout(tmp_path):
         for p in procs:
             p.kill()
             p.join(5)
+    return seen
+
+
+def test_messages_arrive_and_a_hung_peer_is_named_at_the_timeout(tmp_path):
+    seen = hear_peers(f"file://{tmp_path / 'rdv'}", 2)
     for r in range(3):
         assert seen[("round 1", r)] == {p: f"{p}->{r}".encode() * (r + 1) for p in range(3) if p != r}
     for r in (0, 1):
@@ -127,7 +133,7 @@ def test_notices_name_the_peers_truly_gone(notices, failed, gone):
         group_link.NOTICE_GRACE_S = grace
 
 
-def test_a_hung_store_host_is_named_at_the_timeout(tmp_path):
+def test_a_hung_store_host_is_named_at_the_timeout():
     """Rank 0 hosts the TCP rendezvous store and hangs: the survivors still name it within the
     timeout, their reads of the store for notices bounded too."""
     import socket
@@ -135,25 +141,7 @@ def test_a_hung_store_host_is_named_at_the_timeout(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=peer, args=(r, 3, f"tcp://127.0.0.1:{port}", 0, out), daemon=True)
-             for r in range(3)]
-    try:
-        for p in procs:
-            p.start()
-        seen = {}
-        while len(seen) < 3 + 2:
-            try:
-                kind, rank, value = out.get(timeout=120)
-            except queue.Empty:
-                pytest.fail(f"nodes hung: heard only {sorted(seen)}")
-            if kind != "again":
-                seen[(kind, rank)] = value
-    finally:
-        for p in procs:
-            p.kill()
-            p.join(5)
+    seen = hear_peers(f"tcp://127.0.0.1:{port}", 0)
     for r in (1, 2):
         peers, text, waited = seen[("gone", r)]
         assert peers == [0] and "rank 0" in text, text

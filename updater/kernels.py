@@ -65,6 +65,7 @@ BODY, TAIL = 0, 1   # work-span forms (TAIL only in fused: the last n % 8 of a t
 
 # Where roots come from (``adam_step(sqrt=)``); ``updater.selfcheck`` picks one per host.
 SQRT_MKL_AVX512 = mkl_sqrt.AVX512   # single-tensor: MKL's AVX-512 kernel reproduced (AVX-512F)
+SQRT_MKL_AVX2 = mkl_sqrt.AVX2       # single-tensor: MKL's AVX2 kernel reproduced (FMA)
 SQRT_MKL_SSE = mkl_sqrt.SSE         # single-tensor: MKL's SSE kernel reproduced (x86-64)
 SQRT_TORCH = "torch"                # single-tensor: torch.sqrt itself (any CPU; one more pass)
 SQRT_IEEE = "ieee"                  # fused: the correctly rounded root, inside the one-pass kernel
@@ -261,6 +262,16 @@ def _single_tensor_mkl_avx512(p, g, m, v, work, c, half):
 
 
 @njit(**JIT_PARALLEL)
+def _single_tensor_mkl_avx2(p, g, m, v, work, c, half):
+    for w in prange(work.shape[0]):
+        lo, hi = work[w, 0], work[w, 1]
+        root = np.empty(hi - lo, np.float32)
+        _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
+        mkl_sqrt.sqrt_span_avx2(v[lo:hi], root)
+        _params_span(p[lo:hi], m[lo:hi], root, c)
+
+
+@njit(**JIT_PARALLEL)
 def _single_tensor_mkl_sse(p, g, m, v, work, c, half):
     for w in prange(work.shape[0]):
         lo, hi = work[w, 0], work[w, 1]
@@ -270,7 +281,8 @@ def _single_tensor_mkl_sse(p, g, m, v, work, c, half):
         _params_span(p[lo:hi], m[lo:hi], root, c)
 
 
-_SINGLE_TENSOR_MKL = {SQRT_MKL_AVX512: _single_tensor_mkl_avx512, SQRT_MKL_SSE: _single_tensor_mkl_sse}
+_SINGLE_TENSOR_MKL = {SQRT_MKL_AVX512: _single_tensor_mkl_avx512, SQRT_MKL_AVX2: _single_tensor_mkl_avx2,
+                      SQRT_MKL_SSE: _single_tensor_mkl_sse}
 
 
 @njit(**JIT_PARALLEL)
@@ -346,11 +358,12 @@ def adam_step(implementation: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, 
     c:
         :func:`step_constants` of this step.
     sqrt:
-        Where single-tensor roots come from: ``SQRT_MKL_AVX512`` or ``SQRT_MKL_SSE`` (one
-        pass per span; refused unless ``mkl_sqrt.reproduces_torch`` holds for it here) or
-        ``SQRT_TORCH`` (``torch.sqrt`` on the whole bucket between two passes; any host).
-        Fused takes only ``SQRT_IEEE``. ``gradtap.updater.selfcheck.root_source`` gives the
-        fastest exact one for a job on this host.
+        Where single-tensor roots come from: ``SQRT_MKL_AVX512``, ``SQRT_MKL_AVX2`` or
+        ``SQRT_MKL_SSE`` (one pass per span; refused unless ``mkl_sqrt.reproduces_torch``
+        holds for it here) or ``SQRT_TORCH`` (``torch.sqrt`` on the whole bucket between two
+        passes; any host). Fused takes only ``SQRT_IEEE``.
+        ``gradtap.updater.selfcheck.root_source`` gives the fastest exact one for a job on
+        this host.
     """
     n = p.shape[0]
     _check("adam_step: g", g, n, _wire_dtype(wire))

@@ -4,7 +4,7 @@
 (``aten/src/ATen/cpu/vml.h``, ``VML_HA``), and Adam's ``exp_avg_sq.sqrt()`` goes through it,
 so an exact replica of ``torch.optim.Adam(foreach=False)`` needs the same root. MKL picks
 the kernel behind ``vmsSqrt`` from the CPU at run time, and no kernel is correctly rounded;
-each rounds differently. Two are reproduced here (torch 2.13.0, MKL 2024.2; the sequences
+each rounds differently. Three are reproduced here (torch 2.13.0, MKL 2024.2; the sequences
 were read from the instruction stream of ``libtorch_cpu.so``, the dispatch observed with
 breakpoints on every ``mkl_vml_kernel_sSqrt_*``; only the arithmetic is reproduced).
 
@@ -25,10 +25,29 @@ is formed at scale: ``r = fma(-(s·2**39), s·2**39, x·2**78)`` and the result 
 non-negative inputs, 12,619,747 (0.59 %) come out one unit in the last place *below* the
 correctly rounded root, at every exponent, none above.
 
+``mkl_vml_kernel_sSqrt_L9HAynn`` (:data:`AVX2`), which MKL runs on Intel CPUs with AVX2 and
+FMA but no AVX-512 (and on AVX-512 ones under ``MKL_ENABLE_INSTRUCTIONS=AVX2``, which is how
+it was observed here): eight lanes of the SSE kernel's refinement below, every step after
+the two products a fused multiply-add.
+
+.. code-block:: text
+
+    y = rsqrt12(x)              # vrsqrtps, |relative error| <= 1.5 * 2**-12
+    s = x * y
+    h = y * 0.5
+    e = fma(-s, h, 0.5)
+    s = fma(e, s, s)
+    h = fma(e, h, h)
+    sqrt(x) = fma(h, fma(-s, s, x), s)
+
+for every positive normal ``x`` (its range test, ``bits + 0x7F800000 > 0xFEFFFFFF`` in
+signed 32-bit arithmetic, sends exactly the others aside); every other input goes to the
+scalar routine the SSE kernel uses for its own, below. Over all 2**31 non-negative inputs,
+N_AVX2 differ from the correctly rounded root.
+
 ``mkl_vml_kernel_sSqrt_EXHAynn`` (:data:`SSE`), which MKL runs on this repository's AMD
-EPYC (AVX2, no AVX-512; MKL does not dispatch its AVX2 kernel ``…_L9HAynn`` there, which
-would round differently: it uses FMAs): 128-bit SSE, no FMA, every operation rounded on
-its own.
+EPYC (AVX2, no AVX-512; MKL keeps its AVX2 kernel for Intel's CPUs) and on Intel ones under
+``MKL_ENABLE_INSTRUCTIONS=SSE4_2``: 128-bit SSE, no FMA, every operation rounded on its own.
 
 .. code-block:: text
 
@@ -76,6 +95,7 @@ from gradtap.updater.intrinsics import fma32, has_feature, rsqrt12, rsqrt12x4, r
 log = logging.getLogger(__name__)
 
 AVX512 = "mkl-avx512"   # mkl_vml_kernel_sSqrt_Z0HAynn
+AVX2 = "mkl-avx2"       # mkl_vml_kernel_sSqrt_L9HAynn
 SSE = "mkl-sse"         # mkl_vml_kernel_sSqrt_EXHAynn
 
 _HALF = np.float32(0.5)
@@ -85,8 +105,10 @@ _NAN = np.float32(np.nan)
 _SCALE_AT = np.float32(2.0 ** 39)          # y above this: x < ~2**-78, residual at scale
 _X_UP = np.float32(2.0 ** 78)
 _H_DOWN = np.float32(2.0 ** -78)
-# SSE: the inputs its vector path takes (bits 0x00800000 ..= 0x7F7FF000)
-_SSE_LOW = np.float32(np.finfo(np.float32).tiny)
+# AVX2 and SSE: the inputs their vector paths take (bits 0x00800000 ..= 0x7F7FFFFF; SSE
+# only ..= 0x7F7FF000)
+_NORMAL_LOW = np.float32(np.finfo(np.float32).tiny)
+_NORMAL_HIGH = np.float32(np.finfo(np.float32).max)
 _SSE_HIGH = np.array([0x7F7FF000], np.uint32).view(np.float32)[0]
 
 
@@ -127,6 +149,42 @@ def sqrt_span_avx512(src, out):
 
 
 @njit(**JIT)
+def finish_avx2(x, y):
+    """MKL's AVX2 root of ``x`` (float32) given ``y = rsqrt12(x)``."""
+    s = x * y
+    h = y * _HALF
+    e = fma32(-s, h, _HALF)
+    s = fma32(e, s, s)
+    h = fma32(e, h, h)
+    root = fma32(h, fma32(-s, s, x), s)
+    if _NORMAL_LOW <= x <= _NORMAL_HIGH:
+        return root
+    return np.sqrt(x)
+
+
+@njit(**JIT)
+def estimates_rsqrt12(src, out):
+    """``out[k] = rsqrt12(src[k])`` for every ``k``: 4 lanes at a time (``rsqrtps``), the
+    last ``src.size % 4`` one lane at a time (``rsqrtss``, the same table)."""
+    n = src.size
+    full = n - n % 4
+    for k in range(0, full, 4):
+        rsqrt12x4(src, k, out, k)
+    for k in range(full, n):
+        out[k] = rsqrt12(src[k])
+
+
+@njit(**JIT)
+def sqrt_span_avx2(src, out):
+    """``out[k]`` = MKL's AVX2 root of ``src[k]`` for every ``k`` of the 1-D float32 ``src``
+    (``out`` needs ``src.size`` elements): the estimates into ``out``, then finished in place
+    in a vectorised loop (as :func:`sqrt_span_avx512`)."""
+    estimates_rsqrt12(src, out)
+    for k in range(src.size):
+        out[k] = finish_avx2(src[k], out[k])
+
+
+@njit(**JIT)
 def finish_sse(x, y):
     """MKL's SSE root of ``x`` (float32) given ``y = rsqrt12(x)``."""
     s = x * y
@@ -135,7 +193,7 @@ def finish_sse(x, y):
     s = s * e + s
     h = h * e + h
     root = (x - s * s) * h + s
-    if _SSE_LOW <= x <= _SSE_HIGH:
+    if _NORMAL_LOW <= x <= _SSE_HIGH:
         return root
     return np.sqrt(x)
 
@@ -143,15 +201,10 @@ def finish_sse(x, y):
 @njit(**JIT)
 def sqrt_span_sse(src, out):
     """``out[k]`` = MKL's SSE root of ``src[k]`` for every ``k`` of the 1-D float32 ``src``
-    (x86-64; ``out`` needs ``src.size`` elements). Estimates 4 lanes at a time, as MKL
-    takes them, then finished in place in a vectorised loop (as :func:`sqrt_span_avx512`)."""
-    n = src.size
-    full = n - n % 4
-    for k in range(0, full, 4):
-        rsqrt12x4(src, k, out, k)
-    for k in range(full, n):
-        out[k] = rsqrt12(src[k])
-    for k in range(n):
+    (``out`` needs ``src.size`` elements), as :func:`sqrt_span_avx2` (MKL too takes these
+    estimates 4 lanes at a time)."""
+    estimates_rsqrt12(src, out)
+    for k in range(src.size):
         out[k] = finish_sse(src[k], out[k])
 
 
@@ -167,6 +220,7 @@ class Kernel(NamedTuple):
 # In the order the updater tries them.
 KERNELS = {
     AVX512: Kernel("mkl_vml_kernel_sSqrt_Z0HAynn", "avx512f", "vrsqrt14ps", sqrt_span_avx512),
+    AVX2: Kernel("mkl_vml_kernel_sSqrt_L9HAynn", "fma", "vrsqrtps", sqrt_span_avx2),
     SSE: Kernel("mkl_vml_kernel_sSqrt_EXHAynn", "sse", "rsqrtps", sqrt_span_sse),
 }
 

@@ -13,7 +13,7 @@ from gradtap.core.errors import GradtapError
 from gradtap.updater import kernels
 from gradtap.updater.kernels import (IMPLEMENTATIONS, SQRT_IEEE, SQRT_MKL_SSE, SQRT_TORCH, adam_step,
                                      step_constants, work_spans)
-from tests.updater.roots import MKL_ROOTS, SINGLE_TENSOR_ROOTS, require, torch_uses
+from tests.updater.roots import MKL_ROOTS, require, torch_uses
 
 SIZES = [1, 7, 15, 17, 1023, 4099, 16, 8, 9, 33]
 # (kind, lr, betas, eps, weight_decay): plain Adam; Adam with L2 decay; AdamW with

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from gradtap.core.errors import GradtapError
-from gradtap.updater import kernels, selfcheck
+from gradtap.updater import kernels, mkl_sqrt, selfcheck
 from gradtap.workload.spec import OptimizerSpec
-from tests.updater.roots import MKL_ROOTS, torch_uses
+from tests.updater.roots import MKL_ROOTS, mkl_runs_here, torch_uses
 
 
 def test_fast_roots_on_this_host():
@@ -26,6 +26,19 @@ def test_fast_roots_on_this_host():
         assert selfcheck.root_source(OptimizerSpec(implementation=impl)) == want
     assert selfcheck.root_source(OptimizerSpec(kind="adamw", implementation="fused",
                                                weight_decay=0.1)) == kernels.SQRT_IEEE
+
+
+def test_the_root_mkl_runs_on_this_cpu_is_reproduced():
+    """Where this CPU's MKL kernel is known (from its vendor and features), the product's
+    probe finds exactly it, so the single-tensor updater takes one pass, not torch.sqrt's."""
+    kernel, why = mkl_runs_here()
+    if kernel is None:
+        pytest.skip(why)
+    reason = mkl_sqrt.missing(kernel)
+    if reason:
+        pytest.skip(reason)
+    assert selfcheck.mkl_roots() == [kernel], why
+    assert torch_uses(kernel), why
 
 
 def test_without_an_mkl_root_the_roots_come_from_torch(monkeypatch, caplog):

@@ -43,7 +43,8 @@ the two products a fused multiply-add.
 for every positive normal ``x`` (its range test, ``bits + 0x7F800000 > 0xFEFFFFFF`` in
 signed 32-bit arithmetic, sends exactly the others aside); every other input goes to the
 scalar routine the SSE kernel uses for its own, below. Over all 2**31 non-negative inputs,
-N_AVX2 differ from the correctly rounded root.
+1,887,413 (0.088 %) differ from the correctly rounded root by one unit in the last place:
+1,064,199 below and 823,214 above, none by more.
 
 ``mkl_vml_kernel_sSqrt_EXHAynn`` (:data:`SSE`), which MKL runs on this repository's AMD
 EPYC (AVX2, no AVX-512; MKL keeps its AVX2 kernel for Intel's CPUs) and on Intel ones under

@@ -7,8 +7,9 @@ optimizer (kind, betas, eps, weight decay, implementation) for a few steps on a 
 probe, once through ``torch.optim`` and once through :func:`gradtap.updater.kernels.adam_step`,
 and compares every bit. Single-tensor and foreach try each of MKL's kernels reproduced in
 ``updater/mkl_sqrt.py`` that this CPU can run and whose root equals ``torch.sqrt`` here
-(AVX-512 on AVX-512 Xeons, AVX2 on Intel CPUs without AVX-512, SSE on the AMD EPYC), then ``torch.sqrt`` itself; when nothing
-matches the replica refuses to start rather than drift silently.
+(AVX-512 on AVX-512 Xeons, AVX2 on Intel CPUs without AVX-512, SSE on the AMD EPYC), then
+``torch.sqrt`` itself; when nothing matches the replica refuses to start rather than drift
+silently.
 """
 
 from __future__ import annotations

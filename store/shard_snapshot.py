@@ -22,7 +22,6 @@ Retention keeps the ``keep`` newest iterations of this node's directory.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from gradtap.core.errors import ConfigError
 from gradtap.netconfig.plan import SwitchInfo
-from gradtap.netconfig.vendors.base import NON_ELS_ANALYZERS, Session, SwitchConfig, VendorSpec, comment_for
+from gradtap.netconfig.vendors.base import Session, SwitchConfig, VendorSpec, comment_for
 
 SPEC = VendorSpec(
     name="junos", title="Juniper Junos", max_sessions=4, session_numbers=None,

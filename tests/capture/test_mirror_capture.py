@@ -16,7 +16,7 @@ from gradtap.capture.sender import FrameSender
 from gradtap.capture.worker import CaptureWorker, SourceSpec
 from gradtap.netconfig.linux_mirror import apply_mirrors, teardown_mirrors
 from gradtap.netconfig.vendors.linux import TcMirror
-from tests.capture.netlab import ETHERTYPE, BridgeLab, remove_stale
+from tests.capture.netlab import ETHERTYPE, BridgeLab
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(120),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces, tc and AF_XDP")]

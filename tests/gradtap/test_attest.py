@@ -8,7 +8,6 @@ The trainer is the simulator's, resumed to an iteration with real PyTorch traini
 from __future__ import annotations
 
 import copy
-import json
 
 import numpy as np
 import pytest

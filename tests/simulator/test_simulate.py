@@ -197,7 +197,7 @@ def test_mirror_faults_leave_the_truth_alone_and_appear_at_their_rates(tmp_path)
 @pytest.mark.slow
 def test_link_faults_retransmit_and_are_visible_on_every_mirror(tmp_path):
     job = make_job(3, "Simple", 1, "fp32")
-    clean = simulate(tmp_path / "clean", job)
+    simulate(tmp_path / "clean", job)
     faulty = simulate(tmp_path / "faulty", job, faults="link_loss=0.01,corrupt=0.01")
     assert faulty.link_faults["link_loss"] > 0 and faulty.link_faults["link_corrupt"] > 0
     a = np.load(tmp_path / "clean" / "truth" / "iter_000001" / "grad.npy")

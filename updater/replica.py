@@ -97,11 +97,15 @@ class Replica:
 
     def __init__(self, job: JobSpec, checkpoint: Mapping[str, Any], *,
                  buckets: tuple[Bucket, ...] | None = None, consume: bool = False):
+        self._attach(job, FlatLayout(job_params(job), job_buckets(job) if buckets is None else buckets))
+        self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg, consume=consume)
+
+    def _attach(self, job: JobSpec, layout: FlatLayout) -> None:
+        """The fields of a replica of ``job`` laid out as ``layout``, but its state."""
         self.job = job
         self.cfg = job.optimizer
         self.wire = job.ddp.grad_dtype
-        self.layout = FlatLayout(job_params(job), job_buckets(job) if buckets is None else buckets)
-        self.state, self._keys = from_checkpoint(checkpoint, self.layout, self.cfg, consume=consume)
+        self.layout = layout
         self.stale = False
         self.offers: dict[int, Offer] = {}                  # iteration -> its state, made (offer())
         self._reached = -1                                  # the latest iteration begin() was asked for

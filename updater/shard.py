@@ -36,9 +36,8 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
-from gradtap.updater import selfcheck
 from gradtap.updater.clipping import GradNorms
-from gradtap.updater.replica import Offer, Replica
+from gradtap.updater.replica import Replica
 from gradtap.updater.state import FlatLayout, from_checkpoint
 from gradtap.workload.buckets import Bucket
 from gradtap.workload.layout import job_buckets, job_params
@@ -128,23 +127,16 @@ class ShardReplica(Replica):
 
     def __init__(self, job: JobSpec, checkpoint: Mapping[str, Any], shards: Shards, rank: int, *,
                  buckets: tuple[Bucket, ...] | None = None):
-        # Replica.__init__ would load the whole state; these are its attributes, with the slice.
+        # Not Replica.__init__, which would load the whole state: its fields, with the slice.
         buckets = job_buckets(job) if buckets is None else buckets
         if len(shards.owner) != len(buckets) or not 0 <= rank < shards.world:
             raise GradtapError(f"ShardReplica: shards of {len(shards.owner)} buckets over {shards.world} nodes, "
                                f"rank {rank}; the job has {len(buckets)} buckets")
-        self.job, self.cfg, self.wire = job, job.optimizer, job.ddp.grad_dtype
         self.shards, self.rank = shards, rank
         self._own = shards.buckets_of(rank)
         self.whole = FlatLayout(job_params(job), buckets)      # where the shard sits in the whole state
-        self.layout = ShardLayout(self.whole.params, buckets, self._own)
+        self._attach(job, ShardLayout(self.whole.params, buckets, self._own))
         self.state, self._keys = self._load(checkpoint)
-        self.stale = False
-        self.offers: dict[int, Offer] = {}
-        self._reached = -1
-        self.root = selfcheck.root_source(self.cfg)
-        self._open = None
-        self._grad32 = None
 
     def _load(self, checkpoint: Mapping[str, Any]):
         """The shard's flat state from the trainer's full ``checkpoint``: ``from_checkpoint``

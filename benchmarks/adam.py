@@ -13,7 +13,7 @@ target ratios are also printed repeat by repeat (median and range):
 - gradtap fused (the fast path, bit-exact with ``torch.optim.AdamW(fused=True)``) and
   gradtap single-tensor (bit-exact with ``foreach=False``/``foreach=True``), 1 and 2
   threads (``numba.set_num_threads``), each with the root ``selfcheck.root_source`` picks on
-  this host (printed: the AVX-512 or SSE MKL kernel reproduced, or ``torch.sqrt`` itself);
+  this host (printed: the AVX-512, AVX2 or SSE MKL kernel reproduced, or ``torch.sqrt`` itself);
 - ``torch.optim.AdamW`` single-tensor, foreach and fused, on torch's intra-op threads;
 - memcpy's rate (``benchmarks._bandwidth``) turned into parameters per second at 28 bytes.
 
@@ -22,14 +22,21 @@ sizes) three times beside torch's and must equal it bit for bit.
 
 Gparam/s = 1e9 parameters stepped per second. Targets (issue 12): fast path >= 0.95 x proxy and
 >= 1.0 x torch fused; single-tensor path >= 3 x torch single-tensor.
-Run: ``python -m benchmarks.adam [--params N] [--repeats R] [--check-params N]``.
+``--play intel-avx2|mkl-sse`` runs the benchmark again in a process that plays that kind of
+host (``benchmarks/_hosts.py``: torch's AVX2 kernels, Numba code without AVX-512, MKL capped),
+so an AVX-512 Intel host measures the paths of one without AVX-512, with its own memory.
+Run: ``python -m benchmarks.adam [--params N] [--repeats R] [--check-params N] [--play HOST]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from typing import NoReturn
 
 import numba
 import numpy as np
@@ -37,6 +44,7 @@ import torch
 from numba import njit, prange
 
 from benchmarks._bandwidth import memcpy_bandwidth
+from benchmarks._hosts import PLAYED, can_play, played_env
 from gradtap.core.jit import JIT_PARALLEL
 from gradtap.updater import kernels, mkl_sqrt, selfcheck, state
 from gradtap.workload.spec import OptimizerSpec
@@ -142,12 +150,28 @@ def describe(root: str) -> str:
             kernels.SQRT_IEEE: f"{root} (correctly rounded)"}[root]
 
 
+def play(host: str, argv: list[str]) -> NoReturn:
+    """Run the benchmark with ``argv`` in a process that plays ``host``, and exit with its status."""
+    reason = can_play()
+    if reason:
+        raise SystemExit(f"--play {host}: {reason}")
+    print(f"playing {host}: ATEN_CPU_CAPABILITY=avx2, Numba for haswell without AVX-512, "
+          f"MKL_ENABLE_INSTRUCTIONS={PLAYED[host]}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gradtap-bench-numba-") as cache:
+        status = subprocess.run([sys.executable, "-m", "benchmarks.adam", *argv], env=played_env(host, cache)).returncode
+    raise SystemExit(status)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=DEFAULT_PARAMS)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--check-params", type=int, default=CHECK_PARAMS)
+    parser.add_argument("--play", choices=sorted(PLAYED), default=None,
+                        help="measure the paths of another kind of host (see the module's docstring)")
     args = parser.parse_args()
+    if args.play:
+        play(args.play, [a for a in sys.argv[1:] if a not in ("--play", args.play) and not a.startswith("--play=")])
     n = _size(args.params)
     threads = min(2, os.cpu_count() or 1)
     reduced = "" if n == args.params else f" (reduced from {args.params / 1e6:.0f} M to fit in memory)"

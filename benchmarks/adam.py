@@ -158,7 +158,8 @@ def play(host: str, argv: list[str]) -> NoReturn:
     print(f"playing {host}: ATEN_CPU_CAPABILITY=avx2, Numba for haswell without AVX-512, "
           f"MKL_ENABLE_INSTRUCTIONS={PLAYED[host]}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gradtap-bench-numba-") as cache:
-        status = subprocess.run([sys.executable, "-m", "benchmarks.adam", *argv], env=played_env(host, cache)).returncode
+        env = played_env(host, cache)
+        status = subprocess.run([sys.executable, "-m", "benchmarks.adam", *argv], env=env).returncode
     raise SystemExit(status)
 
 

@@ -333,9 +333,12 @@ def test_sigkill_of_the_appliance_while_uploading(tmp_path, sim, kind, request):
     outcomes = []
     for trial in range(TRIALS[kind]):
         # Killed while the capture still comes: after the last iteration the appliance closes
-        # at once, whatever the delay.
-        moment = {"first": trial % 5 == 4, "iteration": rng.randint(2, ITERATIONS - 1),
-                  "delay": window * rng.random()}
+        # at once, whatever the delay. So the delay after the replica reports an iteration is
+        # at most half the capture still to come then: a slow store (a long upload window)
+        # otherwise made the kills at the last iterations miss (4 of 10 trials in one CI run).
+        iteration = rng.randint(2, ITERATIONS - 1)
+        left = PACE_S * (ITERATIONS - iteration) / ITERATIONS
+        moment = {"first": trial % 5 == 4, "iteration": iteration, "delay": min(window, left / 2) * rng.random()}
         where = f"{kind} trial {trial} (CRASH_SEED={CRASH_SEED}: killed at {moment})"
         root = tmp_path / f"t{trial}"
         root.mkdir()

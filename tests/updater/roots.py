@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from llvmlite import binding as llvm
-
+from benchmarks._hosts import host_features
 from gradtap.updater import mkl_sqrt
 
 MKL_ROOTS = list(mkl_sqrt.KERNELS)                       # kernels.SQRT_MKL_*
@@ -69,7 +68,7 @@ def mkl_runs_here(cap: str | None = None) -> tuple[str | None, str]:
     Intel CPUs: ``AVX512`` (no cap), ``AVX2``, ``AVX`` or ``SSE4_2`` (MKL 2024 runs its SSE
     kernels for AVX-only CPUs). ``cap`` stands for that variable when given."""
     vendor = _cpu_vendor()
-    features = set(llvm.get_host_cpu_features().flatten().split(","))
+    features = set(host_features())
     cap = (cap or os.environ.get("MKL_ENABLE_INSTRUCTIONS") or "AVX512").upper()
     if vendor == "GenuineIntel":
         if cap not in ("AVX512", "AVX2", "AVX", "SSE4_2"):

@@ -213,16 +213,16 @@ class Kernel(NamedTuple):
     """One of MKL's float32 square-root kernels, as reproduced here."""
 
     symbol: str                 # MKL's name for it (in libtorch_cpu.so)
-    feature: str                # the LLVM target feature it needs
-    instruction: str            # the instructions that need it
+    features: tuple[str, ...]   # the LLVM target features it needs
+    instruction: str            # the instructions that need them
     span: Callable              # sqrt_span_*(src, out): its root of every element
 
 
 # In the order the updater tries them.
 KERNELS = {
-    AVX512: Kernel("mkl_vml_kernel_sSqrt_Z0HAynn", "avx512f", "vrsqrt14ps", sqrt_span_avx512),
-    AVX2: Kernel("mkl_vml_kernel_sSqrt_L9HAynn", "fma", "rsqrtps and FMA", sqrt_span_avx2),
-    SSE: Kernel("mkl_vml_kernel_sSqrt_EXHAynn", "sse", "rsqrtps", sqrt_span_sse),
+    AVX512: Kernel("mkl_vml_kernel_sSqrt_Z0HAynn", ("avx512f",), "vrsqrt14ps", sqrt_span_avx512),
+    AVX2: Kernel("mkl_vml_kernel_sSqrt_L9HAynn", ("sse", "fma"), "rsqrtps and FMA", sqrt_span_avx2),
+    SSE: Kernel("mkl_vml_kernel_sSqrt_EXHAynn", ("sse",), "rsqrtps", sqrt_span_sse),
 }
 
 
@@ -236,8 +236,9 @@ def missing(kernel: str) -> str | None:
     """Why ``kernel`` cannot run on this host (``None`` when it can): the CPU lacks an
     instruction it needs, or ``NUMBA_DISABLE_JIT`` is set (the estimates have no twin)."""
     k = _kernel(kernel)
-    if not has_feature(k.feature):
-        return f"{kernel} needs {k.instruction} ({k.feature}), which this CPU does not have"
+    lacking = [f for f in k.features if not has_feature(f)]
+    if lacking:
+        return f"{kernel} needs {k.instruction} ({', '.join(lacking)}), which this CPU does not have"
     if config.DISABLE_JIT:
         return f"{kernel} needs the JIT for {k.instruction} (NUMBA_DISABLE_JIT is set)"
     return None

@@ -78,6 +78,14 @@ def test_a_kernel_this_cpu_cannot_run_is_refused(monkeypatch):
         mkl_sqrt.sqrt(np.ones(4, np.float32), "mkl")
 
 
+def test_the_avx2_kernel_needs_sse_as_well_as_fma(monkeypatch):
+    """Its estimate is x86's ``rsqrtps``: a CPU that has FMA but not SSE (not an x86) cannot
+    run it, and the refusal names what is missing."""
+    monkeypatch.setattr(mkl_sqrt, "has_feature", lambda feature: feature == "fma")
+    assert mkl_sqrt.missing(mkl_sqrt.AVX2) == ("mkl-avx2 needs rsqrtps and FMA (sse), which this CPU "
+                                              "does not have")
+
+
 def test_the_correctly_rounded_root_is_not_torchs():
     x = np.arange(0x3F800000, 0x3F800000 + (1 << 20), dtype=np.uint32).view(np.float32)
     ieee = np.sqrt(x).view(np.uint32).astype(np.int64)

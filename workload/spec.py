@@ -416,7 +416,7 @@ class ApplianceSpec(_Strict):
     """How the appliance runs this job (capture, parse, merge, update, snapshot)."""
 
     verify_icrc: bool = Field(True, description="check every RoCEv2 frame's ICRC and drop the damaged ones "
-                              "(decode.icrc_bad); off, a parse takes about 3/4 of the CPU, and a frame damaged "
+                              "(decode.icrc_bad); off, a parse takes about 3/4 of the CPU time, and a frame damaged "
                               "inside a switch is used as it came (docs/parser.md)")
     iteration_gap_ns: int = Field(1_000_000, gt=0, description="pause in the job's traffic between iterations")
     control_endpoint: str | None = Field(None, description="trainer URL that receives fallback events (HTTP POST)")

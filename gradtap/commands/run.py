@@ -18,10 +18,30 @@ from gradtap.core.errors import ConfigError
 SOURCE_NAMES = ("pcap", "af_packet", "af_xdp")
 
 
-def parse_stream(text: str, source: str, netns: str | None):
+def parse_source_options(texts: tuple[str, ...]) -> dict[str, int | str]:
+    """``--source-option KEY=VALUE``s: a value that reads as an integer is one."""
+    out: dict[str, int | str] = {}
+    for text in texts:
+        key, sep, value = text.partition("=")
+        if not sep or not key.isidentifier() or not value:
+            raise ConfigError(f"--source-option {text!r}: expected KEY=VALUE, e.g. rx_size=131072")
+        if key in ("interface", "netns", "path"):
+            raise ConfigError(f"--source-option {text!r}: {key} comes from --stream or --netns")
+        try:
+            out[key] = int(value, 0)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def parse_stream(text: str, source: str, netns: str | None, options: dict[str, int | str] | None = None):
     """``NAME=IFACE`` (on the ``source`` given) or ``NAME=SOURCE:TARGET`` such as
-    ``NAME=pcap:PATH``: the stream's name and its ``capture.worker.SourceSpec``."""
-    from gradtap.capture.registry import SOURCES
+    ``NAME=pcap:PATH``: the stream's name and its ``capture.worker.SourceSpec``, with the
+    ``options`` of ``--source-option``, checked here by building the source (which opens
+    nothing) so that a wrong one stops the command before any capture starts."""
+    import inspect
+
+    from gradtap.capture.registry import SOURCES, make_source
     from gradtap.capture.worker import SourceSpec
 
     name, sep, target = text.partition("=")
@@ -32,9 +52,23 @@ def parse_stream(text: str, source: str, netns: str | None):
         source, target = kind, rest
     if source not in SOURCES:
         raise ConfigError(f"--source {source!r}: choose one of {', '.join(SOURCES)}")
-    if source == "pcap":
-        return name, SourceSpec("pcap", (target,), {})
-    return name, SourceSpec(source, (target,), {"netns": netns})
+    given = dict(options or {})
+    accepted = {p.name: p.default for p in inspect.signature(SOURCES[source].__init__).parameters.values()
+                if p.kind == p.KEYWORD_ONLY and p.name != "netns"}
+    unknown = sorted(set(given) - set(accepted))
+    if unknown:
+        raise ConfigError(f"--source-option {unknown[0]}: the {source} source of stream {name!r} has no such "
+                          f"option; it takes {', '.join(accepted)} (docs/capture.md, 'Source parameters')")
+    for key, value in given.items():
+        if isinstance(accepted[key], int) and not isinstance(value, int):
+            raise ConfigError(f"--source-option {key}={value}: {key} is a number (default {accepted[key]})")
+    spec = SourceSpec("pcap", (target,), given) if source == "pcap" else \
+        SourceSpec(source, (target,), {"netns": netns, **given})
+    try:
+        make_source(spec.source, *spec.args, **spec.options)
+    except ValueError as exc:
+        raise ConfigError(f"--source-option for stream {name!r} ({source}): {exc}") from None
+    return name, spec
 
 
 def _cpus(text: str, what: str) -> list[int]:
@@ -60,6 +94,10 @@ def _cpus(text: str, what: str) -> list[int]:
               help="snapshots/, iterations.jsonl, events.jsonl go here")
 @click.option("--source", default="af_packet", metavar="SOURCE", help=f"capture source: {', '.join(SOURCE_NAMES)}")
 @click.option("--netns", metavar="NS", help="network namespace the interfaces are in")
+@click.option("--source-option", "source_options", multiple=True, metavar="KEY=VALUE",
+              help="a parameter of every stream's capture source, e.g. rx_size=131072 and frames=262144 (af_xdp) "
+                   "or block_count=256 (af_packet): the kernel ring's depth sets how long a capture worker may "
+                   "stall without loss (docs/capture.md, 'How long a worker may stall')")
 @click.option("--start", type=click.Path(path_type=Path), metavar="CKPT",
               help="trainer checkpoint to start from: with time_ns, its iteration is the first captured one to "
                    "begin after it; without, the trainer's state when the capture began (default: the job's "
@@ -116,6 +154,7 @@ def _cpus(text: str, what: str) -> list[int]:
                    "(which compiles every kernel, some 20 s after an install or upgrade, and checks it exact)")
 @group_options("capturing")
 def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str, netns: str | None,
+                source_options: tuple[str, ...],
                 start: Path | None, store: str | None, start_from_store: bool, metrics_port: int,
                 metrics_address: str, control_port: int,
                 control_address: str, control_token_file: Path | None, resync_dirs: tuple[Path, ...],
@@ -148,7 +187,8 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     if group is not None:
         refuse_for_group({"--store": bool(store), "--start-from-store": start_from_store,
                           "--resync-dir": bool(resync_dirs), "--force": force})
-    specs = dict(parse_stream(s, source, netns) for s in stream)
+    given = parse_source_options(source_options)
+    specs = dict(parse_stream(s, source, netns, given) for s in stream)
     cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
                          capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),

@@ -184,6 +184,46 @@ def test_a_missing_interface_fails_fast_with_its_reason(tmp_path):
     assert "gradtap-no-such-if0" in done.stderr
 
 
+def test_source_options_reach_every_stream_and_a_wrong_one_is_named():
+    """``--source-option KEY=VALUE`` goes into each stream's source, checked by building the
+    source in the parent: an option the source lacks, or a value it refuses, is a ConfigError
+    that names it before any worker starts."""
+    from gradtap.commands.run import parse_source_options, parse_stream
+    from gradtap.core.errors import ConfigError
+
+    given = parse_source_options(("rx_size=131072", "frames=0x40000", "mode=copy"))
+    assert given == {"rx_size": 131072, "frames": 262144, "mode": "copy"}
+    name, spec = parse_stream("r0=eth2", "af_xdp", "cpu0", given)
+    assert (name, spec.source, spec.args) == ("r0", "af_xdp", ("eth2",))
+    assert spec.options == {"netns": "cpu0", "rx_size": 131072, "frames": 262144, "mode": "copy"}
+    assert parse_stream("r0=pcap:x.pcap", "af_xdp", None, {"max_frames": 64})[1].options == {"max_frames": 64}
+    with pytest.raises(ConfigError, match=r"rx_size: the af_packet source of stream 'r0' has no such option; "
+                                          r"it takes block_size, block_count, block_timeout_ms"):
+        parse_stream("r0=eth2", "af_packet", None, {"rx_size": 4096})
+    with pytest.raises(ConfigError, match=r"stream 'r0' \(af_xdp\): rx_size = 100; must be a power of two >= 64"):
+        parse_stream("r0=eth2", "af_xdp", None, {"rx_size": 100})
+    with pytest.raises(ConfigError, match=r"rx_size=big: rx_size is a number \(default 16384\)"):
+        parse_stream("r0=eth2", "af_xdp", None, {"rx_size": "big"})
+    for bad in ("rx_size", "=5", "rx size=5", "rx_size="):
+        with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+            parse_source_options((bad,))
+    with pytest.raises(ConfigError, match="netns comes from --stream or --netns"):
+        parse_source_options(("netns=cpu1",))
+
+
+def test_a_wrong_source_option_stops_the_command_with_its_reason(tmp_path):
+    job = seed_started_job()
+    (tmp_path / "job.yaml").write_text(dump_job(job))
+    env = {**os.environ, "COLUMNS": "400"}
+    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "run",
+                           str(tmp_path / "job.yaml"), "--source", "af_xdp", "--source-option", "rx_size=100",
+                           "--stream", "m-egress=gradtap-no-such-if0", "--out", str(tmp_path / "out"),
+                           "--metrics-port", "0", "--no-status", "--no-rehearsal"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "rx_size = 100; must be a power of two >= 64" in done.stderr, done.stderr[-2000:]
+
+
 def test_unknown_stream_names_are_refused(tmp_path):
     from gradtap.core.errors import ConfigError
     job = make_job(2, "LL", 1, "fp32")

@@ -26,6 +26,7 @@ A worker that dies is never waited on forever: every wait has a timeout, and
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
 import signal
@@ -48,7 +49,25 @@ class SourceSpec:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        source_class(self.source)      # an unknown name fails here, in the parent
+        """An unknown name, an option the source does not take, or a value it refuses fails
+        here, in the parent, as a ConfigError: building a source opens nothing, and in the
+        worker the same mistake would surface in a process of its own, after the others
+        started."""
+        cls = source_class(self.source)
+        accepted = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
+                    if p.kind == p.KEYWORD_ONLY}
+        unknown = sorted(set(self.options) - set(accepted))
+        if unknown:
+            raise ConfigError(f"capture source {self.source}: no option {unknown[0]}; it takes "
+                              f"{', '.join(accepted)} (docs/capture.md, 'Source parameters')")
+        for key, value in self.options.items():
+            if isinstance(accepted[key], int) and not isinstance(value, int):
+                raise ConfigError(f"capture source {self.source}: {key}={value!r} is not a number "
+                                  f"(default {accepted[key]})")
+        try:
+            cls(*self.args, **self.options)
+        except ValueError as exc:
+            raise ConfigError(f"capture source {self.source}: {exc}") from None
 
     @classmethod
     def parse(cls, target: str, default: str = "af_xdp", **options) -> SourceSpec:

@@ -53,6 +53,21 @@ def test_an_unknown_source_fails_in_the_parent():
         SourceSpec("netmap", ("eth0",))
 
 
+def test_a_wrong_option_fails_in_the_parent():
+    """An option the source lacks, a word where it takes a number, or a value it refuses: a
+    ConfigError naming it, before any worker starts."""
+    with pytest.raises(ConfigError, match=r"capture source af_packet: no option rx_size; it takes netns, "
+                                          r"block_size, block_count, block_timeout_ms"):
+        SourceSpec("af_packet", ("eth0",), {"rx_size": 4096})
+    with pytest.raises(ConfigError, match=r"capture source pcap: max_frames='8k' is not a number \(default 8192\)"):
+        SourceSpec("pcap", ("x.pcap",), {"max_frames": "8k"})
+    with pytest.raises(ConfigError, match=r"capture source af_xdp: rx_size = 100; must be a power of two >= 64"):
+        SourceSpec.parse("af_xdp:eth2", rx_size=100)
+    with pytest.raises(ConfigError, match=r"capture source af_packet: block_count = 1; must be >= 2"):
+        SourceSpec("af_packet", ("eth0",), {"netns": None, "block_count": 1})
+    assert SourceSpec("af_xdp", ("eth2",), {"chunk_size": 4096, "mode": "copy"}).options["chunk_size"] == 4096
+
+
 def test_command_line_targets():
     assert SourceSpec.parse("eth2") == SourceSpec("af_xdp", ("eth2",), {"netns": None})
     assert SourceSpec.parse("af_xdp:c0@cpu0", queue=1) == \

@@ -197,12 +197,13 @@ def test_source_options_reach_every_stream_and_a_wrong_one_is_named():
     assert (name, spec.source, spec.args) == ("r0", "af_xdp", ("eth2",))
     assert spec.options == {"netns": "cpu0", "rx_size": 131072, "frames": 262144, "mode": "copy"}
     assert parse_stream("r0=pcap:x.pcap", "af_xdp", None, {"max_frames": 64})[1].options == {"max_frames": 64}
-    with pytest.raises(ConfigError, match=r"rx_size: the af_packet source of stream 'r0' has no such option; "
-                                          r"it takes block_size, block_count, block_timeout_ms"):
+    with pytest.raises(ConfigError, match=r"--source-option, stream 'r0': capture source af_packet: no option "
+                                          r"rx_size; it takes netns, block_size, block_count, block_timeout_ms"):
         parse_stream("r0=eth2", "af_packet", None, {"rx_size": 4096})
-    with pytest.raises(ConfigError, match=r"stream 'r0' \(af_xdp\): rx_size = 100; must be a power of two >= 64"):
+    with pytest.raises(ConfigError, match=r"stream 'r0': capture source af_xdp: rx_size = 100; must be a power of "
+                                          r"two >= 64"):
         parse_stream("r0=eth2", "af_xdp", None, {"rx_size": 100})
-    with pytest.raises(ConfigError, match=r"rx_size=big: rx_size is a number \(default 16384\)"):
+    with pytest.raises(ConfigError, match=r"capture source af_xdp: rx_size='big' is not a number \(default 16384\)"):
         parse_stream("r0=eth2", "af_xdp", None, {"rx_size": "big"})
     for bad in ("rx_size", "=5", "rx size=5", "rx_size="):
         with pytest.raises(ConfigError, match="expected KEY=VALUE"):

@@ -6,8 +6,8 @@ and take the same accept/refuse decision as the naive decoder of ``tests/naive.p
 ``check_record`` of ``test_decode.py``, which lists the deliberate differences). Each frame is
 decoded alone, as the last bytes of its batch's data array, so a read past its end is a read
 past the array: :func:`test_no_read_outside_a_frame_under_boundscheck` reruns this module in a
-subprocess with ``NUMBA_BOUNDSCHECK=1`` (and the JIT cache off, so the kernels are compiled
-with the checks), where such a read raises ``IndexError``.
+subprocess with ``NUMBA_BOUNDSCHECK=1`` (its kernels compiled with the checks,
+``tests/core/boundscheck.py``), where such a read raises ``IndexError``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from numba import config, njit
 
 from gradtap.capture.frames import FrameBatch
+from gradtap.core.bytes import read_le
 from gradtap.core.jit import JIT
 from gradtap.wire import events as ev
 from gradtap.parser.decode import decode_batch, is_roce
@@ -201,6 +202,10 @@ def test_boundscheck_is_on():
 
     with pytest.raises(IndexError):
         past_the_end(np.zeros(3, np.uint8))
+    # A gradtap kernel as the fuzz tests get it, from the bounds-checked cache after the
+    # first of them (tests/core/boundscheck.py): it checks its reads too.
+    with pytest.raises(IndexError):
+        read_le(np.zeros(3, np.uint8), 1, 4)
 
 
 @pytest.mark.slow

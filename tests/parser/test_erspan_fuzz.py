@@ -6,7 +6,7 @@ For every input the kernel must return, count the frame exactly once, and decode
 the inner frame against ``tests/naive.py``). Each frame is decoded alone, as the last bytes of
 its batch's data array, so a read past its end is a read past the array:
 :func:`test_no_read_outside_a_frame_under_boundscheck` reruns this module in a subprocess with
-``NUMBA_BOUNDSCHECK=1`` (and the JIT cache off), where such a read raises ``IndexError``.
+``NUMBA_BOUNDSCHECK=1`` (``tests/core/boundscheck.py``), where such a read raises ``IndexError``.
 ``test_erspan.py::test_without_jit_the_records_are_the_same`` covers the plain-Python run.
 """
 

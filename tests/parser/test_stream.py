@@ -29,6 +29,7 @@ from tests.simulator.test_simulate import make_job, simulate
 from gradtap.workload.layout import job_plan
 from gradtap.workload.wire_plan import DATA, PHASE_AG
 from gradtap.wire.protocol import Protocol
+from tests.core.boundscheck import boundscheck_env
 from tests.core.no_jit import run_without_jit
 
 FAULTS_ALL_BUT_MIRROR_LOSS = "link_loss=0.01,corrupt=0.01,reorder=0.02,duplicate=0.02,truncate=0.01"
@@ -358,9 +359,8 @@ def test_stage2_fuzz_under_boundscheck():
     """Mutated frames that still pass the ICRC go through both stages without crashing,
     with NUMBA_BOUNDSCHECK=1, and every frame is counted once."""
     code = "from tests.parser.stream_fuzz import main; main()"
-    env = {"NUMBA_BOUNDSCHECK": "1", "PYTHONPATH": ".", "GRADTAP_JIT_CACHE": "0"}
-    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-c", code], env={**boundscheck_env(), "PYTHONPATH": "."},
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "frames counted" in result.stdout
 

@@ -16,8 +16,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 
 from gradtap.store import snapshot
 from gradtap.verify import verify
+from tests.forked import Child
 from tests.gradtap.test_store_crash import ITERATIONS, Sim, truth_difference
 
 pytestmark = pytest.mark.slow
@@ -108,7 +107,6 @@ def writing(directory: Path) -> bool:
 
 @pytest.mark.timeout(1500)
 def test_sigkill_of_a_replay_while_its_writer_writes(tmp_path, sim):
-    root = Path(__file__).resolve().parents[2]
     rng = random.Random(CRASH_SEED)
     job = tmp_path / "job.json"
     job.write_text(json.dumps(every_iteration(sim).model_dump(mode="json")))
@@ -118,9 +116,9 @@ def test_sigkill_of_a_replay_while_its_writer_writes(tmp_path, sim):
         out = tmp_path / f"t{trial}"
         delay = rng.uniform(0.0, 0.01)            # a 0.6 MB snapshot's write is over in tens of milliseconds
         where = f"trial {trial} (CRASH_SEED={CRASH_SEED}: {delay:.3f} s into a write)"
-        log = open(tmp_path / f"t{trial}.log", "w+")
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(job), streams, str(out),
-                                  str(sim.truth / "start.pt"), str(PACE_S)], cwd=root, stdout=log, stderr=log)
+        log = tmp_path / f"t{trial}.log"
+        child = Child(CHILD, str(job), streams, str(out), str(sim.truth / "start.pt"), str(PACE_S), stdout=log,
+                      stderr=log)
         try:
             deadline = time.monotonic() + 300       # a child's start-up (kernels from Numba's cache) is slow under load
             snaps = out / "snapshots"
@@ -133,11 +131,10 @@ def test_sigkill_of_a_replay_while_its_writer_writes(tmp_path, sim):
         finally:
             if child.poll() is None:
                 os.kill(child.pid, signal.SIGKILL)
-            child.wait(30)
-            log.seek(0)
-            text = log.read()
-            log.close()
-        assert killed or child.returncode == 0, f"{where}: the replay failed: {text[-2000:]}"
+            code = child.wait(30)
+            child.close()
+            text = log.read_text()
+        assert killed or code == 0, f"{where}: the replay failed: {text[-2000:]}"
         mid_write += killed and in_write
         found = check_snapshots(sim, snaps, where)
         latest = snapshot.load(snapshot.latest(snaps))["iteration"]

@@ -10,7 +10,7 @@
 
 The kill trials are seeded (``CRASH_SEED``): a failing trial names its seed, store, and the
 moment it was killed at, and reruns the same way. Each appliance is a process of its own, forked
-from a ``multiprocessing`` fork server that has imported gradtap and torch once (``gradtap``'s
+from a ``multiprocessing`` fork server that has imported gradtap and torch once (``tests/forked.py``; ``gradtap``'s
 start-up otherwise dominates a trial); it runs the console script's ``main`` with the trial's
 arguments and holds everything an appliance holds: its own Numba threads, pipeline, replica,
 snapshot writer and uploader. Its capture is read at a trainer's pace (:func:`paced`), so that
@@ -20,7 +20,6 @@ snapshots come a few a second and uploads complete between them, as in a live ap
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
@@ -40,6 +39,7 @@ from gradtap.simulator.truth import iteration_dir
 from gradtap.verify import compare_state, verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import parse_job
+from tests.forked import fork_server
 from tests.gradtap.test_replay import start_of
 from tests.simulator.test_simulate import make_job, simulate
 from tests.store.s3_server import CREDENTIALS, MotoServer, moto_bucket
@@ -182,13 +182,6 @@ def paced(seconds: float) -> None:
 
     gradtap.progress.replay_progress = replay_progress
     gradtap.replay.run_replay.__kwdefaults__["batch_frames"] = 256
-
-
-def fork_server():
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "gradtap.cli", "gradtap.commands.replay", "gradtap.replay",
-                                "gradtap.store_tier", "torch._decomp", "torch._meta_registrations", "s3fs"])
-    return ctx
 
 
 def uploads_waiting(out: Path) -> bool:

@@ -10,8 +10,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -30,11 +28,10 @@ from gradtap.store.object_store import SnapshotStore, manifest_key, object_key
 from gradtap.store.uploader import Uploader
 from gradtap.workload.models import build
 from gradtap.workload.spec import StoreSpec
+from tests.forked import Child
 from tests.store.s3_server import CREDENTIALS, MotoServer, moto_bucket
 from tests.store.test_snapshot import stepped
 from tests.updater.test_replica import job
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -274,17 +271,17 @@ def test_sigkill_while_uploading_never_leaves_a_ready_snapshot_that_fails(tmp_pa
     rng = random.Random(13)
     ready_seen = set()
     for trial in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, url, str(tmp_path / f"local{trial}"), str(trial),
-                                 json.dumps(opts_arg)], cwd=ROOT, stdout=subprocess.PIPE,
-                                env={**os.environ, **CREDENTIALS})
-        assert proc.stdout.readline().strip() == b"ready"
+        proc = Child(WRITER, url, str(tmp_path / f"local{trial}"), str(trial), json.dumps(opts_arg),
+                     env=CREDENTIALS, stderr=tmp_path / f"writer{trial}.log")
+        assert proc.stdout.readline().strip() == "ready", (tmp_path / f"writer{trial}.log").read_text()[-2000:]
         time.sleep(rng.uniform(0.3, 2.0))
         store = SnapshotStore(url, "kill-test", storage_options=options)
         deadline = time.monotonic() + 20
         while trial == 2 and not ready_seen and not store.ready() and time.monotonic() < deadline:
             time.sleep(0.05)                                 # a loaded machine: let one upload complete
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+        proc.close()
         for iteration in store.ready():                      # every READY one verifies whole
             assert store.load(iteration)["iteration"] == iteration
             ready_seen.add((trial, iteration))

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.workload.models import build
 from gradtap.workload.spec import MirrorSpec
 from gradtap.simulator.training import make_optimizer
+from tests.forked import Child
 from tests.updater.naive_adam import TorchStep, random_reduced
 from tests.updater.test_replica import assert_equal_state, job, train_on_alike
 from gradtap.store import snapshot
@@ -160,16 +159,15 @@ def wait_for_a_write(out: Path, child, limit_s: float = 30.0) -> None:
 def test_sigkill_mid_write_leaves_the_previous_snapshot(tmp_path):
     """Six lives of a writer, each SIGKILLed: at a random moment, or a random moment into a
     write. After every kill the directory must be consistent and load into torch."""
-    root = Path(__file__).resolve().parents[2]
     rng = np.random.default_rng(12)
     seen_iteration = 0
     kills_mid_write = 0
     for attempt in range(6):
-        child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=root, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        log = tmp_path.parent / f"{tmp_path.name}-life{attempt}.log"   # beside the directory checked
+        child = Child(WRITER, str(tmp_path), stderr=log)
         try:
             first = child.stdout.readline()          # one complete snapshot in this life
-            assert first.startswith(snapshot.PREFIX), child.stderr.read()[-2000:] if not first else first
+            assert first.startswith(snapshot.PREFIX), log.read_text()[-2000:] if not first else first
             if attempt % 2:
                 wait_for_a_write(tmp_path, child)
                 time.sleep(rng.uniform(0.0, 0.25))
@@ -181,8 +179,7 @@ def test_sigkill_mid_write_leaves_the_previous_snapshot(tmp_path):
             if child.poll() is None:
                 child.kill()
                 child.wait(timeout=60)
-            child.stdout.close()
-            child.stderr.close()
+            child.close()
         kills_mid_write += any(p.name.startswith(snapshot.TMP_PREFIX) for p in tmp_path.iterdir())
         manifest = check_directory(tmp_path)
         assert manifest["iteration"] >= max(seen_iteration, 1)       # never goes back

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ from gradtap.replica_sink import ReplicaSink
 from gradtap.store import snapshot
 from gradtap.store.snapshot_writer import SnapshotWriter
 from gradtap.updater.replica import Replica
+from tests.forked import Child
 from tests.updater.naive_adam import TorchStep, random_reduced
 from tests.updater.test_replica import assert_equal_state, job
 
@@ -284,17 +283,15 @@ def test_sigkill_while_the_background_writer_writes(tmp_path):
     through the same gradients on its own, bit for bit; the next life starts from it."""
     from tests.store.test_snapshot import wait_for_a_write
 
-    root = Path(__file__).resolve().parents[2]
     rng = np.random.default_rng(21)
     truth = Replica.from_job(KILLED)
     kills_mid_write = 0
     for attempt in range(6):
-        log = open(tmp_path.parent / f"writer-{attempt}.log", "w+")        # its skip warnings: never a full pipe
-        child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=root, text=True,
-                                 stdout=subprocess.PIPE, stderr=log)
+        log = tmp_path.parent / f"{tmp_path.name}-life{attempt}.log"     # its skip warnings: never a full pipe
+        child = Child(WRITER, str(tmp_path), stderr=log)
         try:
             first = child.stdout.readline()          # a snapshot taken in this life, and then written
-            assert first.startswith(snapshot.PREFIX), (log.seek(0), log.read()[-2000:]) if not first else first
+            assert first.startswith(snapshot.PREFIX), log.read_text()[-2000:] if not first else first
             deadline = time.monotonic() + 60
             while latest_name(tmp_path) < first.strip():
                 assert time.monotonic() < deadline and child.poll() is None, "the first snapshot was never written"
@@ -310,8 +307,7 @@ def test_sigkill_while_the_background_writer_writes(tmp_path):
             if child.poll() is None:
                 child.kill()
                 child.wait(timeout=60)
-            child.stdout.close()
-            log.close()
+            child.close()
         kills_mid_write += any(p.name.startswith(snapshot.TMP_PREFIX + snapshot.PREFIX) for p in tmp_path.iterdir())
         for path in tmp_path.glob(snapshot.PREFIX + "*"):
             snapshot.verify(path)

@@ -1,0 +1,97 @@
+"""Warm processes for the kill trials.
+
+A test that SIGKILLs a process at random moments, many times over, forks each life from a
+``multiprocessing`` fork server that has imported torch, gradtap and the tests' own modules
+once, instead of starting an interpreter for it: the imports took 3-4 s of every life on a
+2-core Xeon, and a forked life starts its own work at once. What is killed is still a
+process of its own, with its own memory, threads and file descriptors, so a kill leaves on
+disk what it would leave of a fresh interpreter.
+
+Python has one fork server per process, started at its first use with the modules named
+then (``set_forkserver_preload``), so every test takes its context from :func:`fork_server`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# Everything a trial's child imports, in the order that imports the least twice.
+PRELOAD = ["torch", "torch._dynamo", "torch._decomp", "torch._meta_registrations", "s3fs", "gradtap.cli",
+           "gradtap.commands.replay", "gradtap.replay", "gradtap.store_tier", "gradtap.store.snapshot",
+           "gradtap.store.snapshot_writer", "gradtap.store.object_store", "gradtap.store.uploader",
+           "gradtap.updater.replica", "tests.forked", "tests.updater.test_replica",
+           "tests.store.test_snapshot_writer", "tests.gradtap.test_store_crash"]
+PIPE = subprocess.PIPE
+
+
+def fork_server() -> multiprocessing.context.ForkServerContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _run(code: str, args: list[str], cwd: str, env: dict[str, str], pipe, out: str | None,
+         err: str | None) -> None:
+    """The child: ``python -c CODE ARGS...`` in this forked process."""
+    os.chdir(cwd)
+    os.environ.update(env)
+    if pipe is not None:
+        os.dup2(pipe.fileno(), 1)
+        pipe.close()
+    for fd, path in ((1, out), (2, err)):
+        if path is not None:
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+    sys.argv = ["-c", *args]
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+
+
+class Child:
+    """``python -c CODE ARGS...`` as a process of the fork server, with the part of
+    ``subprocess.Popen`` the kill trials use.
+
+    ``stdout``: :data:`PIPE` (read it from :attr:`stdout`, as text), a file to append to, or
+    None (the fork server's); ``stderr``: a file to append to, or None. ``env`` is added to
+    the environment, and ``cwd`` is where it runs (the repository's root by default).
+    """
+
+    def __init__(self, code: str, *args: str, stdout=PIPE, stderr: Path | None = None,
+                 env: dict[str, str] | None = None, cwd: Path | None = None):
+        ctx = fork_server()
+        read = write = None
+        if stdout is PIPE:
+            read, write = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_run, args=(code, list(args), str(cwd or Path(__file__).parents[1]),
+                                                    env or {}, write, None if stdout is PIPE or stdout is None
+                                                    else str(stdout), None if stderr is None else str(stderr)))
+        self._proc.start()
+        self.stdout = None
+        if read is not None:
+            write.close()
+            self.stdout = os.fdopen(os.dup(read.fileno()), "r")
+            read.close()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def close(self) -> None:
+        """Release the pipe and the process's handle (it has ended)."""
+        if self.stdout is not None:
+            self.stdout.close()
+        self._proc.close()

@@ -51,11 +51,15 @@ def _run(code: str, args: list[str], cwd: str, env: dict[str, str], pipe, out: s
 
 class Child:
     """``python -c CODE ARGS...`` as a process of the fork server, with the part of
-    ``subprocess.Popen`` the kill trials use.
+    ``subprocess.Popen`` the kill trials use; as a context manager, it is killed on leaving
+    if it still runs.
 
     ``stdout``: :data:`PIPE` (read it from :attr:`stdout`, as text), a file to append to, or
     None (the fork server's); ``stderr``: a file to append to, or None. ``env`` is added to
     the environment, and ``cwd`` is where it runs (the repository's root by default).
+
+    It is a daemon: at exit ``multiprocessing`` would wait for any other child, and a trial's
+    child runs until it is killed. So it cannot start processes of its own.
     """
 
     def __init__(self, code: str, *args: str, stdout=PIPE, stderr: Path | None = None,
@@ -66,7 +70,8 @@ class Child:
             read, write = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_run, args=(code, list(args), str(cwd or Path(__file__).parents[1]),
                                                     env or {}, write, None if stdout is PIPE or stdout is None
-                                                    else str(stdout), None if stderr is None else str(stderr)))
+                                                    else str(stdout), None if stderr is None else str(stderr)),
+                                 daemon=True)
         self._proc.start()
         self.stdout = None
         if read is not None:
@@ -87,11 +92,13 @@ class Child:
             raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
         return self._proc.exitcode
 
-    def kill(self) -> None:
-        self._proc.kill()
+    def __enter__(self) -> Child:
+        return self
 
-    def close(self) -> None:
-        """Release the pipe and the process's handle (it has ended)."""
+    def __exit__(self, *exc) -> None:
+        if self._proc.exitcode is None:
+            self._proc.kill()
+        self._proc.join(60)
         if self.stdout is not None:
             self.stdout.close()
         self._proc.close()

@@ -117,9 +117,8 @@ def test_sigkill_of_a_replay_while_its_writer_writes(tmp_path, sim):
         delay = rng.uniform(0.0, 0.01)            # a 0.6 MB snapshot's write is over in tens of milliseconds
         where = f"trial {trial} (CRASH_SEED={CRASH_SEED}: {delay:.3f} s into a write)"
         log = tmp_path / f"t{trial}.log"
-        child = Child(CHILD, str(job), streams, str(out), str(sim.truth / "start.pt"), str(PACE_S), stdout=log,
-                      stderr=log)
-        try:
+        with Child(CHILD, str(job), streams, str(out), str(sim.truth / "start.pt"), str(PACE_S), stdout=log,
+                   stderr=log) as child:
             deadline = time.monotonic() + 300       # a child's start-up (kernels from Numba's cache) is slow under load
             snaps = out / "snapshots"
             while child.poll() is None and not (writing(snaps) and (snaps / snapshot.LATEST).exists()):
@@ -128,13 +127,10 @@ def test_sigkill_of_a_replay_while_its_writer_writes(tmp_path, sim):
             time.sleep(delay)
             in_write = writing(snaps)
             killed = child.poll() is None
-        finally:
-            if child.poll() is None:
+            if killed:
                 os.kill(child.pid, signal.SIGKILL)
             code = child.wait(30)
-            child.close()
-            text = log.read_text()
-        assert killed or code == 0, f"{where}: the replay failed: {text[-2000:]}"
+        assert killed or code == 0, f"{where}: the replay failed: {log.read_text()[-2000:]}"
         mid_write += killed and in_write
         found = check_snapshots(sim, snaps, where)
         latest = snapshot.load(snapshot.latest(snaps))["iteration"]

@@ -271,17 +271,17 @@ def test_sigkill_while_uploading_never_leaves_a_ready_snapshot_that_fails(tmp_pa
     rng = random.Random(13)
     ready_seen = set()
     for trial in range(3):
-        proc = Child(WRITER, url, str(tmp_path / f"local{trial}"), str(trial), json.dumps(opts_arg),
-                     env=CREDENTIALS, stderr=tmp_path / f"writer{trial}.log")
-        assert proc.stdout.readline().strip() == "ready", (tmp_path / f"writer{trial}.log").read_text()[-2000:]
-        time.sleep(rng.uniform(0.3, 2.0))
-        store = SnapshotStore(url, "kill-test", storage_options=options)
-        deadline = time.monotonic() + 20
-        while trial == 2 and not ready_seen and not store.ready() and time.monotonic() < deadline:
-            time.sleep(0.05)                                 # a loaded machine: let one upload complete
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(60)
-        proc.close()
+        log = tmp_path / f"writer{trial}.log"
+        with Child(WRITER, url, str(tmp_path / f"local{trial}"), str(trial), json.dumps(opts_arg), env=CREDENTIALS,
+                   stderr=log) as proc:
+            assert proc.stdout.readline().strip() == "ready", log.read_text()[-2000:]
+            time.sleep(rng.uniform(0.3, 2.0))
+            store = SnapshotStore(url, "kill-test", storage_options=options)
+            deadline = time.monotonic() + 20
+            while trial == 2 and not ready_seen and not store.ready() and time.monotonic() < deadline:
+                time.sleep(0.05)                             # a loaded machine: let one upload complete
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(60)
         for iteration in store.ready():                      # every READY one verifies whole
             assert store.load(iteration)["iteration"] == iteration
             ready_seen.add((trial, iteration))

@@ -164,8 +164,7 @@ def test_sigkill_mid_write_leaves_the_previous_snapshot(tmp_path):
     kills_mid_write = 0
     for attempt in range(6):
         log = tmp_path.parent / f"{tmp_path.name}-life{attempt}.log"   # beside the directory checked
-        child = Child(WRITER, str(tmp_path), stderr=log)
-        try:
+        with Child(WRITER, str(tmp_path), stderr=log) as child:
             first = child.stdout.readline()          # one complete snapshot in this life
             assert first.startswith(snapshot.PREFIX), log.read_text()[-2000:] if not first else first
             if attempt % 2:
@@ -175,11 +174,6 @@ def test_sigkill_mid_write_leaves_the_previous_snapshot(tmp_path):
                 time.sleep(rng.uniform(0.0, 1.5))
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=60)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=60)
-            child.close()
         kills_mid_write += any(p.name.startswith(snapshot.TMP_PREFIX) for p in tmp_path.iterdir())
         manifest = check_directory(tmp_path)
         assert manifest["iteration"] >= max(seen_iteration, 1)       # never goes back

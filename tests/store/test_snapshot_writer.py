@@ -288,8 +288,7 @@ def test_sigkill_while_the_background_writer_writes(tmp_path):
     kills_mid_write = 0
     for attempt in range(6):
         log = tmp_path.parent / f"{tmp_path.name}-life{attempt}.log"     # its skip warnings: never a full pipe
-        child = Child(WRITER, str(tmp_path), stderr=log)
-        try:
+        with Child(WRITER, str(tmp_path), stderr=log) as child:
             first = child.stdout.readline()          # a snapshot taken in this life, and then written
             assert first.startswith(snapshot.PREFIX), log.read_text()[-2000:] if not first else first
             deadline = time.monotonic() + 60
@@ -303,11 +302,6 @@ def test_sigkill_while_the_background_writer_writes(tmp_path):
                 time.sleep(rng.uniform(0.0, 1.5))
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=60)
-        finally:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=60)
-            child.close()
         kills_mid_write += any(p.name.startswith(snapshot.TMP_PREFIX + snapshot.PREFIX) for p in tmp_path.iterdir())
         for path in tmp_path.glob(snapshot.PREFIX + "*"):
             snapshot.verify(path)

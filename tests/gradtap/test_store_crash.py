@@ -10,11 +10,12 @@
 
 The kill trials are seeded (``CRASH_SEED``): a failing trial names its seed, store, and the
 moment it was killed at, and reruns the same way. Each appliance is a process of its own, forked
-from a ``multiprocessing`` fork server that has imported gradtap and torch once (``tests/forked.py``; ``gradtap``'s
-start-up otherwise dominates a trial); it runs the console script's ``main`` with the trial's
-arguments and holds everything an appliance holds: its own Numba threads, pipeline, replica,
-snapshot writer and uploader. Its capture is read at a trainer's pace (:func:`paced`), so that
-snapshots come a few a second and uploads complete between them, as in a live appliance.
+from a ``multiprocessing`` fork server that has imported gradtap and torch once
+(``tests/forked.py``; ``gradtap``'s start-up otherwise dominates a trial); it runs the console
+script's ``main`` with the trial's arguments and holds everything an appliance holds: its own
+Numba threads, pipeline, replica, snapshot writer and uploader. Its capture is read at a
+trainer's pace (:func:`paced`), so that snapshots come a few a second and uploads complete
+between them, as in a live appliance.
 """
 
 from __future__ import annotations

@@ -395,8 +395,8 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
           f"(target <= 1.5 x: {'met' if per_iteration <= 1.5 * minimum else 'NOT met'})")
     print(f"  by the definition before         {minimum_before:8.3f} s   -> processing / minimum = "
           f"{per_iteration / minimum_before:.2f} x")
-    print(f"mirrored traffic                   {frame_bytes * 8 / result.wall_s / 1e9:8.2f} Gbps = "
-          f"{frame_bytes * 8 / result.wall_s / 1e9 / cores:.2f} Gbps per core ({cores} cores)")
+    print(f"mirrored traffic                   {result.mirrored_gbps:8.2f} Gbps = "
+          f"{result.mirrored_gbps / cores:.2f} Gbps per core ({cores} cores)")
     per_param, grown = memory.peak / nparams, (memory.peak - memory.before) / nparams
     print(f"peak anonymous memory (1st replay) {memory.peak / 1e9:8.2f} GB = {per_param:.1f} B per parameter; "
           f"{grown:.1f} B per parameter above the {memory.before / 1e9:.2f} GB held before it "

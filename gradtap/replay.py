@@ -14,6 +14,7 @@ snapshots, the event log and the per-iteration report in one output directory.
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,6 +110,13 @@ class ReplayResult:
     timings: list[IterationTiming]
     locked: dict[str, bool]                    # stream -> locked on at some point
     overlapped: bool = False                   # the sink ran on the update thread, beside the parsers
+    cores: int = 1                             # CPUs the process could run on
+
+    @property
+    def mirrored_gbps(self) -> float:
+        """Mirrored traffic processed: the captured frames' bits over the replay's wall time
+        (parse, merge, update, and the snapshots written on the update path), in Gb/s."""
+        return 8 * sum(self.bytes.values()) / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
 
 
 Progress = Callable[[str, int, int], None]     # (stream, bytes read, file bytes)
@@ -185,7 +193,8 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
             s.close()
     return ReplayResult(reports, pipeline.counters(), {n: s.frames for n, s in sources.items()},
                         {n: s.bytes for n, s in sources.items()}, pipeline.times, time.perf_counter() - started,
-                        pipeline.timings(), pipeline.locked(), pipeline.update is not None)
+                        pipeline.timings(), pipeline.locked(), pipeline.update is not None,
+                        len(os.sched_getaffinity(0)))
 
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | ReplicaStart, *, digests: bool = True,
@@ -247,6 +256,7 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
         snapshots.close(replica if finished else None)   # a clean end writes a final snapshot
     (out / "replay.json").write_text(json.dumps({
         "job": job.name, "streams": {n: str(p) for n, p in pcaps.items()}, "wall_s": result.wall_s,
+        "mirrored_gbps": result.mirrored_gbps, "cores": result.cores,
         "frames": result.frames, "bytes": result.bytes, "events": result.counters,
         "iterations": sink.lines, "stale": replica.stale, "locked": result.locked,
         "snapshots": snapshots.counts(),

@@ -76,6 +76,14 @@ def events_table(result: ReplayResult) -> Table:
     return t
 
 
+def rate_line(result: ReplayResult) -> str:
+    """How much mirrored traffic the replay processed a second, in all and per core: what
+    ``max_ingest_gbps`` of a CPU node (``gradtap netconfig plan``) can be measured by."""
+    gbps = result.mirrored_gbps
+    return (f"mirrored {sum(result.bytes.values()) / 1e9:.2f} GB in {result.wall_s:.2f} s: {gbps:.2f} Gb/s, "
+            f"{gbps / result.cores:.2f} Gb/s per core ({result.cores} cores)")
+
+
 def verification_lines(v: Verification) -> list[str]:
     """What ``gradtap verify`` found, the first differences named."""
     lines = [f"digests of {len(v.digests_checked)} iteration(s) and {len(v.snapshots_checked)} snapshot(s) "

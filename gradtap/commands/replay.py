@@ -51,7 +51,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from gradtap.progress import records_progress, replay_progress
     from gradtap.replay import match_streams, run_replay
     from gradtap.start import replica_start
-    from gradtap.tables import events_table, iteration_table
+    from gradtap.tables import events_table, iteration_table, rate_line
     from gradtap.job_file import open_job
     from gradtap.store_tier import store_start, with_store
 
@@ -82,6 +82,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
                                   force=force, gradients=gradients, continues=start)
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
+    console.print(rate_line(result))
     state = "[red]stale[/]" if sink.replica.stale else "current" if sink.applied else \
         "[yellow]unchanged[/] (nothing applied: still the start state)"
     console.print(f"replica {state} at iteration {sink.replica.iteration}; snapshots in {out / 'snapshots'}; "

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import re
 import threading
 import weakref
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -31,7 +33,7 @@ from gradtap.store import snapshot
 from gradtap.workload.layout import job_params, job_plan
 from gradtap.wire.icrc import compute_icrc
 from gradtap.wire.psn import PSN_MODULUS
-from gradtap.workload.spec import load_job, parse_job
+from gradtap.workload.spec import dump_job, load_job, parse_job
 from gradtap.workload.wire_plan import DATA, PHASE_AG
 from gradtap.merger.merger import Merger
 from gradtap.parser.shared_gradient import GradientPool
@@ -73,6 +75,40 @@ def test_small_config_with_adamw_clipping_and_schedule(tmp_path):
     run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"))
     v = verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job))
     assert v.ok and v.digests_checked == [1, 2, 3] and v.snapshots_checked
+
+
+@pytest.mark.slow
+def test_the_command_says_how_much_mirrored_traffic_it_processed(tmp_path):
+    """``gradtap replay`` prints the rate a CPU node's ``max_ingest_gbps`` is measured by, and
+    ``replay.json`` holds it: the captured frame bytes (each file's size less the pcap
+    headers) over the replay's wall time, in all and per core."""
+    from click.testing import CliRunner
+
+    from gradtap.cli import _register, app
+
+    _register()
+    job = make_job(3, "Simple", 1, "fp32")
+    simulate(tmp_path / "sim", job, iterations=2)
+    (tmp_path / "job.yaml").write_text(dump_job(job))
+    pcaps = streams_of(tmp_path / "sim", job)
+    done = CliRunner().invoke(app, ["replay", str(tmp_path / "job.yaml"), *[f"{n}={p}" for n, p in pcaps.items()],
+                                    "--out", str(tmp_path / "out"), "--start",
+                                    str(tmp_path / "sim" / "truth" / "start.pt")])
+    assert done.exit_code == 0, done.output
+    report = json.loads((tmp_path / "out" / "replay.json").read_text())
+    for name, path in pcaps.items():         # pcap: a 24-byte file header, and 16 bytes before each frame
+        assert report["bytes"][name] == path.stat().st_size - 24 - 16 * report["frames"][name]
+    total = sum(report["bytes"].values())
+    assert report["mirrored_gbps"] == pytest.approx(8 * total / report["wall_s"] / 1e9)
+    assert report["cores"] == len(os.sched_getaffinity(0))
+    line = re.search(r"mirrored ([\d.]+) GB in ([\d.]+) s: ([\d.]+) Gb/s, ([\d.]+) Gb/s per core \((\d+) cores\)",
+                     done.output)
+    assert line, done.output
+    assert float(line[1]) == pytest.approx(total / 1e9, abs=0.005)
+    assert float(line[2]) == pytest.approx(report["wall_s"], abs=0.005)
+    assert float(line[3]) == pytest.approx(report["mirrored_gbps"], abs=0.005)
+    assert float(line[4]) == pytest.approx(report["mirrored_gbps"] / report["cores"], abs=0.005)
+    assert int(line[5]) == report["cores"]
 
 
 def tensors_of(state) -> list[torch.Tensor]:

@@ -15,8 +15,9 @@ The worker process (started with ``spawn`` by default: no inherited threads or l
   and reports ready or the error over a pipe;
 - runs the source until the stop flag is set (SIGTERM sets it too; SIGINT is left to the
   parent, which stops workers in order) or the source is exhausted;
-- publishes the source's counters into the ring header every ``stats_every`` seconds, so
-  :meth:`CaptureWorker.stats` (any process holding the ring) sees them live;
+- publishes the source's counters, and its own CPU time (``cpu_us``: user and system, every
+  thread), into the ring header every ``stats_every`` seconds, so :meth:`CaptureWorker.stats`
+  (any process holding the ring) sees them live;
 - closes the source (detaching XDP programs), marks the ring's stream finished, and sends
   its final counters.
 
@@ -99,9 +100,17 @@ class _Throttle:
             self.action()
 
 
+#: The worker's own counters, published after the source's.
+WORKER_COUNTERS = ("cpu_us",)
+
+
+def _worker_counters() -> dict[str, int]:
+    return {"cpu_us": int(time.process_time() * 1e6)}
+
+
 def _publish(source, ring: FrameRing) -> None:
-    counters = source.counters()
-    ring.publish([counters[name] for name in source.counter_names()])
+    counters = {**source.counters(), **_worker_counters()}
+    ring.publish([counters[name] for name in source.counter_names() + WORKER_COUNTERS])
 
 
 def _worker_main(spec: SourceSpec, ring: FrameRing, cpu: int | None, stop, conn, stats_every: float) -> None:
@@ -120,7 +129,7 @@ def _worker_main(spec: SourceSpec, ring: FrameRing, cpu: int | None, stop, conn,
         source.run(ring, stop, on_tick=_Throttle(stats_every, lambda: _publish(source, ring)))
         source.close()
         _publish(source, ring)
-        conn.send(("done", source.stats()))
+        conn.send(("done", {**source.stats(), **_worker_counters()}))
     except CaptureError as exc:
         conn.send(("error", str(exc)))
         raise SystemExit(2) from None
@@ -214,8 +223,9 @@ class CaptureWorker:
         return None
 
     def stats(self) -> dict[str, int]:
-        """Live counters: the source's (as last published) and the ring's."""
-        names = source_class(self.spec.source).counter_names()
+        """Live counters: the source's and the worker's (``WORKER_COUNTERS``), as last
+        published, and the ring's."""
+        names = source_class(self.spec.source).counter_names() + WORKER_COUNTERS
         out = dict(zip(names, (int(v) for v in self.ring.source_counters(len(names)))))
         out.update(self.ring.stats())
         return out

@@ -291,7 +291,7 @@ class Appliance:
                                    store=None if self.uploader is None else self.uploader.counts(),
                                    gradient_log=None if self.gradient_log is None else self.gradient_log.counts(),
                                    listening=self.ready.is_set(), update_backlog=backlog,
-                                   gradients_made_late=late, group=group)
+                                   gradients_made_late=late, cpu_s=time.process_time(), group=group)
 
     def _capture_stats(self) -> dict[str, dict]:
         out = {}

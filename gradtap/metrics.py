@@ -13,6 +13,12 @@ twice and nothing can drift:
 - ``gradtap_replica_iteration``, ``gradtap_replica_stale``, ``gradtap_replica_lag_seconds``,
   ``gradtap_replica_numbered`` (0 while waiting for the trainer's checkpoint with ``time_ns``);
 - ``gradtap_stage_seconds_total{stage}``: time spent parsing, merging, updating;
+- ``gradtap_cpu_seconds_total{process,stream}``: CPU time, user and system, of each stream's
+  capture worker (``process="capture"``) and of the appliance's own process
+  (``process="appliance"``, ``stream=""``: parsers, merger, updater). Over
+  ``gradtap_frames_total`` it gives the core-seconds a node spends per frame, what sizes it
+  (``rate(gradtap_cpu_seconds_total[5m]) / ignoring(process) rate(gradtap_frames_total[5m])``
+  per stream for the capture, over their sum for the appliance);
 - ``gradtap_update_backlog``: calls the update thread has queued and not yet made (buckets and
   iterations' ends); absent where the updater runs between rounds (``gradtap/update_thread.py``);
 - ``gradtap_gradients_made_late_total``: iterations' shared gradients made after start-up, each
@@ -72,6 +78,12 @@ class ApplianceCollector:
         stages = CounterMetricFamily("gradtap_stage_seconds", "time per pipeline stage", labels=["stage"])
         for stage, seconds in (("parse", s.parse_s), ("merge", s.merge_s), ("update", s.update_s)):
             stages.add_metric([stage], seconds)
+        cpu = CounterMetricFamily("gradtap_cpu_seconds", "CPU time, user and system, of the capture workers and "
+                                  "of the appliance's process", labels=["process", "stream"])
+        for stream, c in s.capture.items():
+            if "cpu_us" in c:
+                cpu.add_metric(["capture", stream], c["cpu_us"] / 1e6)
+        cpu.add_metric(["appliance", ""], s.cpu_s)
         attestations = CounterMetricFamily("gradtap_attestations", "the trainer's fingerprints checked",
                                            labels=["result"])
         attestations.add_metric(["matched"], s.attested)
@@ -79,7 +91,7 @@ class ApplianceCollector:
         late = CounterMetricFamily("gradtap_gradients_made_late", "iterations' shared gradients made after "
                                    "start-up (the updater was behind, or a stream far behind the others)")
         late.add_metric([], s.gradients_made_late)
-        yield from (frames, nbytes, drops, events, iterations, stages, attestations, late)
+        yield from (frames, nbytes, drops, events, iterations, stages, cpu, attestations, late)
         for name, doc, counts, results in (
                 ("gradtap_snapshots", "local snapshots of the replica", s.snapshots, ("written", "skipped", "failed")),
                 ("gradtap_store_snapshots", "snapshots sent to the durable store", s.store,

@@ -11,7 +11,8 @@ class ApplianceStatus:
     and ``GET /status`` read this."""
 
     capture: dict[str, dict[str, int]]   # stream -> the ring's and the source's counters (frames, bytes,
-                                         # ring_drops, truncated, and e.g. kernel_drops)
+                                         # ring_drops, truncated, and e.g. kernel_drops), and the capture
+                                         # worker's CPU time, cpu_us (capture/worker.py)
     events: dict[str, dict[str, int]]    # stream -> decode event (``wire/events.py``) -> frames
     recovered: int                       # iterations merged whole
     unrecoverable: int                   # iterations with blocks no stream delivered
@@ -42,6 +43,8 @@ class ApplianceStatus:
     gradients_made_late: int = 0         # iterations' shared gradients made after start-up
                                          # (parser/shared_gradient.py): grad_bytes more memory while each
                                          # serves; the updater was behind, or the streams far apart
+    cpu_s: float = 0.0                   # the appliance process's CPU time, user and system: parsers,
+                                         # merger, updater and the rest, the capture workers' not included
     group: dict | None = None            # a mirror-group node (gradtap/group.py, GroupNode.report): rank,
                                          # world_size, rendezvous, buckets and elements of its shard, peers
                                          # (rank -> "up" or why it is gone), sent_bytes (and sent_by_kind:

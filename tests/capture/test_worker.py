@@ -1,7 +1,8 @@
 """CaptureWorker: a spawned process per source feeds the ring this process reads -- from a
 file, and live from af_packet and af_xdp inside a namespace; it reports its open error,
 stops on the flag and on SIGTERM with the XDP program detached and its counters final, and
-a killed worker is reported, never waited on forever."""
+a killed worker is reported, never waited on forever. The CPU time it publishes agrees with
+the kernel's account of its process."""
 
 from __future__ import annotations
 
@@ -22,6 +23,15 @@ pytestmark = pytest.mark.timeout(120)
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces and raw sockets")
 
 CAPTURE = GOLDEN_CAPTURES / "iter_40000_p2p_iter10_3.pcapng"
+
+
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid``, its threads included: fields 14 and 15
+    of ``/proc/PID/stat``, in clock ticks (proc(5))."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(")") + 2:].split()      # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def drain(ring: FrameRing, count: int, seconds: float = 20) -> list[bytes]:
@@ -46,6 +56,7 @@ def test_a_file_worker_feeds_the_ring_and_finishes():
         assert ring.finished and worker.exitcode == 0
         assert (final["received"], final["frames"], final["ring_drops"]) == (len(original),) * 2 + (0,)
         assert worker.stats()["received"] == len(original)       # published to the ring too
+        assert 0 < worker.stats()["cpu_us"] <= final["cpu_us"]    # its CPU time, published last before the final
 
 
 def test_an_unknown_source_fails_in_the_parent():
@@ -114,6 +125,10 @@ def test_a_live_worker_in_a_namespace_captures_and_stops_cleanly(source):
         while worker.stats()["received"] < len(sent) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert worker.stats()["received"] == len(sent)           # live, from the ring header
+        kernel = process_cpu_s(worker.pid)
+        time.sleep(0.3)                                           # its next publication (every 0.2 s)
+        published = worker.stats()["cpu_us"] / 1e6
+        assert kernel - 0.02 <= published <= kernel + 0.35, (published, kernel)
         final = worker.stop()
         assert (final["received"], final["kernel_drops"], final["ring_drops"]) == (200, 0, 0)
         assert worker.exitcode == 0 and ring.finished

@@ -37,8 +37,10 @@ from gradtap.simulator.faults import FaultSpec
 from gradtap.simulator.run import Simulation
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
+from gradtap.metrics import ApplianceCollector
 from gradtap.workload.spec import parse_job
 from tests.capture.netlab import ETHERTYPE, BridgeLab
+from tests.capture.test_worker import process_cpu_s
 
 pytestmark = [pytest.mark.privileged, pytest.mark.slow, pytest.mark.timeout(300),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for namespaces, tc and AF_XDP")]
@@ -115,6 +117,13 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
             while time.monotonic() < deadline and appliance.replica.iteration < start["iteration"] + 3:
                 time.sleep(0.1)
             time.sleep(0.2)
+            # Each capture worker's CPU time as it publishes it, against the kernel's account of
+            # its process read before its next publication (every 0.2 s).
+            for name, worker in appliance.workers.items():
+                kernel = process_cpu_s(worker.pid)
+                time.sleep(0.3)
+                published = worker.stats()["cpu_us"] / 1e6
+                assert kernel - 0.02 <= published <= kernel + 0.35, (name, published, kernel)
         finally:
             appliance.stop()
             runner.join(timeout=60)
@@ -123,6 +132,12 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
     status = appliance.status()
     for name, c in status.capture.items():
         assert c.get("ring_drops", 0) == 0 and c.get("kernel_drops", 0) == 0, (name, c)
+    cpu = {(s.labels["process"], s.labels["stream"]): s.value for m in ApplianceCollector(appliance.status).collect()
+           if m.name == "gradtap_cpu_seconds" for s in m.samples}
+    assert set(cpu) == {("capture", name) for name in streams} | {("appliance", "")}, cpu
+    for name, c in status.capture.items():
+        assert cpu["capture", name] == c["cpu_us"] / 1e6 > 0, (name, c)
+    assert cpu["appliance", ""] >= status.cpu_s > 0
     for name, events in status.events.items():
         assert events.get("data.written", 0) > 0 and "data.before_lock" not in events, (name, events)
     v = verify(tmp_path / "run", sim / "truth", job_params(job))

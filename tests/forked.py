@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Everything a trial's child imports, in the order that imports the least twice.
+# What the trials' children import: the fork server imports it once, before any child.
 PRELOAD = ["torch", "torch._dynamo", "torch._decomp", "torch._meta_registrations", "s3fs", "gradtap.cli",
            "gradtap.commands.replay", "gradtap.replay", "gradtap.store_tier", "gradtap.store.snapshot",
            "gradtap.store.snapshot_writer", "gradtap.store.object_store", "gradtap.store.uploader",

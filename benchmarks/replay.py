@@ -372,7 +372,7 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
     per_iteration = result.wall_s / iterations
     minimum = memory_bound_s(result, grad_bytes, nparams, memcpy)
     minimum_before = touched_before / iterations / traffic
-    cores = len(os.sched_getaffinity(0))
+    cores = result.cores
     spans = json.loads((sim / "truth" / "manifest.json").read_text())["span_ns"]
     simulated = min(end - begin for begin, end in spans.values()) / 1e9
 

@@ -63,11 +63,16 @@ class ApplianceCollector:
         nbytes = CounterMetricFamily("gradtap_bytes", "bytes captured", labels=["stream"])
         drops = CounterMetricFamily("gradtap_drops", "frames lost before parsing", labels=["stream", "reason"])
         events = CounterMetricFamily("gradtap_decode_events", "frames by decode event", labels=["stream", "event"])
+        cpu = CounterMetricFamily("gradtap_cpu_seconds", "CPU time, user and system, of the capture workers and "
+                                  "of the appliance's process", labels=["process", "stream"])
         for stream, c in s.capture.items():
             frames.add_metric([stream], c.get("frames", 0))
             nbytes.add_metric([stream], c.get("bytes", 0))
             for reason, key in (("kernel", "kernel_drops"), ("ring", "ring_drops"), ("truncated", "truncated")):
                 drops.add_metric([stream, reason], c.get(key, 0))
+            if "cpu_us" in c:
+                cpu.add_metric(["capture", stream], c["cpu_us"] / 1e6)
+        cpu.add_metric(["appliance", ""], s.cpu_s)
         for stream, counters in s.events.items():
             for event, n in counters.items():
                 events.add_metric([stream, event], n)
@@ -78,12 +83,6 @@ class ApplianceCollector:
         stages = CounterMetricFamily("gradtap_stage_seconds", "time per pipeline stage", labels=["stage"])
         for stage, seconds in (("parse", s.parse_s), ("merge", s.merge_s), ("update", s.update_s)):
             stages.add_metric([stage], seconds)
-        cpu = CounterMetricFamily("gradtap_cpu_seconds", "CPU time, user and system, of the capture workers and "
-                                  "of the appliance's process", labels=["process", "stream"])
-        for stream, c in s.capture.items():
-            if "cpu_us" in c:
-                cpu.add_metric(["capture", stream], c["cpu_us"] / 1e6)
-        cpu.add_metric(["appliance", ""], s.cpu_s)
         attestations = CounterMetricFamily("gradtap_attestations", "the trainer's fingerprints checked",
                                            labels=["result"])
         attestations.add_metric(["matched"], s.attested)

@@ -50,11 +50,9 @@ def parse_stream(text: str, source: str, netns: str | None, options: dict[str, i
         source, target = kind, rest
     if source not in SOURCES:
         raise ConfigError(f"--source {source!r}: choose one of {', '.join(SOURCES)}")
-    given = dict(options or {})
+    where = {} if source == "pcap" else {"netns": netns}
     try:
-        if source == "pcap":
-            return name, SourceSpec("pcap", (target,), given)
-        return name, SourceSpec(source, (target,), {"netns": netns, **given})
+        return name, SourceSpec(source, (target,), {**where, **(options or {})})
     except ConfigError as exc:
         raise ConfigError(f"--source-option, stream {name!r}: {exc}") from None
 

@@ -23,8 +23,11 @@ processing.
 CPU, from the first frame sent to the replica's last step: the appliance process (parse,
 merge, update, its main loop: ``time.process_time``), its capture workers
 (``/proc/PID/schedstat``), both in core-seconds per million frames captured, and the machine's
-busy time (the sender's included). On this 2-core lab the sender, the 3 capture workers and
-the parser threads share the cores; the figures per frame are what to compare.
+busy time (the sender's included). Beside them, the figure the live view of ``gradtap run``
+shows (``gradtap.status.RateWindow`` over the same span: the CPU the workers and the appliance
+publish, over the frames captured), which these meters check. On this 2-core lab the
+sender, the 3 capture workers and the parser threads share the cores; the figures per frame
+are what to compare.
 
 Targets: the whole appliance at the veth ceiling with zero loss; the capture alone at
 <= 0.35 core per 0.3 Mpps (<= 1.17 core-s per Mframe, as ``benchmarks.capture``).
@@ -54,6 +57,7 @@ from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
 from gradtap.capture.sender import FrameSender
 from gradtap.capture.worker import SourceSpec
+from gradtap.status import RateWindow
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import JobSpec, load_job
@@ -128,6 +132,7 @@ class Trial:
     appliance_s: float          # appliance process CPU
     capture_s: float            # capture workers' CPU
     busy_s: float               # the machine's busy time
+    shown: float | None         # core-s per Mframe in all, as the live view showed it (gradtap.status.RateWindow)
 
     @property
     def loss_free(self) -> bool:
@@ -177,6 +182,8 @@ class Bench:
             time.sleep(PAUSE_S)
             pids = [w.pid for w in appliance.workers.values()]
             before = self._meters(pids)
+            window = RateWindow()
+            window(appliance.status())
             self.conn.send(("send", rate))
             sent, busy = self.conn.recv()
             iterations = len(json.loads((self.sim / "truth" / "manifest.json").read_text())["iterations"])
@@ -187,6 +194,7 @@ class Bench:
                     break
                 time.sleep(0.02)
             after = self._meters(pids)
+            shown = window(appliance.status())
         finally:
             appliance.stop()
             runner.join(timeout=60)
@@ -199,7 +207,8 @@ class Bench:
         drops += (after[3] - before[3]) + (after[4] - before[4])
         exact = verify(out, self.sim / "truth", self.params).ok
         return Trial(source, rate, sum(sent) + hello, captured, drops, status.recovered, iterations, exact, busy,
-                     after[1] - before[1], sum(after[0]) - sum(before[0]), after[2] - before[2])
+                     after[1] - before[1], sum(after[0]) - sum(before[0]), after[2] - before[2],
+                     shown and shown.core_s_per_mframe)
 
 
 def describe(t: Trial) -> str:
@@ -208,7 +217,8 @@ def describe(t: Trial) -> str:
     return (f"{t.source:9s} {rate:>5s}/s {mpps:6.3f} Mpps {t.sent:8,d} sent {t.captured:8,d} captured "
             f"{t.drops:6,d} dropped  iterations {t.recovered}/{t.iterations}{' exact' if t.exact else ' NOT exact'}"
             f"  core-s/Mframe: appliance {t.per_mframe(t.appliance_s):5.2f} capture {t.per_mframe(t.capture_s):5.2f}"
-            f" machine {t.per_mframe(t.busy_s):5.2f}  {'loss-free' if t.loss_free else 'LOSS'}")
+            f" machine {t.per_mframe(t.busy_s):5.2f} (the live view: in all {t.shown or 0:5.2f})"
+            f"  {'loss-free' if t.loss_free else 'LOSS'}")
 
 
 def summarize(trials: list[Trial]) -> None:

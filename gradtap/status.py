@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -49,3 +51,50 @@ class ApplianceStatus:
                                          # world_size, rendezvous, buckets and elements of its shard, peers
                                          # (rank -> "up" or why it is gone), sent_bytes (and sent_by_kind:
                                          # blocks, protocol), received_bytes; None: not in a group
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a running appliance did a second between two of its statuses: what the live view
+    shows, and what a CPU node is sized by (cores per Mpps)."""
+
+    seconds: float                       # between the two statuses
+    pps: dict[str, float]                # stream -> frames captured a second
+    bps: dict[str, float]                # stream -> bits captured a second
+    capture_cores: dict[str, float]      # stream -> its capture worker's CPU time a second (1.0: a whole core)
+    appliance_cores: float               # the appliance process's (parsers, merger, updater)
+
+    @property
+    def cores(self) -> float:
+        """Every process of the appliance: its own and its capture workers'."""
+        return self.appliance_cores + sum(self.capture_cores.values())
+
+    @property
+    def core_s_per_mframe(self) -> float | None:
+        """Core-seconds spent per million frames captured (None: no frame came)."""
+        mpps = sum(self.pps.values()) / 1e6
+        return self.cores / mpps if mpps > 0 else None
+
+
+class RateWindow:
+    """Rates over the time between successive statuses: call it with each status as it is
+    taken; it returns None for the first, and for a status taken no later than the one before."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._last: tuple[float, ApplianceStatus] | None = None
+
+    def __call__(self, status: ApplianceStatus) -> Rates | None:
+        now, last = self._clock(), self._last
+        self._last = now, status
+        if last is None or now <= last[0]:
+            return None
+        dt, before = now - last[0], last[1]
+        pps, bps, cores = {}, {}, {}
+        for name, c in status.capture.items():
+            b = before.capture.get(name, {})
+            pps[name] = max(0, c.get("frames", 0) - b.get("frames", 0)) / dt
+            bps[name] = 8 * max(0, c.get("bytes", 0) - b.get("bytes", 0)) / dt
+            if "cpu_us" in c and "cpu_us" in b:
+                cores[name] = max(0, c["cpu_us"] - b["cpu_us"]) / 1e6 / dt
+        return Rates(dt, pps, bps, cores, max(0.0, status.cpu_s - before.cpu_s) / dt)

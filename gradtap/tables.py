@@ -14,7 +14,7 @@ from rich import box
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from gradtap.status import ApplianceStatus
+    from gradtap.status import ApplianceStatus, Rates
     from gradtap.replay import ReplayResult
     from gradtap.replica_sink import ReplicaSink
     from gradtap.simulator.run import Summary
@@ -100,16 +100,36 @@ def verification_lines(v: Verification) -> list[str]:
     return lines
 
 
-def status_table(s: ApplianceStatus) -> Table:
-    """The live view of ``gradtap run``: capture and decode counters per stream."""
+def status_table(s: ApplianceStatus, rates: Rates | None = None) -> Table:
+    """The live view of ``gradtap run``: capture and decode counters per stream, and, with
+    ``rates`` (``gradtap.status.RateWindow``; dashes without), each stream's frames, bits and
+    capture CPU a second, and the CPU the appliance uses in all: the cores per Mpps a CPU
+    node is sized by."""
     replica = f"replica at iteration {s.replica_iteration}{' [red](stale)[/]' if s.stale else ''}" if s.numbered \
         else "[yellow]replica waiting for the trainer's checkpoint with time_ns[/]"
+    numeric = ("frames", "kpps", "Gb/s", "CPU %", "kernel\ndrops", "ring\ndrops", "written", "duplicates")
     t = table(f"gradtap: {replica}; {s.recovered} merged, {s.unrecoverable} unrecoverable, {s.skipped} skipped; "
-              f"lag {s.lag_s * 1e3:.1f} ms",
-              "stream", "frames", "MB", "kernel\ndrops", "ring\ndrops", "written", "duplicates",
-              numeric=("frames", "MB", "kernel\ndrops", "ring\ndrops", "written", "duplicates"))
+              f"lag {s.lag_s * 1e3:.1f} ms", "stream", *numeric, numeric=numeric, caption=_cpu_caption(rates))
+    t.collapse_padding = True       # nine columns in 80
     for name, c in s.capture.items():
         e = s.events.get(name, {})
-        t.add_row(name, f"{c.get('frames', 0):,}", f"{c.get('bytes', 0) / 1e6:,.1f}", f"{c.get('kernel_drops', 0):,}",
+        now = ("-",) * 3 if rates is None else (
+            f"{rates.pps.get(name, 0) / 1e3:,.0f}", f"{rates.bps.get(name, 0) / 1e9:.1f}",
+            _percent(rates.capture_cores.get(name)))
+        t.add_row(name, f"{c.get('frames', 0):,}", *now, f"{c.get('kernel_drops', 0):,}",
                   f"{c.get('ring_drops', 0):,}", f"{e.get('data.written', 0):,}", f"{e.get('data.duplicate', 0):,}")
     return t
+
+
+def _percent(cores: float | None) -> str:
+    return "-" if cores is None else f"{cores * 100:.0f}"
+
+
+def _cpu_caption(rates: Rates | None) -> str | None:
+    """The appliance's CPU over the last refresh: its own process, and in all per Mpps."""
+    if rates is None:
+        return None
+    cost = rates.core_s_per_mframe
+    per = "" if cost is None else f" ({cost:.2f} per Mpps)"
+    return (f"CPU %: of one core, each stream's capture worker; the appliance: {rates.appliance_cores:.2f} cores "
+            f"parsing, merging and updating, {rates.cores:.2f} in all{per}")

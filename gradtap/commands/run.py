@@ -163,6 +163,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.start import replica_start
     from gradtap.progress import records_progress
     from gradtap.store_tier import store_start, with_store
+    from gradtap.status import RateWindow
     from gradtap.tables import status_table
 
     console = Console(stderr=True)
@@ -209,7 +210,8 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not no_status else None
     if live is not None:
         live.start()
-        status_loop(appliance, lambda s: live.update(status_table(s), refresh=True))
+        rates = RateWindow()
+        status_loop(appliance, lambda s: live.update(status_table(s, rates(s)), refresh=True))
     try:
         result = appliance.run()
     finally:

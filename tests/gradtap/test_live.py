@@ -35,6 +35,7 @@ from gradtap.netconfig.linux_mirror import apply_mirrors, teardown_mirrors
 from gradtap.netconfig.vendors.linux import TcMirror
 from gradtap.simulator.faults import FaultSpec
 from gradtap.simulator.run import Simulation
+from gradtap.status import RateWindow
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.metrics import ApplianceCollector
@@ -107,6 +108,11 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
             time.sleep(PAUSE_S)
             appliance.offer({**start, "time_ns": time.time_ns()}, "the test's trainer")
             time.sleep(PAUSE_S)
+            # The live view's rates over the job's traffic, against the kernel's account of each
+            # worker and the frames sent.
+            window = RateWindow()
+            window(appliance.status())
+            before = {name: process_cpu_s(w.pid) for name, w in appliance.workers.items()}
             for k in range(rounds):
                 for r in MIRRORED:
                     if k < len(sends[r]):
@@ -117,6 +123,14 @@ def test_gradtap_run_keeps_a_bit_exact_replica_from_live_mirror_ports(tmp_path, 
             while time.monotonic() < deadline and appliance.replica.iteration < start["iteration"] + 3:
                 time.sleep(0.1)
             time.sleep(0.2)
+            rates = window(appliance.status())
+            for name, worker in appliance.workers.items():
+                kernel = (process_cpu_s(worker.pid) - before[name]) / rates.seconds
+                # Each end of the window may miss up to one publication (0.2 s) of the worker's CPU.
+                assert abs(rates.capture_cores[name] - kernel) <= 0.45 / rates.seconds, (name, rates, kernel)
+                sent = sum(len(b) for b in sends[int(name[1:])])
+                assert rates.pps[name] * rates.seconds == pytest.approx(sent), (name, rates)
+            assert 0 < rates.appliance_cores <= len(os.sched_getaffinity(0)) and rates.core_s_per_mframe > 0
             # Each capture worker's CPU time as it publishes it, against the kernel's account of
             # its process read before its next publication (every 0.2 s).
             for name, worker in appliance.workers.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -278,11 +279,15 @@ def test_gradtap_run_stops_cleanly_on_a_signal(tmp_path, signum):
             ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
         job = seed_started_job()
         (tmp_path / "job.yaml").write_text(dump_job(job))
+        # With SIGINT, as an operator at a terminal stops it: with the live status view.
+        view = signum == "SIGINT"
         proc = subprocess.Popen([sys.executable, "-c", "from gradtap.cli import main; main()", "run",
                                  str(tmp_path / "job.yaml"), "--stream", "m-egress=lo", "--netns", ns,
                                  "--out", str(tmp_path / "out"), "--metrics-port", "0", "--control-port", "0",
-                                 "--no-status", "--hugepages", "off", "--ring-slots", "256", "--slot-size", "2048"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                 *([] if view else ["--no-status"]), "--hugepages", "off", "--ring-slots", "256",
+                                 "--slot-size", "2048"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "FORCE_COLOR": "1", "COLUMNS": "80"} if view else None)
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and not (tmp_path / "out" / "snapshots").exists():
@@ -294,7 +299,10 @@ def test_gradtap_run_stops_cleanly_on_a_signal(tmp_path, signum):
             if proc.poll() is None:
                 proc.kill()
         assert proc.returncode == 0, err
+        err = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", err)      # a terminal's colours and cursor moves
         assert "rehearsal: 2 iterations of a miniature of the job exact" in err and "gradtap run: stopped" in err
+        # Refreshed every 0.5 s: the rates, from the second on.
+        assert ("kpps" in err and "CPU %: of one core, each stream's capture worker; the appliance:" in err) == view
     finally:
         netns.remove(ns)
 

@@ -69,20 +69,25 @@ CACHE_LINE = 64     # bytes, on x86-64 and the arm64 server cores
 _SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def last_level_cache_bytes(cpu_caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
-    """The size of the first CPU's highest-level cache (the last level, shared by the cores of
-    a die), as the kernel reports it in sysfs (``index*/level`` and ``size``, e.g.
-    ``32768K``); None where it reports none."""
+def cache_bytes(level: int | None = None,
+                cpu_caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """The size of the first CPU's data cache at ``level`` (1, 2, ...), or of its highest level
+    (the last level, shared by the cores of a die) when None, as the kernel reports it in
+    sysfs (``index*/level``, ``type`` and ``size``, e.g. ``32768K``); None where it reports
+    none. Instruction caches do not count."""
     best: tuple[int, int] | None = None
     for entry in cpu_caches.glob("index*"):
         try:
-            level = int((entry / "level").read_text())
+            at = int((entry / "level").read_text())
+            kind = (entry / "type").read_text().strip() if (entry / "type").exists() else "Unified"
             size = (entry / "size").read_text().strip()
             nbytes = int(size[:-1]) * _SIZE_UNITS[size[-1]] if size[-1:] in _SIZE_UNITS else int(size)
         except (OSError, ValueError):
             continue
-        if nbytes > 0 and (best is None or level > best[0]):
-            best = (level, nbytes)
+        if nbytes <= 0 or kind == "Instruction" or (level is not None and at != level):
+            continue
+        if best is None or at > best[0]:
+            best = (at, nbytes)
     return None if best is None else best[1]
 
 

@@ -45,9 +45,9 @@ opcode no extension header is known, so ``payload_off`` is the byte after the BT
 The ICRC is checked on every complete RoCEv2 packet, unknown opcodes included (so 0xaa
 frames show ``icrc == ICRC_BAD``), unless ``verify_icrc`` is off.
 
-Three layers (stumpy style): :func:`decode_frame` (serial, one frame), ``_decode_parts``
+Three layers (stumpy style): :func:`decode_frame` (serial, one frame), :func:`decode_parts`
 (``prange`` over contiguous parts of the batch, each part with its own counter row) and
-:func:`decode_batch`, which validates its input.
+:func:`decode_batch`, which validates its input (:func:`check_batch`).
 """
 
 from __future__ import annotations
@@ -480,9 +480,10 @@ def decode_frame(data, start, caplen, wirelen, verify_icrc, decapsulate, rec):
 
 
 @njit(**JIT_PARALLEL)
-def _decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, out, counters):
-    """Decode every frame; part ``p`` of ``counters.shape[0]`` contiguous parts counts its
-    events in ``counters[p]`` only, so threads never share a counter."""
+def decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, out, counters):
+    """Decode every frame of a batch checked by :func:`check_batch` into ``out`` (one
+    :data:`FRAME_DTYPE` record each); part ``p`` of ``counters.shape[0]`` contiguous parts counts
+    its events in ``counters[p]`` only, so threads never share a counter."""
     n = len(offsets)
     parts = counters.shape[0]
     for p in prange(parts):
@@ -528,16 +529,8 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | 
     ``(records, counters)``: ``FRAME_DTYPE[n]`` and ``int64[N_EVENTS]`` (frames per event
     code; they add up to ``n``). ``payload_off`` indexes ``batch.data``.
     """
-    if not isinstance(batch, FrameBatch):
-        raise TypeError(f"decode_batch needs a FrameBatch, got {type(batch).__name__}")
-    if batch.linktype != LINKTYPE_ETHERNET:
-        raise ValueError(f"batch link type {batch.linktype} is not Ethernet "
-                         f"(LINKTYPE_ETHERNET = {LINKTYPE_ETHERNET})")
+    check_batch(batch)
     n = len(batch)
-    # FrameBatch checks this when built; its arrays are mutable, and the kernel trusts it.
-    if n and (batch.offsets.min() < 0 or batch.caplens.min() < 0
-              or (batch.offsets + batch.caplens).max() > len(batch.data)):
-        raise ValueError("FrameBatch frames reach outside data")
     if out is None:
         out = np.empty(n, FRAME_DTYPE)
     elif not isinstance(out, np.ndarray) or out.dtype != FRAME_DTYPE or out.ndim != 1:
@@ -549,9 +542,23 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | 
     out = out[:n]
     counters = np.zeros((max(1, min(numba.get_num_threads(), n)), N_EVENTS), np.int64)
     mode = VERIFY_OFF if not verify_icrc else VERIFY_LATER if defer_icrc else VERIFY_NOW
-    _decode_parts(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
-                  mode, bool(decapsulate), out, counters)
+    decode_parts(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
+                 mode, bool(decapsulate), out, counters)
     return out, counters.sum(axis=0)
+
+
+def check_batch(batch: FrameBatch) -> None:
+    """Refuse what the stage-1 kernels cannot take: anything but a batch of Ethernet frames, or
+    frames outside its data (``FrameBatch`` checks that when built, but its arrays are mutable,
+    and the kernels trust it)."""
+    if not isinstance(batch, FrameBatch):
+        raise TypeError(f"decode_batch needs a FrameBatch, got {type(batch).__name__}")
+    if batch.linktype != LINKTYPE_ETHERNET:
+        raise ValueError(f"batch link type {batch.linktype} is not Ethernet "
+                         f"(LINKTYPE_ETHERNET = {LINKTYPE_ETHERNET})")
+    if len(batch) and (batch.offsets.min() < 0 or batch.caplens.min() < 0
+                       or (batch.offsets + batch.caplens).max() > len(batch.data)):
+        raise ValueError("FrameBatch frames reach outside data")
 
 
 def is_roce(records: np.ndarray) -> np.ndarray:

@@ -19,20 +19,23 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from gradtap.capture.frames import FrameBatch
-from gradtap.core.memory import last_level_cache_bytes
+from gradtap.core.memory import cache_bytes
 from gradtap.parser.aside import NOTHING_ASIDE, AsideCopies, kept, new_aside, reconcile
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
-from gradtap.parser.decode import decode_batch
+from gradtap.parser.decode import VERIFY_NOW, check_batch, decode_batch
 from gradtap.parser.flow_learning import FlowLearner
 from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
 from gradtap.parser.mismatch import what_differs
 from gradtap.parser.payload import Deferred, copy_deferred
+from gradtap.parser.pieces import parse_pieces
 from gradtap.parser.shared_gradient import GradientPool, IterationGradient
 from gradtap.parser.stream_tables import stream_tables
 from gradtap.wire import events as ev
+from gradtap.wire.frame_record import FRAME_DTYPE
 from gradtap.wire.protocol import N_PROTOCOLS
 from gradtap.wire.psn import psn_add
 from gradtap.workload.spec import JobSpec
@@ -99,13 +102,12 @@ class StreamParser:
         core to itself, e.g. one of as many streams as threads
         (``gradtap/pipeline.py``).
     piece_bytes:
-        With the ICRC checked in stage 1, stage 2 reads each payload a second time. A batch
-        larger than this is parsed in pieces of about this size (as many frames each), so
-        that the second read finds the frames in the cache: by default half the host's
-        last-level cache (``core.memory.last_level_cache_bytes``; whole batches where the
-        host does not say).
-        One stream of GPT-2 small, ICRC on, 2 threads: 8.7 GB/s of payload in batches of
-        65,536 frames, 11.7 in 8,192, 13.1 in 4,096 (a 32 MiB L3).
+        With the ICRC checked in stage 1, stage 2 reads each payload a second time. Once every
+        data flow is placed, a batch larger than this is parsed in pieces of about this size
+        (as many frames each; ``parser/pieces.py``), so that the second read finds the frames
+        in the cache: by default half a core's L2 cache for each Numba thread
+        (``core.memory.cache_bytes``; whole batches where the host does not say). 0: whole
+        batches.
     slots:
         Iterations assembled at once (1 by default: see ``DEFAULT_SLOTS``).
     spares:
@@ -144,8 +146,8 @@ class StreamParser:
         self.tables = t = stream_tables(job, plan, self.mirror)
         self.verify_icrc = job.appliance.verify_icrc if verify_icrc is None else verify_icrc
         self.defer_icrc = defer_icrc
-        cache = last_level_cache_bytes()
-        self.piece_bytes = piece_bytes if piece_bytes is not None else cache // 2 if cache else 0
+        self.piece_bytes = piece_bytes
+        self._half_l2 = (cache_bytes(2) or 0) // 2
         self.need = plan.blocks["need"].astype(np.int32)
         nconn = t.phase_period.shape[1]
         self.state = StreamState(base_psn=np.full(len(t.qpn), -1, np.int64), step_base=np.full(nconn, -1, np.int64),
@@ -198,11 +200,10 @@ class StreamParser:
 
     def feed(self, batch: FrameBatch) -> list[AssembledIteration]:
         """Parse one batch; returns the iterations it completed."""
-        if self.verify_icrc and not self.defer_icrc and 0 < self.piece_bytes < batch.nbytes:
-            return [it for piece in batch.pieces(-(-batch.nbytes // self.piece_bytes)) for it in self._feed(piece)]
-        return self._feed(batch)
-
-    def _feed(self, batch: FrameBatch) -> list[AssembledIteration]:
+        if self.locked:
+            piece = self._piece_frames(batch)
+            if piece:
+                return self._assemble_in_pieces(batch, piece)
         recs = self._decode(batch, placing=self.locked)
         if self.locked:
             return self._assemble(recs, 0, batch.data)
@@ -252,12 +253,41 @@ class StreamParser:
             out += self._assemble(self._decode(b, placing=True), 0, b.data)
         return out
 
+    def _piece_frames(self, batch: FrameBatch) -> int:
+        """Frames per piece for a batch of a locked stream (0: whole): with the ICRC checked in
+        stage 1, every data flow placed and the batch larger than a piece."""
+        if not self.verify_icrc or self.defer_icrc or not self._placed():
+            return 0
+        size = self.piece_bytes
+        if size is None:
+            size = self._half_l2 * numba.get_num_threads()
+        return max(1, len(batch) * size // batch.nbytes) if 0 < size < batch.nbytes else 0
+
+    def _placed(self) -> bool:
+        """Whether every data flow has its base: stage 2 then needs no record ahead of it."""
+        return bool((self.state.base_psn[self.tables.data_flows] >= 0).all())
+
+    def _assemble_in_pieces(self, batch: FrameBatch, piece: int) -> list[AssembledIteration]:
+        """Stages 1 and 2 of a locked stream, ``piece`` frames at a time (``parser/pieces.py``)."""
+        check_batch(batch)
+        recs = np.empty(len(batch), FRAME_DTYPE)
+        parts = np.zeros((max(1, min(numba.get_num_threads(), piece)), ev.N_EVENTS), np.int64)
+        self._make_room(len(batch))
+        out, i = [], 0
+        while True:
+            status, i = parse_pieces(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns, VERIFY_NOW,
+                                     self.decapsulate, recs, parts, i, piece, self.tables, self.state,
+                                     self.slots, self.aside, self.slot0, self.counters)
+            if status != NEED_ADVANCE:
+                return out
+            out.append(self._retire())
+
     def _decode(self, batch: FrameBatch, placing: bool = False) -> np.ndarray:
         """Stage 1's records of ``batch`` (stage 2 counts every record under one event,
         stage 1's refusals included). ``placing``: they go to stage 2 and nowhere else, which
         then checks a frame's ICRC just before it places the payload, with ``defer_icrc``
         and every flow placed (placing a flow reads the records first)."""
-        defer = placing and self.defer_icrc and bool((self.state.base_psn[self.tables.data_flows] >= 0).all())
+        defer = placing and self.defer_icrc and self._placed()
         return decode_batch(batch, self.verify_icrc, decapsulate=self.decapsulate, defer_icrc=defer)[0]
 
     def _assemble(self, recs, start, data) -> list[AssembledIteration]:
@@ -422,11 +452,14 @@ class StreamParser:
                 self._advance()
         return out
 
+    def _make_room(self, records: int) -> None:
+        """Alone, the kernel leaves the payload copies (at most one per record) to all the
+        threads after it: room for those of ``records`` records."""
+        if self.alone and len(self.slots.pending.ops) < records:
+            self.slots = self.slots._replace(pending=self.slots.pending.grown(records))
+
     def _run(self, recs, start, stop, data):
-        # Alone, the kernel leaves the payload copies (at most one per record) to all the
-        # threads after it.
-        if self.alone and len(self.slots.pending.ops) < stop:
-            self.slots = self.slots._replace(pending=self.slots.pending.grown(stop))
+        self._make_room(stop)
         out = assemble(recs[:stop], start, data, self.tables, self.state, self.slots, self.aside, self.slot0,
                        self.counters)
         if self.slots.pending.count[0]:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from numba import config, njit
 
-from gradtap.core.memory import acquire, compare_bytes, copy_bytes, fetch_or, load_acquire, prefetch_bytes, release, \
-    store_fence, store_release, stream_bytes, last_level_cache_bytes, wait_bits
+from gradtap.core.memory import acquire, cache_bytes, compare_bytes, copy_bytes, fetch_or, load_acquire, \
+    prefetch_bytes, release, store_fence, store_release, stream_bytes, wait_bits
 from tests.core.no_jit import run_without_jit
 
 
@@ -202,18 +202,24 @@ def test_without_jit_the_operations_do_the_same():
     assert json.loads(plain) == expected
 
 
-def test_the_last_level_cache_is_the_highest_level_sysfs_reports(tmp_path):
-    caches = [(1, "48K"), (1, "32K"), (2, "1024K"), (3, "32768K")]
-    for k, (level, size) in enumerate(caches):
+def test_a_cache_is_the_data_cache_sysfs_reports_at_its_level_the_last_level_the_highest(tmp_path):
+    caches = [(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")]
+    for k, (level, kind, size) in enumerate(caches):
         (tmp_path / f"index{k}").mkdir()
         (tmp_path / f"index{k}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{k}" / "type").write_text(f"{kind}\n")
         (tmp_path / f"index{k}" / "size").write_text(f"{size}\n")
-    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    assert cache_bytes(cpu_caches=tmp_path) == 32 << 20
+    assert cache_bytes(1, tmp_path) == 48 << 10 and cache_bytes(2, tmp_path) == 1 << 20
+    assert cache_bytes(4, tmp_path) is None
     (tmp_path / "index3" / "size").write_text("2M\n")
-    assert last_level_cache_bytes(tmp_path) == 2 << 20
+    assert cache_bytes(cpu_caches=tmp_path) == 2 << 20
     (tmp_path / "index3" / "size").write_text("garbage\n")          # unreadable: the next level down
-    assert last_level_cache_bytes(tmp_path) == 1 << 20
-    assert last_level_cache_bytes(tmp_path / "absent") is None
+    assert cache_bytes(cpu_caches=tmp_path) == 1 << 20 and cache_bytes(3, tmp_path) is None
+    (tmp_path / "index0" / "type").unlink()                          # no type: a unified cache
+    assert cache_bytes(1, tmp_path) == 48 << 10
+    assert cache_bytes(cpu_caches=tmp_path / "absent") is None
     # This host's, as the parser asks: a positive size or None, never an error.
-    here = last_level_cache_bytes()
-    assert here is None or here > 0
+    for level in (None, 1, 2):
+        here = cache_bytes(level)
+        assert here is None or here > 0

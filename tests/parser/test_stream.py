@@ -250,15 +250,17 @@ def test_a_late_copy_of_a_retired_iteration_moves_nothing(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("protocol", ["Simple", "LL128"])
-def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path, protocol, monkeypatch):
+@pytest.mark.parametrize("protocol, encapsulation", [("Simple", "none"), ("LL128", "none"), ("Simple", "erspan3")])
+def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path, protocol, encapsulation,
+                                                                         monkeypatch):
     """With the ICRC checked in stage 1, a batch of a locked stream larger than ``piece_bytes``
     is parsed in pieces (``parser/pieces.py``: so that stage 2 finds the frames in the cache):
     the counters, the coverage and every byte equal those of the batch parsed whole, on a
-    faulty stream."""
+    faulty stream, plain or arriving over ERSPAN."""
     import gradtap.parser.stream as stream
     from gradtap.parser.pieces import parse_pieces
-    job = make_job(3, protocol, 2, "fp32", nqps=2)
+    from tests.simulator.test_erspan import with_encapsulation
+    job = with_encapsulation(make_job(3, protocol, 2, "fp32", nqps=2), {"m-both": encapsulation})
     simulate(tmp_path, job, iterations=3, faults="mirror_loss=0.02," + FAULTS_ALL_BUT_MIRROR_LOSS)
     plan = job_plan(job)
     frames = read_pcap(tmp_path / "streams" / "m-both.pcap")

@@ -10,9 +10,10 @@ from gradtap.tables import status_table
 def status(frames: dict[str, int], mbytes: int, cpu_us: dict[str, int], cpu_s: float) -> ApplianceStatus:
     capture = {name: {"frames": n, "bytes": mbytes * 1_000_000, "kernel_drops": 0, "ring_drops": 7,
                       **({"cpu_us": cpu_us[name]} if name in cpu_us else {})} for name, n in frames.items()}
-    return ApplianceStatus(capture=capture, events={n: {"data.written": 1_234_567, "data.duplicate": 3} for n in frames},
-                           recovered=12, unrecoverable=0, replica_iteration=13, stale=False, lag_s=0.12, parse_s=1.0,
-                           merge_s=0.1, update_s=0.5, locked={n: True for n in frames}, cpu_s=cpu_s)
+    events = {n: {"data.written": 1_234_567, "data.duplicate": 3} for n in frames}
+    return ApplianceStatus(capture=capture, events=events, recovered=12, unrecoverable=0, replica_iteration=13,
+                           stale=False, lag_s=0.12, parse_s=1.0, merge_s=0.1, update_s=0.5,
+                           locked={n: True for n in frames}, cpu_s=cpu_s)
 
 
 def clock(*times: float):

@@ -540,11 +540,17 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | 
         raise ValueError(f"out has {len(out)} rows (writeable: {out.flags.writeable}); "
                          f"the batch needs {n} writeable rows")
     out = out[:n]
-    counters = np.zeros((max(1, min(numba.get_num_threads(), n)), N_EVENTS), np.int64)
+    counters = part_counters(n)
     mode = VERIFY_OFF if not verify_icrc else VERIFY_LATER if defer_icrc else VERIFY_NOW
     decode_parts(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
                  mode, bool(decapsulate), out, counters)
     return out, counters.sum(axis=0)
+
+
+def part_counters(frames: int) -> np.ndarray:
+    """The counters :func:`decode_parts` takes for ``frames`` frames: a row for each part they
+    are cut in, one per Numba thread of the caller (at most one per frame)."""
+    return np.zeros((max(1, min(numba.get_num_threads(), frames)), N_EVENTS), np.int64)
 
 
 def check_batch(batch: FrameBatch) -> None:

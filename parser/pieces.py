@@ -38,11 +38,12 @@ def parse_pieces(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsula
                  t, state, slots, aside, slot0, counters):
     """Frames ``start:`` of a batch (``data`` and its per-frame arrays, checked by
     ``decode.check_batch``), ``piece`` frames at a time: stage 1 into ``recs`` (a
-    ``FRAME_DTYPE`` row per frame; ``parts`` is stage 1's ``int64[threads, N_EVENTS]`` scratch
-    of counters, not read after), stage 2 (``assemble``: the stream's tables, state, slots, aside,
-    oldest slot and counters), then the payload copies it left pending. Returns ``assemble``'s
-    ``(status, next_index)``: ``NEED_ADVANCE`` stops the loop at the frame that needs the oldest
-    slot retired, for the caller to retire it and call again from there."""
+    ``FRAME_DTYPE`` row per frame; ``parts``, stage 1's counters from
+    ``decode.part_counters(piece)``, are scratch, not read after), stage 2 (``assemble``: the
+    stream's tables, state, slots, aside, oldest slot and counters), then the payload copies it
+    left pending. Returns ``assemble``'s ``(status, next_index)``: ``NEED_ADVANCE`` stops the
+    loop at the frame that needs the oldest slot retired, for the caller to retire it and call
+    again from there."""
     n = offsets.shape[0]
     i = start
     while i < n:

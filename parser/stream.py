@@ -26,7 +26,7 @@ from gradtap.capture.frames import FrameBatch
 from gradtap.core.memory import cache_bytes
 from gradtap.parser.aside import NOTHING_ASIDE, AsideCopies, kept, new_aside, reconcile
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
-from gradtap.parser.decode import VERIFY_NOW, check_batch, decode_batch
+from gradtap.parser.decode import VERIFY_NOW, check_batch, decode_batch, part_counters
 from gradtap.parser.flow_learning import FlowLearner
 from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
 from gradtap.parser.mismatch import what_differs
@@ -271,7 +271,7 @@ class StreamParser:
         """Stages 1 and 2 of a locked stream, ``piece`` frames at a time (``parser/pieces.py``)."""
         check_batch(batch)
         recs = np.empty(len(batch), FRAME_DTYPE)
-        parts = np.zeros((max(1, min(numba.get_num_threads(), piece)), ev.N_EVENTS), np.int64)
+        parts = part_counters(piece)
         self._make_room(len(batch))
         out, i = [], 0
         while True:

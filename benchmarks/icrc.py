@@ -5,7 +5,10 @@ Frames are real RoCEv2 frames from the captures (1102-byte RDMA WRITE MIDDLE at 
 CRCs every frame of the batch in place:
 
 - ``gradtap.wire.icrc.icrc_frame``: masked prefix + ISA-L ``crc32_gzip_refl`` (PCLMULQDQ), called
-  per frame from a Numba loop, as the parser does;
+  per frame from a Numba loop;
+- ``gradtap.wire.icrc.icrc_and_payload_crc``: the same ICRC with the payload's own CRC made
+  beside it (three CRC calls and a shift by table instead of two calls), as the parser checks
+  each frame; its target is to cost no more than 5% over the ICRC alone;
 - ``zlib.crc32`` per frame from Python (the peer tool; no masking, so it is flattered);
 - a byte-at-a-time table-driven CRC-32 in Numba (Sarwate), the classic scalar way.
 
@@ -25,7 +28,8 @@ from benchmarks._bandwidth import memcpy_bandwidth
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
 from gradtap.core.jit import JIT
-from gradtap.wire.icrc import ICRC_LEN, icrc_frame, locate_icrc
+from gradtap.parser.decode import decode_batch
+from gradtap.wire.icrc import ICRC_LEN, icrc_and_payload_crc, icrc_frame, locate_icrc
 
 CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
 SOURCES = {1102: "iter_40000_p2p_iter10.pcapng", 4174: "iter_40000_p2p_iter10_3.pcapng"}
@@ -33,7 +37,7 @@ BATCH_BYTES = 64 << 20
 REPEATS = 5
 # What "fast enough" means: the ICRC must not be what limits the parser, which touches each
 # frame byte about once; and PCLMUL folding should beat the scalar ways by a wide margin.
-TARGETS = {"memcpy_1t": 1.0, "zlib": 5.0, "table": 10.0}
+TARGETS = {"memcpy_1t": 1.0, "zlib": 5.0, "table": 10.0, "icrc": 0.95}
 
 
 def _make_table() -> np.ndarray:
@@ -64,6 +68,21 @@ def _icrc_batch(data, offsets, l3s, ends):
 
 
 @njit(**JIT)
+def _icrc_payload_batch(data, offsets, l3s, ends, payload_offs, payload_lens):
+    """Frames whose stored ICRC matches and whose payload CRC was made."""
+    good = 0
+    for i in range(len(offsets)):
+        base = offsets[i]
+        crc, payload_crc = icrc_and_payload_crc(data, base + l3s[i], True, base + payload_offs[i], payload_lens[i],
+                                                base + ends[i])
+        stored = np.int64(0)
+        for k in range(ICRC_LEN):
+            stored |= np.int64(data[base + ends[i] - ICRC_LEN + k]) << (8 * k)
+        good += crc == stored and payload_crc >= 0
+    return good
+
+
+@njit(**JIT)
 def _table_batch(data, offsets, caplens, table):
     """XOR of the table-driven CRC-32 of every frame (keeps the work observable)."""
     acc = np.uint32(0)
@@ -75,17 +94,22 @@ def _table_batch(data, offsets, caplens, table):
     return acc
 
 
-def _batch(length: int) -> tuple[FrameBatch, np.ndarray, np.ndarray]:
-    """A ~BATCH_BYTES batch of the capture's frames of this length, with l3 offsets/ends."""
+def _batch(length: int) -> tuple[FrameBatch, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A ~BATCH_BYTES batch of the capture's frames of this length, with their l3 offsets,
+    ends, and payloads' offsets and lengths (within each frame)."""
     source = read_pcap(CAPTURES / SOURCES[length])
     frames = [bytes(source.frame(i)) for i in range(len(source)) if source.caplens[i] == length]
     copies = BATCH_BYTES // (length * len(frames)) + 1
     batch = FrameBatch.from_frames(frames * copies)
     where = [locate_icrc(f) for f in frames]
     assert all(is_ipv6 for _, is_ipv6, _ in where)
+    records, _ = decode_batch(FrameBatch.from_frames(frames))
+    starts = FrameBatch.from_frames(frames).offsets
     l3s = np.array([w[0] for w in where] * copies, np.int64)
     ends = np.array([w[2] for w in where] * copies, np.int64)
-    return batch, l3s, ends
+    payload_offs = np.tile(records["payload_off"] - starts, copies).astype(np.int64)
+    payload_lens = np.tile(records["payload_len"], copies).astype(np.int64)
+    return batch, l3s, ends, payload_offs, payload_lens
 
 
 def _best(fn) -> float:
@@ -104,13 +128,16 @@ def main() -> None:
     memcpy = {n: memcpy_bandwidth(n) for n in (1, 2)}
     print(f"memcpy bandwidth: 1 thread {memcpy[1]:.2f} GB/s, 2 threads {memcpy[2]:.2f} GB/s")
     for length in SOURCES:
-        batch, l3s, ends = _batch(length)
+        batch, l3s, ends, payload_offs, payload_lens = _batch(length)
         nbytes = batch.nbytes
         views = [batch.frame(i) for i in range(len(batch))]
         assert _icrc_batch(batch.data, batch.offsets, l3s, ends) == len(batch)
+        assert _icrc_payload_batch(batch.data, batch.offsets, l3s, ends, payload_offs, payload_lens) == len(batch)
         rates = {
             "icrc (ISA-L, Numba)": nbytes / _best(
                 lambda: _icrc_batch(batch.data, batch.offsets, l3s, ends)) / 1e9,
+            "icrc + payload CRC": nbytes / _best(
+                lambda: _icrc_payload_batch(batch.data, batch.offsets, l3s, ends, payload_offs, payload_lens)) / 1e9,
             "zlib.crc32 per frame": nbytes / _best(
                 lambda: [zlib.crc32(v) for v in views]) / 1e9,
             "table-driven Numba": nbytes / _best(
@@ -121,13 +148,15 @@ def main() -> None:
         for name, rate in rates.items():
             print(f"  {name:24s} {rate:7.2f} GB/s  {length / rate:8.1f} ns/frame")
         ratios = {"memcpy_1t": icrc / memcpy[1], "zlib": icrc / rates["zlib.crc32 per frame"],
-                  "table": icrc / rates["table-driven Numba"]}
+                  "table": icrc / rates["table-driven Numba"], "icrc": rates["icrc + payload CRC"] / icrc}
         print(f"  icrc / memcpy(1 thread) {ratios['memcpy_1t']:5.2f}x   "
               f"icrc / memcpy(2 threads) {icrc / memcpy[2]:5.2f}x")
-        print(f"  icrc / zlib {ratios['zlib']:5.2f}x   icrc / table-driven {ratios['table']:5.2f}x")
+        print(f"  icrc / zlib {ratios['zlib']:5.2f}x   icrc / table-driven {ratios['table']:5.2f}x   "
+              f"icrc + payload CRC / icrc {ratios['icrc']:5.2f}x")
         for key, target in TARGETS.items():
             verdict = "met" if ratios[key] >= target else "NOT met"
-            print(f"  target icrc / {key} >= {target:g}x: {verdict}")
+            what = "icrc + payload CRC / icrc" if key == "icrc" else f"icrc / {key}"
+            print(f"  target {what} >= {target:g}x: {verdict}")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ class Slots(NamedTuple):
     claim: tuple            # W x int32[blocks]: units some stream has claimed
     written: tuple          # W x int32[blocks]: units the claiming stream has written
     disputed: tuple         # W x int32[blocks]: units whose differing copy found no room aside
+    crc: tuple              # W x int64[blocks]: a written Simple packet's payload CRC-32 (-1: none)
     got: np.ndarray         # int32[W, blocks]: units this stream holds a copy of equal to the shared one
     seen: np.ndarray        # uint8[W, seen_bits]: packets received, by PSN position
     start_ns: np.ndarray    # int64[W]: time of the earliest data frame (-1: none yet)
@@ -265,9 +266,24 @@ def _uncover(slots, aside, slot, block, k, wire_off, payload_len, protocol):
 
 
 @njit(**JIT_NO_REFCOUNT, inline="always")
-def _gradient_differs(data, pos, n, protocol, off, dest, nbytes, slots, slot, b):
-    """Whether another copy of a unit of block ``b`` differs from the slot's gradient (from
-    the unit's copy still pending, if it is: ``parser/payload.py``)."""
+def _unit_crc(protocol, crc, length, off, nbytes):
+    """The CRC-32 a unit of ``length`` wire bytes (at ``off`` in the message) is known by: its
+    packet's payload CRC ``crc``, when the unit is a whole Simple packet whose bytes are all
+    the message's (else -1: it is known by its bytes)."""
+    return crc if protocol == Protocol.SIMPLE and off + length <= nbytes else np.int64(-1)
+
+
+@njit(**JIT_NO_REFCOUNT, inline="always")
+def _gradient_differs(data, pos, n, protocol, off, dest, nbytes, slots, slot, b, crc):
+    """Whether another copy of a unit of block ``b`` (known by ``crc``: :func:`_unit_crc`)
+    differs from the slot's gradient: by the CRCs where both copies have one, so that the
+    stored copy is not read again (long out of the caches: it was written with non-temporal
+    stores); else by the bytes, from the unit's copy still pending if it is
+    (``parser/payload.py``)."""
+    if crc >= 0:
+        held = slots.crc[slot][b]
+        if held >= 0:
+            return held != crc
     pending = pending_differs(slots.pending, slot, b, data, pos, n, off, nbytes) if protocol == Protocol.SIMPLE \
         else -1
     if pending >= 0:
@@ -276,12 +292,13 @@ def _gradient_differs(data, pos, n, protocol, off, dest, nbytes, slots, slot, b)
 
 
 @njit(**JIT_NO_REFCOUNT, inline="always")
-def _held_differs(data, pos, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit):
-    """Compare another copy of unit ``bit`` of block ``b`` with the stream's own: -1 when the
-    stream holds none, else 1 if it differs and 0 if not (the stream's own copy is the shared
-    gradient's where the stream agreed with it, its copy kept aside where it did not)."""
+def _held_differs(data, pos, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit, crc):
+    """Compare another copy of unit ``bit`` of block ``b`` (known by ``crc``) with the stream's
+    own: -1 when the stream holds none, else 1 if it differs and 0 if not (the stream's own copy
+    is the shared gradient's where the stream agreed with it, its copy kept aside where it did
+    not)."""
     if slots.got[slot, b] & bit:
-        return 1 if _gradient_differs(data, pos, n, protocol, off, dest, nbytes, slots, slot, b) else 0
+        return 1 if _gradient_differs(data, pos, n, protocol, off, dest, nbytes, slots, slot, b, crc) else 0
     e = aside_find(aside, slot, b, bit)
     if e < 0:
         return -1
@@ -289,15 +306,16 @@ def _held_differs(data, pos, n, protocol, off, dest, nbytes, slots, aside, slot,
 
 
 @njit(**JIT_NO_REFCOUNT)
-def _own_copy_differs(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k):
-    """Whether a second copy of a packet's allgather data (its PSN seen already) differs from
-    the stream's first."""
+def _own_copy_differs(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k, crc):
+    """Whether a second copy of a packet's allgather data (its PSN seen already; ``crc``: its
+    payload's CRC-32, -1 if none) differs from the stream's first."""
     if block < 0:
         return False
     for u in range(_n_units(protocol, wire_off, length)):
         b, bit, at, n, off = _unit(protocol, block, k, wire_off, length, u)
         if 0 <= b < slots.got.shape[1] and at >= 0 and at + n <= length and \
-                _held_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit) == 1:
+                _held_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit,
+                              _unit_crc(protocol, crc, n, off, nbytes)) == 1:
             return True
     return False
 
@@ -305,9 +323,10 @@ def _own_copy_differs(data, pos, length, protocol, wire_off, dest, nbytes, slots
 # Inlined: passed to a call per packet, ``slots`` is copied argument by argument, and two more
 # arrays in it made one stream of GPT-2 small parse in 0.14 s instead of 0.099 s (ICRC off).
 @njit(**JIT_NO_REFCOUNT, inline="always")
-def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k):
-    """Place a packet's allgather data in the iteration's shared gradient, unit by unit, and
-    return its event (see ``parser/shared_gradient.py`` and ``parser/aside.py``):
+def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, slot, block, k, crc):
+    """Place a packet's allgather data (``crc``: its payload's CRC-32, -1 if none) in the
+    iteration's shared gradient, unit by unit, and return its event (see
+    ``parser/shared_gradient.py`` and ``parser/aside.py``):
 
     - a unit this stream holds already (another flow of the stream carried the same data:
       the allgather forwards each chunk, hop after hop, unchanged) is compared with it;
@@ -330,18 +349,20 @@ def _place(data, pos, length, protocol, wire_off, dest, nbytes, slots, aside, sl
         b, bit, at, n, off = _unit(protocol, block, k, wire_off, length, u)
         if b < 0 or b >= got.shape[1] or at < 0 or at + n > length:
             continue
-        held = _held_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit)
+        unit_crc = _unit_crc(protocol, crc, n, off, nbytes)
+        held = _held_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, aside, slot, b, bit, unit_crc)
         if held >= 0:
             conflict |= held == 1
             continue
         if not fetch_or(claim, b, bit) & bit:
             if not defer_payload(slots.pending, pos + at, n, protocol, off, slot, b, dest, nbytes):
                 store_payload(data, pos + at, n, protocol, off, grad, dest, nbytes, False)
+            slots.crc[slot][b] = unit_crc       # published with the written bit
             fetch_or(written, b, bit)
             got[slot, b] |= bit
             continue
         ready = wait_bits(written, b, bit, WRITE_POLLS)
-        if ready and not _gradient_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, slot, b):
+        if ready and not _gradient_differs(data, pos + at, n, protocol, off, dest, nbytes, slots, slot, b, unit_crc):
             got[slot, b] |= bit
             continue
         e = aside_put(aside, slot, b, bit, not ready, not ready and counted < 0, protocol, off, dest, nbytes, data,
@@ -556,7 +577,7 @@ def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
             continue
         if slots.seen[slot, bit]:
             if ag and _own_copy_differs(data, payload_off, payload_len, proto, wire_off, dest, nbytes, slots, aside,
-                                        slot, m["block"], k):
+                                        slot, m["block"], k, rec["payload_crc"]):
                 _uncover(slots, aside, slot, m["block"], k, wire_off, payload_len, proto)
                 counters[ev.DATA_DUPLICATE_CONFLICT] += 1
             else:
@@ -574,5 +595,5 @@ def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
             counters[ev.OTHER_REDUCE_SCATTER] += 1
             continue
         counters[_place(data, payload_off, payload_len, proto, wire_off, dest, nbytes, slots, aside, slot,
-                        m["block"], k)] += 1
+                        m["block"], k, rec["payload_crc"])] += 1
     return DONE, recs.shape[0]

@@ -123,7 +123,7 @@ from gradtap.wire.headers.reth import (RETH_OFF_DMA_LENGTH, RETH_OFF_RKEY, RETH_
                                  RETH_SIZE_DMA_LENGTH, RETH_SIZE_RKEY, RETH_SIZE_VA)
 from gradtap.wire.headers.udp import (ROCEV2_UDP_PORT, UDP_LEN, UDP_OFF_DPORT, UDP_OFF_LENGTH,
                                 UDP_OFF_SPORT, UDP_SIZE_DPORT, UDP_SIZE_LENGTH, UDP_SIZE_SPORT)
-from gradtap.wire.icrc import ICRC_LEN, icrc_frame
+from gradtap.wire.icrc import ICRC_LEN, icrc_and_payload_crc
 
 IPV4_WORD = 4      # RFC 791 §3.1: the IHL counts 32-bit words
 IPV4_FLAG_MF = 1   # RFC 791 §3.1: "More Fragments", the last of the three flag bits
@@ -186,6 +186,7 @@ def _clear(rec):
     rec["l3_off"] = -1
     rec["payload_off"] = -1
     rec["payload_len"] = 0
+    rec["payload_crc"] = -1
     rec["erspan_type"] = ERSPAN_NONE
     rec["erspan_session"] = -1
     rec["gre_seq"] = -1
@@ -279,8 +280,12 @@ def _open_gre(data, gre, ip_end, cap_end, rec):
 
 @njit(**JIT, inline="always")
 def _check_icrc(data, l3, is_ipv6, end, rec):
-    crc = icrc_frame(data, l3, is_ipv6, end)
-    rec["icrc"] = ICRC_OK if np.int64(crc) == read_le(data, end - ICRC_LEN, ICRC_LEN) else ICRC_BAD
+    """Check the ICRC of a record's frame whose payload is located; a good one leaves the
+    payload's own CRC in the record, for comparing copies of it (``parser/payload.py``)."""
+    crc, payload_crc = icrc_and_payload_crc(data, l3, is_ipv6, rec["payload_off"], rec["payload_len"], end)
+    ok = crc == read_le(data, end - ICRC_LEN, ICRC_LEN)
+    rec["icrc"] = ICRC_OK if ok else ICRC_BAD
+    rec["payload_crc"] = payload_crc if ok else -1
 
 
 @njit(**JIT)

@@ -4,7 +4,8 @@ The mirror streams of a job carry the same allgather data, forwarded by differen
 that each byte is stored once, every stream's parser places its packets into the same
 buffer for an iteration (:class:`IterationGradient`): the first stream to claim a unit (a
 packet; an LL128 line) writes it, and every later copy, from any stream, is compared with it
-in place (``parser/assemble.py``). Each stream keeps its own bitmap of the units it holds a
+in place (``parser/assemble.py``): by the payload's CRC where both copies came with one (a
+Simple packet of a path MTU, its ICRC checked), else byte by byte. Each stream keeps its own bitmap of the units it holds a
 copy equal to the buffer's of; a copy that differs is kept aside, per stream, for the
 merger's vote (``parser/aside.py``).
 
@@ -46,6 +47,7 @@ class IterationGradient:
     claim: np.ndarray       # int32[blocks]: units of each coverage block some stream has claimed
     written: np.ndarray     # int32[blocks]: units whose bytes the claiming stream has written
     disputed: np.ndarray    # int32[blocks]: units a stream's differing copy could not be kept aside for
+    crc: np.ndarray         # int64[blocks]: the CRC-32 of a written Simple packet's payload (-1: none)
     holders: int = 0        # parsers whose window holds it
     consumed: bool = False  # its consumer is done with it (it is reused once no parser holds it)
     ordinal: int = -1
@@ -54,6 +56,7 @@ class IterationGradient:
         self.claim.fill(0)
         self.written.fill(0)
         self.disputed.fill(0)
+        self.crc.fill(-1)
 
 
 @dataclass(eq=False)
@@ -76,8 +79,8 @@ class GradientPool:
     def _make(self, later: bool = False) -> IterationGradient:
         # One made later is faulted in only where written (it may serve one iteration only).
         grad = np.zeros(self.grad_bytes, np.uint8) if later else prefaulted(self.grad_bytes)
-        return IterationGradient(grad, np.zeros(self.blocks, np.int32), np.zeros(self.blocks, np.int32),
-                                 np.zeros(self.blocks, np.int32))
+        return IterationGradient(grad, *(np.zeros(self.blocks, np.int32) for _ in range(3)),
+                                 np.full(self.blocks, -1, np.int64))
 
     def enter(self, ordinal: int) -> IterationGradient:
         """The buffer of iteration ``ordinal`` for a parser whose window it enters."""

@@ -171,9 +171,10 @@ class StreamParser:
         self.pool = pool
         self.alone = own_pool if alone is None else alone
         blocks = len(plan.blocks)
-        self._unbound = IterationGradient(np.zeros(0, np.uint8), *(np.zeros(blocks, np.int32) for _ in range(3)))
+        self._unbound = IterationGradient(np.zeros(0, np.uint8), *(np.zeros(blocks, np.int32) for _ in range(3)),
+                                          np.full(blocks, -1, np.int64))
         self._shared = [self._unbound] * slots
-        self.slots = Slots(grads=(), claim=(), written=(), disputed=(), got=np.zeros((slots, blocks), np.int32),
+        self.slots = Slots(grads=(), claim=(), written=(), disputed=(), crc=(), got=np.zeros((slots, blocks), np.int32),
                            seen=np.zeros((slots, t.seen_bits), np.uint8),
                            start_ns=np.full(slots, -1, np.int64), end_ns=np.full(slots, -1, np.int64),
                            pending=Deferred.room(0, slots, blocks) if self.alone else Deferred.room(0))
@@ -491,7 +492,8 @@ class StreamParser:
         """The kernel's view of the slots' gradients."""
         g = self._shared
         self.slots = self.slots._replace(grads=tuple(x.grad for x in g), claim=tuple(x.claim for x in g),
-                                         written=tuple(x.written for x in g), disputed=tuple(x.disputed for x in g))
+                                         written=tuple(x.written for x in g), disputed=tuple(x.disputed for x in g),
+                                         crc=tuple(x.crc for x in g))
 
     def _origins(self) -> None:
         """Every connection's iteration starts across the window (``assemble.origins``)."""

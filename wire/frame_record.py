@@ -41,6 +41,7 @@ FRAME_DTYPE = np.dtype([
     ("l3_off", "i8"),          # first byte of the UDP datagram's IP header in the batch's data array (-1: none)
     ("payload_off", "i8"),     # first payload byte in the batch's data array
     ("payload_len", "i4"),     # payload bytes (no headers, pad or ICRC)
+    ("payload_crc", "i8"),     # zlib CRC-32 of the payload, made with a good ICRC of a path-MTU payload (-1: none)
     ("ts_ns", "i8"),
     ("erspan_type", "u1"),     # ERSPAN_NONE (0: not encapsulated), ERSPAN_TYPE_I/II/III (1/2/3)
     ("erspan_session", "i2"),  # 10-bit ERSPAN session id, -1 without an ERSPAN header (plain, type I)

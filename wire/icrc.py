@@ -26,6 +26,17 @@ would bake in as a "dynamic global"), a by-name call keeps the calling kernels c
 (``cache=True`` in ``gradtap.core.jit``). With ``NUMBA_DISABLE_JIT=1`` the same functions run as
 Python and call ISA-L through ctypes.
 
+The payload's own CRC comes with the ICRC at no extra pass (:func:`icrc_and_payload_crc`): the
+CRC of a concatenation is the first part's CRC shifted by the second part's length, xored with
+the second part's CRC (zlib's ``crc32_combine``, zlib 1.2.12 ``crc32.c``: ``multmodp(x2nmodp(len2,
+3), crc1) ^ crc2``, the shift being a product with x^(8 len2) modulo the polynomial). The shift
+is linear in the CRC's 32 bits, so for a fixed length it is four table lookups, one per byte of
+the CRC (:data:`CRC_SHIFT`). A RoCE packet's payload is a whole path MTU (256, 512, 1024, 2048
+or 4096 bytes; IBTA Vol 1 §9.6.1.1: every packet of a multi-packet message but its last is full)
+in almost every data packet, so the tables are made for those five lengths only; any other
+length is CRC'd in one pass as before, without a payload CRC. The parser compares two streams'
+copies of a packet by this CRC instead of reading the copy already stored (``parser/payload.py``).
+
 Preconditions (the callers, i.e. the parser kernels, validate them; these functions do not):
 ``buf`` is a C-contiguous 1-D uint8 array; the IP header at ``l3_offset`` is complete and of
 the stated family (IPv4: its IHL is 5..15), UDP follows it directly, a full BTH follows UDP,
@@ -62,6 +73,48 @@ from gradtap.wire.headers.udp import ROCEV2_UDP_PORT, UDP_CHECKSUM_MASK, UDP_LEN
 ICRC_LEN = 4
 # zlib-convention CRC state after the eight 0xFF bytes of the masked LRH.
 ICRC_SEED = zlib.crc32(b"\xff" * 8)
+
+# The path MTUs a RoCE port may run (IBTA Vol 1 §7.7.2: 256 to 4096 bytes, powers of two).
+ROCE_MTUS = (256, 512, 1024, 2048, 4096)
+_CRC_POLY = 0xEDB88320     # zlib's polynomial, reflected: bit 31 is the coefficient of x^0
+
+
+def _product_mod_poly(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC polynomial, both in the reflected representation."""
+    product = 0
+    for i in range(32):
+        if a & (1 << (31 - i)):         # a holds x^i
+            product ^= b
+        b = (b >> 1) ^ (_CRC_POLY if b & 1 else 0)     # b times x
+    return product
+
+
+def _x_power(e: int) -> int:
+    """x^e modulo the CRC polynomial (reflected), by squaring."""
+    result, base = 1 << 31, 1 << 30
+    while e:
+        if e & 1:
+            result = _product_mod_poly(result, base)
+        base = _product_mod_poly(base, base)
+        e >>= 1
+    return result
+
+
+def _shift_tables(nbytes: int) -> np.ndarray:
+    """uint32[4, 256]: row j, entry v, is ``(v << 8 j) * x^(8 nbytes)`` modulo the polynomial,
+    so that xoring one entry per byte of a CRC shifts it past ``nbytes`` bytes."""
+    k = _x_power(8 * nbytes)
+    basis = np.array([_product_mod_poly(1 << i, k) for i in range(32)], np.uint32)
+    v = np.arange(256)
+    tables = np.zeros((4, 256), np.uint32)
+    for j in range(4):
+        for bit in range(8):
+            tables[j] ^= np.where(v & (1 << bit), basis[8 * j + bit], np.uint32(0)).astype(np.uint32)
+    return tables
+
+
+#: ``CRC_SHIFT[m]``: the shift tables (:func:`_shift_tables`) past ``ROCE_MTUS[m]`` bytes.
+CRC_SHIFT = np.stack([_shift_tables(n) for n in ROCE_MTUS])
 
 # Largest masked prefix: IPv4 at its largest IHL (60 bytes, 40 of options), UDP, BTH.
 _IPV4_MAX_LEN = (IPV4_IHL_MASK >> IPV4_IHL_SHIFT) * 4
@@ -128,17 +181,10 @@ def _set_ones(pre, offset, size, mask):
         pre[offset + k] |= (mask >> (8 * (size - 1 - k))) & 0xFF
 
 
-@njit(**JIT)
-def icrc_frame(buf, l3_offset, l3_is_ipv6, end):
-    """The ICRC (uint32) of the RoCEv2 packet whose IP header starts at ``buf[l3_offset]``
-    and whose ICRC field is ``buf[end - 4:end]``.
-
-    The masked IP/UDP/BTH prefix is built in a stack buffer; the CRC then continues over
-    the extension headers and payload straight from ``buf``. Compare the result with the
-    little-endian uint32 stored at ``end - 4``. See the module docstring for the
-    preconditions on the offsets (not checked here).
-    """
-    pre = _prefix_buffer()
+@njit(**JIT, inline="always")
+def _masked_prefix(buf, l3_offset, l3_is_ipv6, pre):
+    """Copy the packet's IP, UDP and BTH headers into ``pre`` with their variant fields
+    masked to ones; returns their length."""
     if l3_is_ipv6:
         ip_len = IPV6_LEN
     else:
@@ -156,8 +202,63 @@ def icrc_frame(buf, l3_offset, l3_is_ipv6, end):
         _set_ones(pre, IPV4_OFF_CHECKSUM, IPV4_SIZE_CHECKSUM, IPV4_CHECKSUM_MASK)
     _set_ones(pre, ip_len + UDP_OFF_CHECKSUM, UDP_SIZE_CHECKSUM, UDP_CHECKSUM_MASK)
     _set_ones(pre, ip_len + UDP_LEN + BTH_OFF_FECN, BTH_SIZE_FECN, _BTH_RESV8A_ONES)
+    return n
+
+
+@njit(**JIT, inline="always")
+def crc32_shift(crc, mtu):
+    """``crc`` (zlib convention) shifted past ``ROCE_MTUS[mtu]`` bytes: xored with the CRC of
+    those bytes alone, it is the CRC of the concatenation."""
+    c = np.int64(crc)
+    return (np.int64(CRC_SHIFT[mtu, 0, c & 0xFF]) ^ np.int64(CRC_SHIFT[mtu, 1, (c >> 8) & 0xFF]) ^
+            np.int64(CRC_SHIFT[mtu, 2, (c >> 16) & 0xFF]) ^ np.int64(CRC_SHIFT[mtu, 3, (c >> 24) & 0xFF]))
+
+
+@njit(**JIT, inline="always")
+def _mtu_index(nbytes):
+    """The index in ``ROCE_MTUS`` of a path MTU of ``nbytes``, else -1."""
+    for m in range(len(ROCE_MTUS)):
+        if nbytes == ROCE_MTUS[m]:
+            return m
+    return -1
+
+
+@njit(**JIT)
+def icrc_frame(buf, l3_offset, l3_is_ipv6, end):
+    """The ICRC (uint32) of the RoCEv2 packet whose IP header starts at ``buf[l3_offset]``
+    and whose ICRC field is ``buf[end - 4:end]``.
+
+    The masked IP/UDP/BTH prefix is built in a stack buffer; the CRC then continues over
+    the extension headers and payload straight from ``buf``. Compare the result with the
+    little-endian uint32 stored at ``end - 4``. See the module docstring for the
+    preconditions on the offsets (not checked here).
+    """
+    pre = _prefix_buffer()
+    n = _masked_prefix(buf, l3_offset, l3_is_ipv6, pre)
     crc = crc32_update(ICRC_SEED, pre, 0, n)
     return crc32_update(crc, buf, l3_offset + n, end - ICRC_LEN)
+
+
+@njit(**JIT)
+def icrc_and_payload_crc(buf, l3_offset, l3_is_ipv6, payload_off, payload_len, end):
+    """``(icrc, payload_crc)``: :func:`icrc_frame`'s ICRC, and ``zlib.crc32`` of the
+    ``payload_len`` bytes at ``buf[payload_off]`` (the payload: after the extension headers,
+    before the pad) when that length is a RoCE path MTU, else -1. One pass over the payload
+    either way. Besides :func:`icrc_frame`'s preconditions: ``payload_off`` is at or after the
+    BTH's end and ``payload_off + payload_len <= end - 4``."""
+    mtu = _mtu_index(payload_len)
+    if mtu < 0:
+        return np.int64(icrc_frame(buf, l3_offset, l3_is_ipv6, end)), np.int64(-1)
+    pre = _prefix_buffer()
+    n = _masked_prefix(buf, l3_offset, l3_is_ipv6, pre)
+    crc = crc32_update(ICRC_SEED, pre, 0, n)
+    if payload_off > l3_offset + n:
+        crc = crc32_update(crc, buf, l3_offset + n, payload_off)
+    payload = np.int64(crc32_update(0, buf, payload_off, payload_off + payload_len))
+    crc = crc32_shift(crc, mtu) ^ payload
+    if payload_off + payload_len < end - ICRC_LEN:
+        crc = crc32_update(crc, buf, payload_off + payload_len, end - ICRC_LEN)
+    return np.int64(crc), payload
 
 
 def locate_icrc(frame) -> tuple[int, bool, int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ipaddress
 import struct
+import zlib
 
 import numba
 import numpy as np
@@ -35,6 +36,7 @@ from gradtap.wire import events as ev
 from gradtap.parser.decode import decode_batch, is_roce, settle_icrc
 from gradtap.wire.frame_record import FRAME_DTYPE, ICRC_BAD, ICRC_DEFERRED, ICRC_OK, ICRC_UNCHECKED
 from gradtap.wire.headers.opcodes import CNP
+from gradtap.wire.icrc import ROCE_MTUS
 from tests import naive
 from tests.core.no_jit import run_without_jit
 from tests.simulator.test_simulate import make_job, simulate
@@ -152,6 +154,7 @@ def check_record(rec, data: np.ndarray, frame: bytes, wirelen: int, verify_icrc:
     if event == ev.DECODE_BTH_UNKNOWN_OPCODE and not cut:
         _check_unknown_opcode(rec, data, frame, verify_icrc)
     if event not in (ev.DECODE_OK, ev.DECODE_ICRC_BAD):
+        assert event == ev.DECODE_BTH_UNKNOWN_OPCODE or rec["payload_crc"] == -1
         return
     if f["opcode"] == CNP:       # exactly the 16 reserved bytes: no payload (see the docstring)
         f = dict(f, payload=b"")
@@ -160,6 +163,13 @@ def check_record(rec, data: np.ndarray, frame: bytes, wirelen: int, verify_icrc:
     assert ip_header == frame[f["l3_start"]:f["l4_start"]]
     assert rec["icrc"] == ((ICRC_OK if f["icrc_ok"] else ICRC_BAD) if verify_icrc else ICRC_UNCHECKED)
     assert (event == ev.DECODE_ICRC_BAD) == (verify_icrc and not f["icrc_ok"])
+    _check_payload_crc(rec, bytes(f["payload"]))
+
+
+def _check_payload_crc(rec, payload: bytes) -> None:
+    """A good ICRC of a path-MTU payload comes with the payload's own CRC (zlib's); nothing
+    else does."""
+    assert rec["payload_crc"] == (zlib.crc32(payload) if rec["icrc"] == ICRC_OK and len(payload) in ROCE_MTUS else -1)
 
 
 def _check_unknown_opcode(rec, data, frame: bytes, verify_icrc: bool) -> None:
@@ -172,6 +182,7 @@ def _check_unknown_opcode(rec, data, frame: bytes, verify_icrc: bool) -> None:
     assert payload == frame[bth + 12:max(end - 4 - pad, bth + 12)]
     icrc_ok = naive.icrc(frame, ip["l3_start"], ip["ip_version"], end - 4) == struct.unpack("<I", frame[end - 4:end])[0]
     assert rec["icrc"] == ((ICRC_OK if icrc_ok else ICRC_BAD) if verify_icrc else ICRC_UNCHECKED)
+    _check_payload_crc(rec, payload)
 
 
 def _check_fields(rec, data, f: dict, opcode: int) -> None:
@@ -217,6 +228,7 @@ def test_real_captures_equal_the_naive_decoder(name):
     bad = roce["icrc"] == ICRC_BAD
     assert bad.sum() == (7 if name == "rdma32.pcapng" else 0)
     assert set(roce["opcode"][bad]) <= {0xAA} and (roce["icrc"][~bad] == ICRC_OK).all()
+    assert (roce["payload_crc"] >= 0).sum() > len(roce) // 10, "full-MTU packets come with their payload's CRC"
 
     unchecked, counters = decode_batch(batch, verify_icrc=False)
     check_batch(batch, unchecked, counters, verify_icrc=False)

@@ -12,6 +12,7 @@ to the simulator's truth, a lying stream outvoted whichever stream claims first)
 
 from __future__ import annotations
 
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -36,7 +37,7 @@ def stream_slots(shared, pending: Deferred | None = None) -> Slots:
     """One stream's single slot over the iteration gradient ``shared``; ``pending``: room for
     the copies it leaves for later (none: it copies as it places)."""
     return Slots(grads=(shared.grad,), claim=(shared.claim,), written=(shared.written,),
-                 disputed=(shared.disputed,), got=np.zeros((1, len(shared.claim)), np.int32),
+                 disputed=(shared.disputed,), crc=(shared.crc,), got=np.zeros((1, len(shared.claim)), np.int32),
                  seen=np.zeros((1, 8), np.uint8), start_ns=np.zeros(1, np.int64), end_ns=np.zeros(1, np.int64),
                  pending=Deferred.room(0) if pending is None else pending)
 
@@ -45,8 +46,13 @@ def packet(k: int, value: int) -> np.ndarray:
     return np.full(PACKET, value, np.uint8)
 
 
-def place(slots, aside, k, data):
-    return _place(data, 0, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, slots, aside, 0, 0, k)
+def place(slots, aside, k, data, payload_crc=-1):
+    return _place(data, 0, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, slots, aside, 0, 0, k, payload_crc)
+
+
+def crc(data: np.ndarray) -> int:
+    """A payload's CRC-32, as stage 1 records it with a good ICRC (here computed by zlib)."""
+    return zlib.crc32(data.tobytes())
 
 
 @pytest.fixture
@@ -64,6 +70,43 @@ def test_the_first_copy_is_written_and_an_equal_one_is_only_marked(shared):
     assert a.got[0, 3] == b.got[0, 3] == 1 and ab.used[0] == 0 and not shared.grad[:3 * PACKET].any()
 
 
+def test_copies_with_crcs_are_compared_by_them_and_the_stored_bytes_are_not_read(shared):
+    """A unit written with its payload's CRC is known by it: a later copy with a CRC is
+    compared with that, not with the stored bytes (which this test alters, unseen), and one
+    with another CRC differs; a copy without one compares the bytes, and so sees the
+    alteration. A unit written without a CRC is compared by its bytes, whatever the later
+    copy carries."""
+    a, b, c, d = (stream_slots(shared) for _ in range(4))
+    seven, nine = packet(3, 7), packet(3, 9)
+    assert place(a, new_aside(PACKET), 3, seven, crc(seven)) == ev.DATA_WRITTEN
+    assert shared.crc[3] == crc(seven) and (shared.crc[np.arange(BLOCKS) != 3] == -1).all()
+    shared.grad[3 * PACKET] = 8                                # not what a wrote: only the bytes show it
+    assert place(b, new_aside(PACKET), 3, seven, crc(seven)) == ev.DATA_WRITTEN and b.got[0, 3] == 1
+    assert place(c, new_aside(PACKET), 3, nine, crc(nine)) == ev.DATA_SET_ASIDE and c.got[0, 3] == 0
+    assert place(d, new_aside(PACKET), 3, seven) == ev.DATA_SET_ASIDE and d.got[0, 3] == 0
+    assert not _own_copy_differs(seven, 0, PACKET, Protocol.SIMPLE, 3 * PACKET, 0, NBYTES, b, new_aside(PACKET),
+                                 0, 0, 3, crc(seven))
+    assert _own_copy_differs(nine, 0, PACKET, Protocol.SIMPLE, 3 * PACKET, 0, NBYTES, b, new_aside(PACKET),
+                             0, 0, 3, crc(nine))
+    e, f = stream_slots(shared), stream_slots(shared)
+    assert place(e, new_aside(PACKET), 4, packet(4, 1)) == ev.DATA_WRITTEN and shared.crc[4] == -1
+    shared.grad[4 * PACKET] = 2
+    assert place(f, new_aside(PACKET), 4, packet(4, 1), crc(packet(4, 1))) == ev.DATA_SET_ASIDE
+
+
+def test_a_packet_longer_than_its_message_is_known_by_its_bytes(shared):
+    """A Simple packet whose payload runs past its message's bytes (only they are written)
+    is not known by its payload's CRC: that covers bytes the gradient does not hold."""
+    a, b = stream_slots(shared), stream_slots(shared)
+    data = packet(0, 5)
+    last = BLOCKS - 1
+    short = last * PACKET + PACKET // 2                # the message ends halfway into the packet
+    for slots, expect in ((a, ev.DATA_WRITTEN), (b, ev.DATA_WRITTEN)):
+        assert _place(data, 0, PACKET, Protocol.SIMPLE, last * PACKET, 0, short, slots, new_aside(PACKET), 0, 0, last,
+                      crc(data)) == expect
+    assert shared.crc[last] == -1 and b.got[0, last] == 1
+
+
 def test_a_stream_alone_compares_with_its_copies_still_pending(shared):
     """A parser alone leaves each first copy for later (``parser/payload.py``). Another copy
     of a unit still pending is compared with the pending one's bytes in the batch: an equal
@@ -73,10 +116,10 @@ def test_a_stream_alone_compares_with_its_copies_still_pending(shared):
     data = np.concatenate([packet(2, 7), packet(3, 8), packet(3, 9), packet(2, 7), packet(2, 5)])
 
     def place_at(at, k):
-        return _place(data, at, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, a, aa, 0, 0, k)
+        return _place(data, at, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, a, aa, 0, 0, k, -1)
 
     def own_copy_differs(at, k):
-        return _own_copy_differs(data, at, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, a, aa, 0, 0, k)
+        return _own_copy_differs(data, at, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, a, aa, 0, 0, k, -1)
 
     assert place_at(0, 2) == place_at(PACKET, 3) == ev.DATA_WRITTEN
     assert pending.count[0] == 2 and not shared.grad.any(), "placed, published, not yet copied"
@@ -125,10 +168,10 @@ def _place_batches(batches, pending):
         for i, (k, _, duplicate) in enumerate(packets):
             if duplicate:
                 outcomes.append(bool(_own_copy_differs(data, i * PACKET, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES,
-                                                       slots, aside, 0, 0, k)))
+                                                       slots, aside, 0, 0, k, -1)))
             else:
                 outcomes.append(int(_place(data, i * PACKET, PACKET, Protocol.SIMPLE, k * PACKET, 0, NBYTES, slots,
-                                           aside, 0, 0, k)))
+                                           aside, 0, 0, k, -1)))
         if pending.count[0]:
             copy_deferred(pending, data, slots.grads)
     return outcomes, (shared.grad, shared.claim, shared.written, shared.disputed, slots.got, aside.used)
@@ -196,7 +239,7 @@ def test_a_pending_unit_of_a_frame_counted_as_another_event_is_not_recounted(sha
     shared.written[0] = 0b10                # ... and wrote the second: zeros, unlike b's sevens
     aside = new_aside(LL128_LINE_BYTES, capacity=1)
     frame = np.full(2 * LL128_LINE_BYTES, 7, np.uint8)
-    assert _place(frame, 0, len(frame), Protocol.LL128, 0, 0, NBYTES, b, aside, 0, 0, 0) == ev.DATA_ASIDE_FULL
+    assert _place(frame, 0, len(frame), Protocol.LL128, 0, 0, NBYTES, b, aside, 0, 0, 0, -1) == ev.DATA_ASIDE_FULL
     assert aside.used[0] == 1 and aside.rec[0]["pending"] == 1 and shared.disputed[0] == 0b10
     shared.written[0] = 0b11                # the first line is written now, zeros too
     assert reconcile(aside, b.grads, b.written, b.got) == 0, "the frame was counted as data.aside_full"
@@ -225,34 +268,39 @@ def test_a_second_copy_is_compared_with_the_streams_own_first(shared):
     ac = new_aside(PACKET)
     place(a, new_aside(PACKET), 1, packet(1, 1))
     place(c, ac, 1, packet(1, 2))          # c's first copy differs from a's: kept aside
-    same = _own_copy_differs(packet(1, 2), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, c, ac, 0, 0, 1)
-    other = _own_copy_differs(packet(1, 1), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, c, ac, 0, 0, 1)
+    same = _own_copy_differs(packet(1, 2), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, c, ac, 0, 0, 1, -1)
+    other = _own_copy_differs(packet(1, 1), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, c, ac, 0, 0, 1, -1)
     assert not same and other, "c's retransmission is compared with c's own copy, not with a's"
     assert not _own_copy_differs(packet(1, 1), 0, PACKET, Protocol.SIMPLE, PACKET, 0, NBYTES, a, new_aside(PACKET),
-                                 0, 0, 1)
+                                 0, 0, 1, -1)
 
 
 @njit(nogil=True)
-def _place_all(data, slots, aside, counters):
+def _place_all(data, crcs, slots, aside, counters):
     for k in range(slots.got.shape[1]):
         counters[_place(data, k * PACKET, PACKET, Protocol.SIMPLE, k * PACKET, 0, data.shape[0], slots, aside, 0, 0,
-                        k)] += 1
+                        k, crcs[k])] += 1
 
 
 @pytest.mark.skipif(config.DISABLE_JIT, reason="threads race only in compiled code (nogil)")
-def test_racing_streams_write_every_unit_once_and_all_cover_it():
+@pytest.mark.parametrize("by_crc", [False, True])
+def test_racing_streams_write_every_unit_once_and_all_cover_it(by_crc):
+    """Every stream finds every other copy equal, whether by the bytes or by the CRCs (each
+    published with its unit: one read before it would be -1, and the bytes compared)."""
     blocks = 1 << 12
     data = np.random.default_rng(1).integers(0, 256, blocks * PACKET, dtype=np.uint8)
+    crcs = np.array([crc(data[k * PACKET:(k + 1) * PACKET]) if by_crc else -1 for k in range(blocks)], np.int64)
     for trial in range(8):
         shared = GradientPool(blocks * PACKET, blocks, 1).enter(0)
         streams = [stream_slots(shared) for _ in range(3)]
         asides = [new_aside(PACKET, capacity=blocks) for _ in streams]
         counters = [np.zeros(ev.N_EVENTS, np.int64) for _ in streams]
         with ThreadPoolExecutor(3) as pool:
-            list(pool.map(lambda s: _place_all(data, streams[s], asides[s], counters[s]), range(3)))
+            list(pool.map(lambda s: _place_all(data, crcs, streams[s], asides[s], counters[s]), range(3)))
         for s in range(3):
             reconcile(asides[s], streams[s].grads, streams[s].written, streams[s].got)
         assert np.array_equal(shared.grad, data) and (shared.written == 1).all(), trial
+        assert np.array_equal(shared.crc, crcs), trial
         assert all((s.got == 1).all() for s in streams) and all(a.used[0] == 0 for a in asides), trial
         assert [int(c[ev.DATA_WRITTEN]) for c in counters] == [blocks] * 3, trial
 

@@ -1,5 +1,6 @@
 """ICRC: the real captures validate (and their 0xaa frames do not), scapy agrees, the slow
-twin agrees, ISA-L's CRC equals zlib's, and the code runs without the JIT."""
+twin agrees, ISA-L's CRC equals zlib's, the payload's own CRC made beside the ICRC equals
+zlib's, and the code runs without the JIT."""
 
 import os
 import subprocess
@@ -17,7 +18,8 @@ from scapy.packet import Raw
 
 from gradtap.capture.pcap import read_pcap
 from gradtap.wire.headers import bth, ipv4, ipv6, opcodes, udp
-from gradtap.wire.icrc import ICRC_LEN, compute_icrc, crc32_update, icrc_frame, icrc_ok, locate_icrc
+from gradtap.wire.icrc import ICRC_LEN, ROCE_MTUS, compute_icrc, crc32_shift, crc32_update, icrc_and_payload_crc, \
+    icrc_frame, icrc_ok, locate_icrc
 from tests.wire.naive_icrc import naive_icrc
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
 
@@ -103,11 +105,12 @@ def test_agrees_with_scapy(ipv6_family):
         assert icrc_ok(frame)
 
 
-def _random_frame(rng) -> bytes:
+def _random_frame(rng, after_udp: int | None = None) -> bytes:
     """A RoCEv2-shaped frame with random content everywhere, IPv4 options, VLAN tags and
-    Ethernet padding after the packet."""
+    Ethernet padding after the packet; ``after_udp`` bytes from the BTH to the ICRC's end
+    (default random)."""
     tags = b"".join(b"\x81\x00" + rng.bytes(2) for _ in range(int(rng.integers(0, 3))))
-    payload = rng.bytes(12 + int(rng.integers(0, 4200)) + ICRC_LEN)  # BTH .. ICRC
+    payload = rng.bytes(12 + int(rng.integers(0, 4200)) + ICRC_LEN if after_udp is None else after_udp)
     if rng.integers(2):
         ethertype, ihl = b"\x86\xdd", 0
         ip = bytes([0x60 | int(rng.integers(16))]) + rng.bytes(3) + \
@@ -134,6 +137,43 @@ def test_fast_path_equals_naive_twin_on_random_frames(seed):
         buf = np.frombuffer(lead + frame + tail, np.uint8)
         got = icrc_frame(buf, len(lead) + l3, is_ipv6, len(lead) + end)
         assert got == naive_icrc(frame)
+
+
+def test_a_shifted_crc_concatenates_as_zlib_does():
+    """zlib's CRC of ``a + b`` from the CRCs of ``a`` and of ``b``, for ``b`` of each path MTU."""
+    rng = np.random.default_rng(11)
+    for m, n in enumerate(ROCE_MTUS):
+        for _ in range(40):
+            a, b = rng.bytes(int(rng.integers(0, 200))), rng.bytes(n)
+            assert crc32_shift(zlib.crc32(a), m) ^ zlib.crc32(b) == zlib.crc32(a + b)
+
+
+def _frame_with_payload(rng, payload_len: int) -> tuple[bytes, int]:
+    """A random RoCEv2-shaped frame (as :func:`_random_frame`) whose BTH is followed by 0, 4
+    or 16 bytes of extension headers, then ``payload_len`` bytes of payload and a pad of 0-3;
+    and the payload's offset in the frame."""
+    ext, pad = int(rng.choice([0, 4, 16])), int(rng.integers(0, 4))
+    frame = _random_frame(rng, 12 + ext + payload_len + pad + ICRC_LEN)
+    end = locate_icrc(frame)[2]
+    return frame, end - ICRC_LEN - pad - payload_len
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_payload_crc_comes_with_the_icrc(seed):
+    """``icrc_and_payload_crc``: the naive twin's ICRC, and zlib's CRC of the payload when
+    its length is a path MTU (-1 otherwise), wherever the frame lies in a batch."""
+    rng = np.random.default_rng(100 + seed)
+    for k in range(120):
+        length = ROCE_MTUS[k % 5] if k % 3 else int(rng.integers(0, 4200))
+        frame, payload_off = _frame_with_payload(rng, length)
+        l3, is_ipv6, end = locate_icrc(frame)
+        lead = rng.bytes(int(rng.integers(0, 64)))
+        buf = np.frombuffer(lead + frame + rng.bytes(int(rng.integers(0, 64))), np.uint8)
+        icrc, payload_crc = icrc_and_payload_crc(buf, len(lead) + l3, is_ipv6, len(lead) + payload_off, length,
+                                                 len(lead) + end)
+        assert icrc == naive_icrc(frame)
+        payload = frame[payload_off:payload_off + length]
+        assert payload_crc == (zlib.crc32(payload) if length in ROCE_MTUS else -1)
 
 
 def test_crc32_update_equals_zlib():

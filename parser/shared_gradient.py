@@ -5,9 +5,9 @@ that each byte is stored once, every stream's parser places its packets into the
 buffer for an iteration (:class:`IterationGradient`): the first stream to claim a unit (a
 packet; an LL128 line) writes it, and every later copy, from any stream, is compared with it
 in place (``parser/assemble.py``): by the payload's CRC where both copies came with one (a
-Simple packet of a path MTU, its ICRC checked), else byte by byte. Each stream keeps its own bitmap of the units it holds a
-copy equal to the buffer's of; a copy that differs is kept aside, per stream, for the
-merger's vote (``parser/aside.py``).
+Simple packet of a path MTU, its ICRC checked), else byte by byte. Each stream keeps its own
+bitmap of the units it holds a copy equal to the buffer's of; a copy that differs is kept
+aside, per stream, for the merger's vote (``parser/aside.py``).
 
 :class:`GradientPool` hands the buffers out by iteration ordinal (the streams of one capture
 share the ordinals): a parser takes the iteration's buffer as the iteration enters its window

@@ -101,7 +101,8 @@ class BucketUnion:
     def data(self) -> np.ndarray:
         chosen, covered, _ = self._votes
         blocks, copies = self._blocks, self._copies
-        if covered.all() and len(chosen) and all(_same(copies[c][1], copies[chosen[0]][1]) for c in np.unique(chosen)):
+        if covered.all() and len(chosen) and all(_same(copies[c][1], copies[chosen[0]][1])
+                                                 for c in _present(chosen, len(copies))):
             return copies[chosen[0]][1]            # whole from one copy: as it is
         if covered.all() and self._scratch is not None and self._tiles():
             data = self._scratch[:self._nbytes]    # every byte is written below
@@ -141,7 +142,7 @@ class BucketUnion:
         chosen = np.argmax(cov, axis=0)                       # the first covering stream of each block
         disagree = np.zeros(k, bool)
         for s, (_, bucket, _) in enumerate(copies):
-            for other in np.unique(chosen[cov[s] & (chosen != s)]):
+            for other in _present(chosen[cov[s] & (chosen != s)], len(copies)):
                 if _same(bucket, copies[other][1]):
                     continue
                 disagree |= _blocks_differ(bucket, copies[other][1], blocks.start, blocks.nbytes,
@@ -161,6 +162,12 @@ class BucketUnion:
             else:
                 chosen[j] = choice
         return chosen, count > 0, tuple(mismatches)
+
+
+def _present(streams: np.ndarray, n: int) -> np.ndarray:
+    """The distinct values of ``streams`` (stream indices below ``n``), ascending: ``np.unique``
+    without its sort (a bucket has up to tens of thousands of blocks, and few streams)."""
+    return np.flatnonzero(np.bincount(streams, minlength=n))
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:

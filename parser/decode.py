@@ -281,7 +281,7 @@ def _open_gre(data, gre, ip_end, cap_end, rec):
 @njit(**JIT, inline="always")
 def _check_icrc(data, l3, is_ipv6, end, rec):
     """Check the ICRC of a record's frame whose payload is located; a good one leaves the
-    payload's own CRC in the record, for comparing copies of it (``parser/payload.py``)."""
+    payload's own CRC in the record, for comparing copies of it (``parser/assemble.py``)."""
     crc, payload_crc = icrc_and_payload_crc(data, l3, is_ipv6, rec["payload_off"], rec["payload_len"], end)
     ok = crc == read_le(data, end - ICRC_LEN, ICRC_LEN)
     rec["icrc"] = ICRC_OK if ok else ICRC_BAD

@@ -7,7 +7,7 @@ as ``::ffff:a.b.c.d`` (RFC 4291 §2.5.5.2), so one comparison serves both famili
 
 A frame that arrived encapsulated in GRE/ERSPAN (``wire/headers/gre.py``, ``erspan.py``) is
 decoded from the Ethernet frame it carries: every field from ``ip_version`` to
-``payload_len`` describes that inner frame (its VLAN tag, addresses, RoCEv2 headers;
+``payload_crc`` describes that inner frame (its VLAN tag, addresses, RoCEv2 headers;
 ``payload_off`` points into it). The last three fields are the encapsulation's, so that
 mirror loss can be counted from GRE sequence gaps per ERSPAN session: they are filled as far
 as the GRE and ERSPAN headers were read, whatever the event.

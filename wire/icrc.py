@@ -31,11 +31,12 @@ CRC of a concatenation is the first part's CRC shifted by the second part's leng
 the second part's CRC (zlib's ``crc32_combine``, zlib 1.2.12 ``crc32.c``: ``multmodp(x2nmodp(len2,
 3), crc1) ^ crc2``, the shift being a product with x^(8 len2) modulo the polynomial). The shift
 is linear in the CRC's 32 bits, so for a fixed length it is four table lookups, one per byte of
-the CRC (:data:`CRC_SHIFT`). A RoCE packet's payload is a whole path MTU (256, 512, 1024, 2048
-or 4096 bytes; IBTA Vol 1 §9.6.1.1: every packet of a multi-packet message but its last is full)
-in almost every data packet, so the tables are made for those five lengths only; any other
-length is CRC'd in one pass as before, without a payload CRC. The parser compares two streams'
-copies of a packet by this CRC instead of reading the copy already stored (``parser/payload.py``).
+the CRC (:data:`CRC_SHIFT`). A RoCE data packet's payload is almost always a whole path MTU
+(256, 512, 1024, 2048 or 4096 bytes): an RDMA WRITE of L bytes is ``divUp(L, MTU)`` packets,
+all full but the last (``docs/wire-format.md``, from IBTA Vol 1 §9.7, and the captures), so
+the tables are made for those five lengths only; any other length is CRC'd in one pass as
+before, without a payload CRC. The parser compares two streams' copies of a packet by this CRC
+instead of reading the copy already stored (``parser/assemble.py``).
 
 Preconditions (the callers, i.e. the parser kernels, validate them; these functions do not):
 ``buf`` is a C-contiguous 1-D uint8 array; the IP header at ``l3_offset`` is complete and of
@@ -74,7 +75,7 @@ ICRC_LEN = 4
 # zlib-convention CRC state after the eight 0xFF bytes of the masked LRH.
 ICRC_SEED = zlib.crc32(b"\xff" * 8)
 
-# The path MTUs a RoCE port may run (IBTA Vol 1 §7.7.2: 256 to 4096 bytes, powers of two).
+# The path MTUs an InfiniBand or RoCE port may run: 256 to 4096 bytes, powers of two.
 ROCE_MTUS = (256, 512, 1024, 2048, 4096)
 _CRC_POLY = 0xEDB88320     # zlib's polynomial, reflected: bit 31 is the coefficient of x^0
 

@@ -375,7 +375,8 @@ def memory_bound_s(result: ReplayResult, grad_bytes: int, nparams: int, by_crc: 
     return sum(bytes_touched(result, grad_bytes, nparams, by_crc)) / len(result.reports) / (2 * memcpy * 1e9)
 
 
-def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: AnonPeak) -> None:
+def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: AnonPeak,
+           late_buffers: int) -> None:
     plan = job_plan(job)
     grad_bytes = plan.grad_bytes
     nparams = sum(p.numel for p in params)
@@ -427,6 +428,8 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
     print(f"  by design                        {design:8.1f} B per parameter: state 12 (fp32 parameters and two "
           f"moments), {DEFAULT_SLOTS + DEFAULT_SPARES} shared gradients of {elem:g} B for every stream together"
           f"{', the widened gradient 4 (clipping)' if widens else ''}")
+    print(f"  gradient buffers made late       {late_buffers:8d}     (1st replay; {elem:g} B per parameter each beyond "
+          f"the design: the consumer fell behind, or the streams were far apart)")
     lag = max(t.lag_s for t in result.timings)
     if job.optimizer.clip_grad_norm:
         floor = ADAM_BYTES_PER_PARAM * nparams / traffic
@@ -548,7 +551,7 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs, {numba.get_num_threads()} Numba threads")
     params = job_params(job)
     if not args.skip_processing:
-        best = None
+        best, late_buffers = None, 0
         memory = AnonPeak()
         plan = job_plan(job)
         grad_bytes, nparams, by_crc = plan.grad_bytes, sum(p.numel for p in params), compared_by_crc(job, plan)
@@ -559,13 +562,14 @@ def main() -> None:
                 result = replay_once(sim, job, args.batch_frames, params if first else None, memory if first else None)
                 return result, time.perf_counter() - started
             (result, setup), memcpy = around(timed)
+            late_buffers = result.late_buffers if k == 0 else late_buffers
             ratio = result.wall_s / len(result.reports) / memory_bound_s(result, grad_bytes, nparams, by_crc, memcpy)
             print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot {setup:.1f} s); "
                   f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x")
             if best is None or ratio < best[0]:
                 best = ratio, result, memcpy
         _, result, memcpy = best
-        report(result, job, params, sim, memcpy, memory)
+        report(result, job, params, sim, memcpy, memory, late_buffers)
     if args.snapshot_every is not None:
         print()
         lag_with_snapshots(sim, job, args.batch_frames, args.repeats, args.snapshot_every, args.store_dir)

@@ -111,6 +111,7 @@ class ReplayResult:
     locked: dict[str, bool]                    # stream -> locked on at some point
     overlapped: bool = False                   # the sink ran on the update thread, beside the parsers
     cores: int = 1                             # CPUs the process could run on
+    late_buffers: int = 0                      # gradient buffers made after start-up (GradientPool.fresh)
 
     @property
     def mirrored_gbps(self) -> float:
@@ -194,7 +195,7 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
     return ReplayResult(reports, pipeline.counters(), {n: s.frames for n, s in sources.items()},
                         {n: s.bytes for n, s in sources.items()}, pipeline.times, time.perf_counter() - started,
                         pipeline.timings(), pipeline.locked(), pipeline.update is not None,
-                        len(os.sched_getaffinity(0)))
+                        len(os.sched_getaffinity(0)), pipeline.pool.fresh if pipeline.resolved else 0)
 
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | ReplicaStart, *, digests: bool = True,

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gradtap.capture.frames import FrameBatch
+from gradtap import pipeline as pipeline_module
 from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.core.errors import ConfigError
 from gradtap.simulator.faults import parse_faults
@@ -156,6 +157,23 @@ def test_the_start_up_heap_is_left_out_of_the_collector_while_the_rounds_run(tmp
     for frozen, tracked in seen:
         assert frozen > 10 * tracked, seen[:3]
     assert gc.get_freeze_count() == 0
+    assert verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job)).ok
+
+
+@pytest.mark.parametrize("spares", [1, 0])
+def test_a_replay_says_how_many_gradient_buffers_it_made_late(tmp_path, monkeypatch, spares):
+    """Rounds much shorter than an iteration: with the pipeline's one spare gradient, no buffer
+    is made after start-up. With none, a stream that enters the next iteration before the
+    merger is done with the last needs one made then (``GradientPool.fresh``: memory beyond
+    the design's, which ``benchmarks.replay`` prints beside its peak): the result counts them,
+    and the replica is right either way. (A round that holds several iterations, as one batch
+    of a small capture does, needs a buffer for each: the merger runs after the round.)"""
+    job = make_job(3, "Simple", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=3)
+    monkeypatch.setattr(pipeline_module, "DEFAULT_SPARES", spares)
+    result, _ = run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"),
+                           batch_frames=64)
+    assert (result.late_buffers > 0) == (spares == 0) and all(r.recovered for r in result.reports)
     assert verify(tmp_path / "replay", tmp_path / "sim" / "truth", job_params(job)).ok
 
 

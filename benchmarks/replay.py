@@ -358,14 +358,18 @@ def compared_by_crc(job: JobSpec, plan: WirePlan) -> bool:
     return job.appliance.verify_icrc and bool((ag["protocol"] == Protocol.SIMPLE).all())
 
 
+def copies_bytes(result: ReplayResult, grad_bytes: int) -> float:
+    """The gradient bytes every stream's copies cover, over the iterations replayed."""
+    return sum(cov for r in result.reports for cov in r.coverage.values()) * grad_bytes
+
+
 def bytes_touched(result: ReplayResult, grad_bytes: int, nparams: int,
                   by_crc: bool) -> tuple[float, float, float, float]:
     """The bytes the replay had to touch at least, in four parts: every frame read once; each
     unit of the shared gradient written once (no merged copy); every other copy compared (read
     once more, unless ``by_crc``: :func:`compared_by_crc`); the Adam steps."""
     written = len(result.reports) * grad_bytes
-    copies = sum(cov for r in result.reports for cov in r.coverage.values()) * grad_bytes
-    compared = 0.0 if by_crc else max(copies - written, 0.0)
+    compared = 0.0 if by_crc else max(copies_bytes(result, grad_bytes) - written, 0.0)
     return sum(result.bytes.values()), written, compared, len(result.reports) * ADAM_BYTES_PER_PARAM * nparams
 
 
@@ -385,7 +389,7 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
     frame_bytes, written, compared, adam = bytes_touched(result, grad_bytes, nparams, by_crc)
     touched = frame_bytes + written + compared + adam
     # Before: every stream's share written and compared again, the merged gradient written once.
-    shares = sum(cov for r in result.reports for cov in r.coverage.values()) * grad_bytes
+    shares = copies_bytes(result, grad_bytes)
     touched_before = frame_bytes + 2 * shares + iterations * grad_bytes + adam
     traffic = 2 * memcpy * 1e9
     per_iteration = result.wall_s / iterations
@@ -562,7 +566,8 @@ def main() -> None:
                 result = replay_once(sim, job, args.batch_frames, params if first else None, memory if first else None)
                 return result, time.perf_counter() - started
             (result, setup), memcpy = around(timed)
-            late_buffers = result.late_buffers if k == 0 else late_buffers
+            if k == 0:
+                late_buffers = result.late_buffers
             ratio = result.wall_s / len(result.reports) / memory_bound_s(result, grad_bytes, nparams, by_crc, memcpy)
             print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot {setup:.1f} s); "
                   f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x")

@@ -52,6 +52,12 @@ class IterationGradient:
     consumed: bool = False  # its consumer is done with it (it is reused once no parser holds it)
     ordinal: int = -1
 
+    @classmethod
+    def over(cls, grad: np.ndarray, blocks: int) -> IterationGradient:
+        """The buffers of an iteration whose gradient is ``grad``, of ``blocks`` coverage blocks,
+        nothing claimed yet."""
+        return cls(grad, *(np.zeros(blocks, np.int32) for _ in range(3)), np.full(blocks, -1, np.int64))
+
     def clear(self) -> None:
         self.claim.fill(0)
         self.written.fill(0)
@@ -79,8 +85,7 @@ class GradientPool:
     def _make(self, later: bool = False) -> IterationGradient:
         # One made later is faulted in only where written (it may serve one iteration only).
         grad = np.zeros(self.grad_bytes, np.uint8) if later else prefaulted(self.grad_bytes)
-        return IterationGradient(grad, *(np.zeros(self.blocks, np.int32) for _ in range(3)),
-                                 np.full(self.blocks, -1, np.int64))
+        return IterationGradient.over(grad, self.blocks)
 
     def enter(self, ordinal: int) -> IterationGradient:
         """The buffer of iteration ``ordinal`` for a parser whose window it enters."""

@@ -171,8 +171,7 @@ class StreamParser:
         self.pool = pool
         self.alone = own_pool if alone is None else alone
         blocks = len(plan.blocks)
-        self._unbound = IterationGradient(np.zeros(0, np.uint8), *(np.zeros(blocks, np.int32) for _ in range(3)),
-                                          np.full(blocks, -1, np.int64))
+        self._unbound = IterationGradient.over(np.zeros(0, np.uint8), blocks)
         self._shared = [self._unbound] * slots
         self.slots = Slots(grads=(), claim=(), written=(), disputed=(), crc=(), got=np.zeros((slots, blocks), np.int32),
                            seen=np.zeros((slots, t.seen_bits), np.uint8),

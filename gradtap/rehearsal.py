@@ -20,7 +20,10 @@ the parser's kernels compiled here are the very ones the live frames run; the me
 the updater's take the same arrays either way. A few frames also pass through a frame ring,
 as a capture worker and the appliance pass them, and the merger votes once on three copies of
 a bucket, one of them wrong (:func:`_vote`): a clean miniature never reaches the vote, which
-live streams reach whenever their copies diverge.
+live streams reach whenever their copies diverge. Likewise a stream keeps a unit aside, and the
+merger lays it over the shared gradient, once (:func:`_kept_aside`): a live stream does so when
+its copy of a unit differs, or arrives before the stream that claimed the unit has written it,
+and whether the miniature's streams race so depends on their threads' timing.
 
 It is also a self-check of this host and job: a rehearsal that is not exact raises, and
 ``gradtap run`` stops before it listens, saying what differs. It takes 1.1 s in a fresh
@@ -122,6 +125,8 @@ def rehearse(job: JobSpec, batch_frames: int, slot_size: int, *, digests: bool =
         raise _failed(job, "; ".join(str(d) for d in check.differences[:3]) or "nothing to check")
     if not _vote():
         raise _failed(job, "the merger's vote on three copies of a bucket did not take the majority's")
+    if not _kept_aside():
+        raise _failed(job, "a unit a stream kept aside was not laid over the shared gradient")
     return Rehearsal(len(sink.applied), time.perf_counter() - started)
 
 
@@ -160,3 +165,21 @@ def _vote() -> bool:
                             (("a", wrong), ("b", right), ("c", right.copy()))], len(right))
     groups = [m.groups for m in merged.mismatches]
     return bool(merged.covered.all()) and np.array_equal(merged.data, right) and groups == [(("b", "c"), ("a",))]
+
+
+def _kept_aside() -> bool:
+    """A stream's copy of one unit, other than the shared gradient's, kept aside
+    (``parser/aside.py``), taken with its iteration and laid over the shared bytes as the merger
+    reads the stream's copy of a bucket: whether the copy shows the unit's bytes and bit, the
+    shared gradient is untouched, and the area is empty again."""
+    import numpy as np
+
+    from gradtap.parser.aside import aside_put, kept, new_aside
+    from gradtap.wire.protocol import Protocol
+
+    shared, unit, got = np.zeros(64, np.uint8), np.arange(1, 17, dtype=np.uint8), np.zeros(4, np.int32)
+    aside = new_aside(len(unit), capacity=2)
+    aside_put(aside, 0, 1, 1, 0, 0, int(Protocol.SIMPLE), 0, 16, len(unit), unit, 0, len(unit))
+    view, got = kept(aside, 0, free=True).overlay(shared, 0, len(shared), got, np.arange(4, dtype=np.int64))
+    return (aside.used[0] == 0 and np.array_equal(view[16:32], unit) and not view[:16].any()
+            and not view[32:].any() and got.tolist() == [0, 1, 0, 0] and not shared.any())

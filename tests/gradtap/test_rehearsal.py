@@ -19,6 +19,7 @@ import torch
 
 from gradtap.appliance import Appliance, RunOptions
 from gradtap.capture.worker import SourceSpec
+from gradtap.parser.aside import AsideCopies
 from gradtap.rehearsal import MINI_SIZES, RehearsalFailed, miniature, rehearse
 from gradtap.updater.replica import Replica
 from gradtap.workload.spec import parse_job
@@ -31,6 +32,7 @@ import torch
 from numba.core.registry import CPUDispatcher
 from gradtap.appliance import Appliance, RunOptions
 from gradtap.capture.worker import SourceSpec
+from gradtap.parser.aside import _lay_over, aside_free
 from gradtap.rehearsal import rehearse
 from tests.simulator.test_simulate import make_job
 
@@ -44,12 +46,15 @@ def main():
     options = RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True, rehearse=False)
     rehearse(job, options.batch_frames, options.slot_size, digests=options.digests)
     before = compiled()
+    # Called from Python only when a stream kept a unit aside, which the live run may not do.
+    aside = {f.__name__: len(f.signatures) for f in (aside_free, _lay_over)}
     streams = {m.name: SourceSpec("pcap", (str(sim / "streams" / f"{m.name}.pcap"),), {}) for m in job.mirrors}
     start = torch.load(sim / "truth" / "start.pt", weights_only=True)
     result = Appliance(job, streams, sim.parent / "run", start, options).run()
     new = {f"{d.py_func.__module__}.{d.py_func.__qualname__}": sorted(map(str, sigs - before.get(d, set())))
            for d, sigs in compiled().items() if sigs - before.get(d, set())}
-    print(json.dumps({"exit": result.exit_code, "unrecoverable": result.unrecoverable, "new": new}))
+    print(json.dumps({"exit": result.exit_code, "unrecoverable": result.unrecoverable, "new": new,
+                      "aside": aside}))
 
 
 if __name__ == "__main__":
@@ -70,6 +75,7 @@ def test_after_the_rehearsal_the_live_run_compiles_nothing(tmp_path):
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["exit"] == 0 and out["unrecoverable"] == 0
     assert out["new"] == {}
+    assert out["aside"] == {"aside_free": 1, "_lay_over": 1}
 
 
 def test_the_miniature_keeps_what_the_wire_depends_on_and_nothing_that_reaches_out():
@@ -127,4 +133,11 @@ def test_a_vote_that_does_not_take_the_majority_fails_the_rehearsal(monkeypatch)
 
     monkeypatch.setattr(union, "_blocks_differ", lambda a, b, start, nbytes, check: np.zeros(len(start), bool))
     with pytest.raises(RehearsalFailed, match="did not take the majority's"):
+        rehearse(make_job(3, "Simple", 2, "fp32", mtu=4096), 2048, 4352)
+
+
+def test_a_unit_kept_aside_and_not_laid_over_fails_the_rehearsal(monkeypatch):
+    """A planted bug: a stream's copy of a bucket leaves out what the stream kept aside."""
+    monkeypatch.setattr(AsideCopies, "overlay", lambda self, grad, lo, hi, got, index: (grad[lo:hi], got))
+    with pytest.raises(RehearsalFailed, match="a unit a stream kept aside was not laid over the shared gradient"):
         rehearse(make_job(3, "Simple", 2, "fp32", mtu=4096), 2048, 4352)

@@ -133,14 +133,17 @@ class Pipeline:
     ``on_anchor``'s, on the update thread, each under ``update_lock`` (which whatever else
     touches the replica takes too). The merger's buckets must then stay unchanged until their
     iteration's gradients go back to the pool, as :class:`~gradtap.merger.merger.Merger`'s do; a
-    mirror group's last only until the next bucket, and its sink talks to its peers: False."""
+    mirror group's last only until the next bucket, and its sink talks to its peers: False.
+
+    ``piece_bytes``: the parsers' pieces (``StreamParser``'s; None: their default)."""
 
     def __init__(self, job: JobSpec, plan: WirePlan | None, streams: list[str], sink: Sink,
                  first_iteration: int | None = 0, on_lockon_failed: Callable[[LockFailure], None] | None = None,
                  on_anchor: AnchorOutcome | None = None, on_resolved: Callable[[Resolution], None] | None = None,
                  hold_bytes: int = HOLD_BYTES, merger: MergerFactory = Merger, overlap: bool | None = None,
-                 update_lock: threading.Lock | None = None, cores: Cores = Cores()):
+                 update_lock: threading.Lock | None = None, cores: Cores = Cores(), piece_bytes: int | None = None):
         gap = job.appliance.iteration_gap_ns
+        self._piece_bytes = piece_bytes
         self._make_merger = merger
         self.job, self.streams, self.gap_ns = job, list(streams), gap
         self._on_lockon_failed = on_lockon_failed
@@ -190,7 +193,7 @@ class Pipeline:
         # One stream writes the pool's gradients alone: its payload copies are made after its
         # kernel, with every thread (parser/payload.py).
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool, defer_icrc=defer,
-                                           alone=len(self.streams) == 1)
+                                           piece_bytes=self._piece_bytes, alone=len(self.streams) == 1)
                         for name in self.streams}
         self.merger = self._make_merger(plan, self.streams, self.update or self._sink, self._first_iteration,
                                         self.gap_ns)

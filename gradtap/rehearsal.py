@@ -17,13 +17,16 @@ offline replay runs them through the same pipeline (``gradtap.replay.run_replay`
 replica is checked against the simulator's truth, bit for bit (``gradtap.verify``). Capture
 files are mapped read-only and a ring lends its frames read-only too (``capture/ring.py``), so
 the parser's kernels compiled here are the very ones the live frames run; the merger's and
-the updater's take the same arrays either way. A few frames also pass through a frame ring,
-as a capture worker and the appliance pass them, and the merger votes once on three copies of
-a bucket, one of them wrong (:func:`_vote`): a clean miniature never reaches the vote, which
-live streams reach whenever their copies diverge. Likewise a stream keeps a unit aside, and the
-merger lays it over the shared gradient, once (:func:`_kept_aside`): a live stream does so when
-its copy of a unit differs, or arrives before the stream that claimed the unit has written it,
-and whether the miniature's streams race so depends on their threads' timing.
+the updater's take the same arrays either way. The miniature's batches are parsed in pieces of
+:data:`PIECE_BYTES` wherever the live job's would be (``parser/pieces.py``: with the ICRC
+checked in stage 1, a batch larger than half the L2 cache per thread; live batches are, the
+miniature's are not). A few frames also pass through a frame ring, as a capture worker and
+the appliance pass them, and the merger votes once on three copies of a bucket, one of them
+wrong (:func:`_vote`): a clean miniature never reaches the vote, which live streams reach
+whenever their copies diverge. Likewise a stream keeps a unit aside, and the merger lays it
+over the shared gradient, once (:func:`_kept_aside`): a live stream does so when its copy of
+a unit differs, or arrives before the stream that claimed the unit has written it, and
+whether the miniature's streams race so depends on their threads' timing.
 
 It is also a self-check of this host and job: a rehearsal that is not exact raises, and
 ``gradtap run`` stops before it listens, saying what differs. It takes 1.1 s in a fresh
@@ -51,6 +54,8 @@ MINI_ITERATIONS = 2
 # duplicates and reordering: every stream still carries every byte.
 FAULTS = "link_loss=0.01,corrupt=0.01,reorder=0.02,duplicate=0.02"
 RING_FRAMES = 32
+PIECE_BYTES = 16384             # a few frames: the miniature's batches are cut as the live job's are
+ROUND_FRAMES = 64               # per stream and round: the miniature's iterations span several
 
 
 @dataclass
@@ -91,8 +96,10 @@ def miniature(job: JobSpec, *, simulated: bool = False) -> JobSpec:
 
 
 def rehearse(job: JobSpec, batch_frames: int, slot_size: int, *, digests: bool = False) -> Rehearsal:
-    """Run the pipeline on :func:`miniature` of ``job`` (``batch_frames`` per stream and read,
-    as the live run reads its rings of ``slot_size``-byte slots; a state digest per iteration
+    """Run the pipeline on :func:`miniature` of ``job`` (at most ``batch_frames`` per stream and
+    read, as the live run reads its rings of ``slot_size``-byte slots, and
+    :data:`ROUND_FRAMES`, so that the streams lock on in an early round and the later ones
+    parse as a locked stream's; a state digest per iteration
     with ``digests``, as the live run makes them) and check it; :class:`RehearsalFailed` says
     what differs."""
     import torch
@@ -116,7 +123,8 @@ def rehearse(job: JobSpec, batch_frames: int, slot_size: int, *, digests: bool =
         truth = out / "sim" / "truth"
         start = torch.load(truth / "start.pt", weights_only=True)
         result, sink = run_replay(mini, {s.name: s.path for s in sim.streams}, out / "replay", start,
-                                  digests=digests, batch_frames=batch_frames)
+                                  digests=digests, batch_frames=min(batch_frames, ROUND_FRAMES),
+                                  piece_bytes=PIECE_BYTES)
         if len(sink.applied) != MINI_ITERATIONS:
             locked = ", ".join(f"{n} {'locked on' if ok else 'never locked on'}" for n, ok in result.locked.items())
             raise _failed(job, f"{len(sink.applied)} of {MINI_ITERATIONS} iterations applied; {locked}")

@@ -152,18 +152,20 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
            progress: Progress = _no_progress, first_iteration: int = 0,
            on_lockon_failed: Callable[[LockFailure], None] | None = None,
            numbering: Numbering | None = None, on_resolved: Callable[[Resolution], None] | None = None,
-           merger: MergerFactory = Merger, overlap: bool | None = None) -> ReplayResult:
+           merger: MergerFactory = Merger, overlap: bool | None = None,
+           piece_bytes: int | None = None) -> ReplayResult:
     """Replay ``pcaps`` (stream name → file) of ``job`` into ``sink``, numbering iterations from
     ``first_iteration`` (the trainer's iteration of the captures' first one), or as ``numbering``
     says (``gradtap/start.py``); never hangs (ends at EOF). ``plan`` None: the job's ``auto``
     fields are read from the wire first (``on_resolved`` hears what they are). ``merger``: the
     pipeline's merger (a mirror group's, ``gradtap/group.py``, with ``overlap`` off: see
-    :class:`~gradtap.pipeline.Pipeline`)."""
+    :class:`~gradtap.pipeline.Pipeline`). ``piece_bytes``: the parsers' pieces (None: their
+    default; ``parser/stream.py``)."""
     if numbering is not None:
         first_iteration = numbering.start.first_iteration
     pipeline = Pipeline(job, plan, list(pcaps), sink, first_iteration, on_lockon_failed,
                         on_anchor=None if numbering is None else numbering.placed, on_resolved=on_resolved,
-                        merger=merger, overlap=overlap)
+                        merger=merger, overlap=overlap, piece_bytes=piece_bytes)
     if numbering is not None:
         numbering.attach(pipeline)
     sources = {name: _Source(path, batch_frames) for name, path in pcaps.items()}
@@ -203,7 +205,8 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
                resync: list[dict] | None = None, force: bool = False,
                start_source: str = "the start state",
                gradients: Path | None = None,
-               snapshot_buffers: int = 0, continues: Path | None = None) -> tuple[ReplayResult, ReplicaSink]:
+               snapshot_buffers: int = 0, continues: Path | None = None,
+               piece_bytes: int | None = None) -> tuple[ReplayResult, ReplicaSink]:
     """Replay ``pcaps`` into a replica initialised from ``start`` (a trainer checkpoint dict
     whose ``iteration`` is the capture's first iteration, or, when it has a ``time_ns``, the
     first that began after it: ``gradtap/start.py``), writing into ``out``:
@@ -221,7 +224,8 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     (``store/snapshot_writer.py``: a snapshot due while they are all being written is skipped);
     0 writes each on the update path, so that every snapshot the schedule names exists.
     ``continues``: the path ``start`` was loaded from (``--start``), so that a start from one of
-    ``out``'s own snapshots continues its replica (``Snapshots(continues=)``)."""
+    ``out``'s own snapshots continues its replica (``Snapshots(continues=)``). ``piece_bytes``: as
+    :func:`replay`'s."""
     begin = replica_start(job, start, start_source, handed_over=False)     # a dict stays the caller's
     replica = Replica(job, begin.take_checkpoint(), consume=begin.handed_over)
     origin = ReplicaOrigin.of(replica, begin.waiting)
@@ -249,7 +253,8 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
                         batch_frames=batch_frames, progress=progress,
                         numbering=numbering,
                         on_lockon_failed=lambda failure: control.event("lockon.failed", **failure.as_event()),
-                        on_resolved=lambda r: control.event("job.resolved", **r.as_event()))
+                        on_resolved=lambda r: control.event("job.resolved", **r.as_event()),
+                        piece_bytes=piece_bytes)
         finished = replica.open_iteration is None and bool(sink.applied)
     finally:
         if gradient_log is not None:

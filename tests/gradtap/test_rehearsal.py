@@ -10,6 +10,7 @@ starts a capture worker.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -61,21 +62,48 @@ if __name__ == "__main__":
     main()
 """
 
+PIECES_AFTER_REHEARSAL = """
+import json
+from gradtap.parser.pieces import parse_pieces
+from gradtap.rehearsal import rehearse
+from gradtap.workload.spec import parse_job
+from tests.simulator.test_simulate import make_job
+
+doc = make_job(3, "Simple", 2, "fp32").model_dump(mode="json", exclude_none=True)
+doc["mirrors"] = [m for m in doc["mirrors"] if m["name"] == "m-both"]
+rehearse(parse_job(doc, "one stream"), 8192, 4352)
+print(json.dumps({"parse_pieces": len(parse_pieces.signatures)}))
+"""
+
+
+def _run_script(tmp_path, text: str, *args: str) -> dict:
+    """The last line of ``text`` run in a fresh process (whose kernels nothing compiled yet), as JSON."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=600, cwd=sys.path[0] if sys.path[0] else None,
+                          env={**os.environ, "PYTHONPATH": ":".join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
 
 @pytest.mark.slow
 def test_after_the_rehearsal_the_live_run_compiles_nothing(tmp_path):
     job = make_job(3, "LL", 2, "fp32")
     simulate(tmp_path / "sim", job, iterations=3)
-    script = tmp_path / "live_after_rehearsal.py"
-    script.write_text(LIVE_AFTER_REHEARSAL)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "sim")], capture_output=True, text=True,
-                          timeout=600, cwd=sys.path[0] if sys.path[0] else None,
-                          env={**__import__("os").environ, "PYTHONPATH": ":".join(sys.path)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _run_script(tmp_path, LIVE_AFTER_REHEARSAL, str(tmp_path / "sim"))
     assert out["exit"] == 0 and out["unrecoverable"] == 0
     assert out["new"] == {}
     assert out["aside"] == {"aside_free": 1, "_lay_over": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: a stream is never parsed in pieces")
+def test_the_rehearsal_of_a_job_parsed_in_pieces_compiles_the_piece_kernel(tmp_path):
+    """One stream on two cores or more checks its ICRCs in stage 1, and the live run parses
+    its batches, larger than half the L2 cache per thread, in pieces (``parser/pieces.py``):
+    the miniature's small batches must be too."""
+    assert _run_script(tmp_path, PIECES_AFTER_REHEARSAL) == {"parse_pieces": 1}
 
 
 def test_the_miniature_keeps_what_the_wire_depends_on_and_nothing_that_reaches_out():

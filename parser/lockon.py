@@ -242,7 +242,8 @@ class LockOn:
         period = int(t.period[f])
         ref = self.ref.setdefault(f, psn)
         self.span[f] = max(self.span.get(f, 0), psn_delta(ref, psn))
-        cands = {psn_delta(ref + int(off), psn) % period for off in m["psn_offset"][m["wire_bytes"] == length]}
+        offsets = m["psn_offset"][m["wire_bytes"] == length].astype(np.int64)
+        cands = set((psn_delta(ref + offsets, psn) % period).tolist())
         # A write the plan does not have (corruption is caught by the ICRC; this is another
         # job or a plan mismatch) narrows nothing.
         if cands:

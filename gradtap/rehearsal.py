@@ -30,7 +30,9 @@ whether the miniature's streams race so depends on their threads' timing.
 
 It is also a self-check of this host and job: a rehearsal that is not exact raises, and
 ``gradtap run`` stops before it listens, saying what differs. It takes 1.1 s in a fresh
-process with the kernels cached, and 17 s with none cached (both on a 2-core AMD EPYC).
+process with the kernels cached, and 17 s with none cached (both on a 2-core AMD EPYC; with
+none cached, 31 s on a 2-core Xeon of family 6 model 207 for a job of 3 streams or of one,
+28 s before the piece and kept-aside kernels were rehearsed).
 The socket sources' own kernels (``capture/af_packet.py``, ``af_xdp.py``) compile in their
 worker processes, which call them once before they report ready (``capture/worker.py``).
 What is left to compile when first needed: the updater's kernels for a model whose

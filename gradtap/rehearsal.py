@@ -98,12 +98,11 @@ def miniature(job: JobSpec, *, simulated: bool = False) -> JobSpec:
 
 
 def rehearse(job: JobSpec, batch_frames: int, slot_size: int, *, digests: bool = False) -> Rehearsal:
-    """Run the pipeline on :func:`miniature` of ``job`` (at most ``batch_frames`` per stream and
-    read, as the live run reads its rings of ``slot_size``-byte slots, and
-    :data:`ROUND_FRAMES`, so that the streams lock on in an early round and the later ones
-    parse as a locked stream's; a state digest per iteration
-    with ``digests``, as the live run makes them) and check it; :class:`RehearsalFailed` says
-    what differs."""
+    """Run the pipeline on :func:`miniature` of ``job`` and check it; :class:`RehearsalFailed`
+    says what differs. It reads at most ``batch_frames`` per stream and round, as the live run
+    reads its rings of ``slot_size``-byte slots, and at most :data:`ROUND_FRAMES`, so that the
+    streams lock on in an early round and parse the later ones as locked streams do; with
+    ``digests``, it makes a state digest per iteration, as the live run does."""
     import torch
 
     from gradtap.replay import run_replay

@@ -46,6 +46,7 @@ from gradtap.core.jit import JIT_NO_REFCOUNT
 from gradtap.core.memory import fetch_or, prefetch_bytes, wait_bits
 from gradtap.parser.aside import aside_differs, aside_find, aside_free, aside_put
 from gradtap.parser.decode import settle_icrc
+from gradtap.parser.flow_match import find_flow
 from gradtap.parser.payload import Deferred, defer_payload, pending_differs, store_payload
 from gradtap.wire import events as ev
 from gradtap.wire.frame_record import ICRC_DEFERRED
@@ -147,22 +148,6 @@ def _learn_phased(state, t, c, step, w):
             state.step_base[c] = base
             origins(state, t, c)
             return
-
-
-@njit(**JIT_NO_REFCOUNT)
-def _find_flow(rec, t):
-    """The stream flow of a record: its destination QP and address pair; -1 if none."""
-    for f in range(t.qpn.shape[0]):
-        if t.qpn[f] != rec["dest_qp"]:
-            continue
-        same = True
-        for b in range(16):
-            if t.src_ip[f, b] != rec["src_ip"][b] or t.dst_ip[f, b] != rec["dst_ip"][b]:
-                same = False
-                break
-        if same:
-            return f
-    return -1
 
 
 @njit(**JIT_NO_REFCOUNT)
@@ -457,7 +442,7 @@ def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
         if OPCODE_KIND[rec["opcode"]] != KIND_WRITE:
             counters[_classify_other(rec)] += 1
             continue
-        f = _find_flow(rec, t)
+        f = find_flow(rec, t)
         if f < 0:
             counters[ev.OTHER_UNKNOWN_FLOW] += 1
             continue

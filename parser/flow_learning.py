@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradtap.parser.flow_match import pair_keys
 from gradtap.parser.stream_tables import UNKNOWN_QPN, StreamTables
 from gradtap.wire import events as ev
 from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_IMMDT_OFF, OPCODE_KIND, OPCODE_RETH_OFF, \
@@ -130,12 +131,7 @@ class FlowLearner:
 
     def keys(self, recs: np.ndarray) -> np.ndarray:
         """Each record's wire flow as ``pair << 24 | qpn`` (-1: not a write between the job's ranks)."""
-        key = np.full(len(recs), -1, np.int64)
-        ok = (recs["event"] == ev.DECODE_OK) & (OPCODE_KIND[recs["opcode"]] == KIND_WRITE)
-        for p, ends in enumerate(self.pairs):
-            hit = ok & (recs["src_ip"] == ends[:16]).all(axis=1) & (recs["dst_ip"] == ends[16:]).all(axis=1)
-            key[hit] = (p << 24) | recs["dest_qp"][hit].astype(np.int64)
-        return key
+        return pair_keys(recs, self.pairs)
 
     def maybe_job(self, keys: np.ndarray) -> np.ndarray:
         """Which of ``keys`` may be the job's: wire flows between its ranks that are CTS-shaped

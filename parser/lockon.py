@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradtap.parser.flow_learning import FlowLearner, Learnt
+from gradtap.parser.flow_match import record_flows
 from gradtap.parser.stream_tables import StreamTables
-from gradtap.wire import events as ev
-from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND, OPCODE_RETH_OFF
+from gradtap.wire.headers.opcodes import OPCODE_RETH_OFF
 from gradtap.wire.psn import psn_add, psn_delta
 
 PLACE_PACKETS = 5     # a flow's first packets after a boundary that place it
@@ -61,18 +61,6 @@ class Lock:
     index: int                 # record index (in the batch that locked) of its first job frame
     ts_ns: int                 # time of that frame
     ordinal: int               # iterations begun since the capture started before this one
-
-
-def flow_of(recs: np.ndarray, t: StreamTables) -> np.ndarray:
-    """Stream flow index of every record (-1: not a write of the job's flows)."""
-    out = np.full(len(recs), -1, np.int64)
-    ok = (recs["event"] == ev.DECODE_OK) & (OPCODE_KIND[recs["opcode"]] == KIND_WRITE)
-    for f in range(len(t.qpn)):
-        hit = ok & (recs["dest_qp"] == t.qpn[f])
-        if hit.any():
-            hit &= (recs["src_ip"] == t.src_ip[f]).all(axis=1) & (recs["dst_ip"] == t.dst_ip[f]).all(axis=1)
-            out[hit] = f
-    return out
 
 
 def misplaced(tables: StreamTables, placed: dict[int, int]) -> str | None:
@@ -138,9 +126,9 @@ class LockOn:
                 job = np.flatnonzero(self.learner.maybe_job(keys))
             else:
                 self._adopt(self.learner.learnt)
-                job = np.flatnonzero(flow_of(recs, t) >= 0)
+                job = np.flatnonzero(record_flows(recs, t) >= 0)
         else:
-            flows = flow_of(recs, t)
+            flows = record_flows(recs, t)
             job = np.flatnonzero(flows >= 0)
             starts = job[(OPCODE_RETH_OFF[recs["opcode"][job]] >= 0) & t.is_data[flows[job]]]
             for i in starts:
@@ -184,7 +172,7 @@ class LockOn:
     def job(self, recs: np.ndarray) -> np.ndarray:
         """Which records are (or, before the flows are learnt, may be) the job's writes."""
         if self.learnt is not None:
-            return flow_of(recs, self.tables) >= 0
+            return record_flows(recs, self.tables) >= 0
         return self.learner.maybe_job(self.learner.keys(recs))
 
     def _adopt(self, learnt: Learnt) -> None:
@@ -220,7 +208,7 @@ class LockOn:
         placed: dict[int, int] = {}
         if not todo:
             return placed
-        flows = flow_of(recs, t)
+        flows = record_flows(recs, t)
         flows[:start] = -1
         starts = np.flatnonzero((flows >= 0) & (OPCODE_RETH_OFF[recs["opcode"]] >= 0))
         for f in todo:

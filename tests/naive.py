@@ -244,6 +244,37 @@ def icrc(frame: bytes, l3: int, version: int, end: int) -> int:
     return zlib.crc32(b"\xff" * 8 + bytes(ip[:end - l3])) & 0xFFFFFFFF
 
 
+# IBTA Vol 1 §9.2 table 38: the RC (0x06-0x0B) and UC (0x26-0x2B) RDMA WRITE opcodes, first to
+# only with immediate.
+RDMA_WRITES = frozenset(range(0x06, 0x0C)) | frozenset(range(0x26, 0x2C))
+
+
+def address16(address: str) -> bytes:
+    """An address as 16 bytes: IPv6 as is, IPv4 mapped (``::ffff:a.b.c.d``, RFC 4291 §2.5.5.2)."""
+    ip = ipaddress.ip_address(address)
+    return ip.packed if ip.version == 6 else bytes(10) + b"\xff\xff" + ip.packed
+
+
+def write_between(fields: dict | None, pairs: list[tuple[str, str]], icrc_checked: bool = True) -> int:
+    """The index in ``pairs`` (source address, destination address) of the pair that a frame
+    decoded by :func:`decode_frame` is an RDMA WRITE between; -1 when it is not a whole RoCEv2
+    write (a bad ICRC too, when ``icrc_checked``) or between none of them. Addresses compare in
+    their 16-byte form, an IPv4 pair's as its mapped IPv6 addresses."""
+    if fields is None or fields["opcode"] not in RDMA_WRITES or (icrc_checked and not fields["icrc_ok"]):
+        return -1
+    ends = address16(fields["ip_src"]) + address16(fields["ip_dst"])
+    return next((i for i, (src, dst) in enumerate(pairs) if ends == address16(src) + address16(dst)), -1)
+
+
+def write_flow(fields: dict | None, flows: list[tuple[int, str, str]], icrc_checked: bool = True) -> int:
+    """The index in ``flows`` (destination QPN, source address, destination address) of the
+    flow that a frame is an RDMA WRITE of (as :func:`write_between`, and the QPN); -1 if none."""
+    for i, (qpn, src, dst) in enumerate(flows):
+        if write_between(fields, [(src, dst)], icrc_checked) == 0 and fields["dest_qp"] == qpn:
+            return i
+    return -1
+
+
 # ----------------------------------------------------------------------------------------
 # Protocol payloads (NCCL v2.19.3-1)
 # ----------------------------------------------------------------------------------------

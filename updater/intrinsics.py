@@ -12,6 +12,10 @@ AVX-512 instruction sequence; to equal them bit for bit a kernel needs the same 
 - :func:`half_to_f32`, :func:`bf16_to_f32`: widen a 16-bit gradient (its bit pattern as
   ``uint16``; Numba has no float16 on the CPU) to float32. Both are exact; :func:`widen`
   picks one (or none, for a float32 gradient) by type.
+- :func:`sumsq8`: the sums of squares of eight interleaved lanes, each square rounded and then
+  added (no fused multiply-add), in one ``<8 x float>`` register: the body of ATen's CPU
+  2-norm (``updater/norms.py``). Numba compiles the same loop written over eight scalars
+  without vectors (it does not run LLVM's SLP vectoriser), at half the speed.
 - :func:`rsqrt14`, :func:`rsqrt14x16`: the AVX-512F approximate reciprocal square root
   (``vrsqrt14ss``/``vrsqrt14ps``, relative error below 2**-14), one lane or sixteen.
 - :func:`rsqrt12`, :func:`rsqrt12x4`: the SSE one (``rsqrtss``/``rsqrtps``, relative error
@@ -86,6 +90,16 @@ if config.DISABLE_JIT:
 
     def bf16_to_f32(bits):
         return np.array([int(bits) << 16], np.uint32).view(np.float32)[0]
+
+    def sumsq8(src, start, blocks, out):
+        """``out[l]``: the sum over ``k < blocks``, in order, of ``src[start + 8k + l]`` squared
+        (float32: each square rounded, then each sum)."""
+        for lane in range(8):
+            acc = np.float32(0)
+            for k in range(blocks):
+                x = src[start + 8 * k + lane]
+                acc = np.float32(acc + np.float32(x * x))
+            out[lane] = acc
 
     def rsqrt14(x):
         raise GradtapError("vrsqrt14 has no plain-Python twin (NUMBA_DISABLE_JIT=1)")
@@ -164,6 +178,35 @@ else:
         def codegen(context, builder, signature, args):
             wide = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
             return builder.bitcast(wide, _F32)
+
+        return sig, codegen
+
+
+    _V8 = ir.VectorType(_F32, 8)
+
+    @intrinsic
+    def sumsq8(typingctx, src, start, blocks, out):
+        """``out[0:8]``: lane ``l`` sums ``src[start + 8k + l]`` squared over ``k < blocks``,
+        in order, each square rounded and then added (``fmul``, ``fadd``: LLVM contracts
+        neither without fast-math flags). ``src`` and ``out`` are 1-D C-contiguous float32;
+        the caller guarantees ``src[start:start + 8 * blocks]`` and ``out[0:8]`` exist
+        (nothing is checked here)."""
+        if not all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 and a.layout == "C"
+                   for a in (src, out)):
+            return None
+        sig = types.void(src, types.intp, types.intp, out)
+
+        def codegen(context, builder, signature, args):
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            dest = context.make_array(signature.args[3])(context, builder, args[3]).data
+            acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [0.0] * 8))
+            first = builder.gep(data, [args[1]])
+            with cgutils.for_range(builder, args[2]) as loop:
+                at = builder.gep(first, [builder.mul(loop.index, ir.Constant(loop.index.type, 8))])
+                x = builder.load(builder.bitcast(at, _V8.as_pointer()), align=4)
+                builder.store(builder.fadd(builder.load(acc), builder.fmul(x, x)), acc)
+            builder.store(builder.load(acc), builder.bitcast(dest, _V8.as_pointer()), align=4)
+            return context.get_dummy_value()
 
         return sig, codegen
 

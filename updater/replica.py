@@ -37,7 +37,7 @@ import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.core.memory import prefaulted
-from gradtap.updater import kernels, selfcheck
+from gradtap.updater import kernels, norms, selfcheck
 from gradtap.updater.clipping import GradNorms
 from gradtap.updater.state import (FlatLayout, FlatState, ModelKeys, aligned_empty, from_checkpoint,
                                    model_state_dict, optimizer_state_dict, param_group)
@@ -110,6 +110,8 @@ class Replica:
         self.offers: dict[int, Offer] = {}                  # iteration -> its state, made (offer())
         self._reached = -1                                  # the latest iteration begin() was asked for
         self.root = selfcheck.root_source(self.cfg)
+        if self.cfg.clip_grad_norm:
+            norms.reproduces_torch()       # proven (and compiled) at start-up, not at the first bucket
         self._open: _Iteration | None = None
         self._grad32: np.ndarray | None = None     # widened gradient of a clipped iteration, made when first needed
 
@@ -264,14 +266,12 @@ class Replica:
             b = self.layout.buckets[bucket]
             if self._kept_as_handed(lasting):
                 it.kept[bucket] = g
-                at = sl.start
-                it.norms.add(b.params, [g[self.layout.param(i).start - at:self.layout.param(i).stop - at]
-                                        for i in b.params])
+                it.norms.add(b.params, g, self.layout.param_spans(bucket))
             else:
                 if self._grad32 is None:
                     self._grad32 = self._widened()
                 kernels.widen_gradient(g, self._grad32[sl], work, c, wire=self.wire)
-                it.norms.add(b.params, [self._grad32[self.layout.param(i)] for i in b.params])
+                it.norms.add(b.params, self._grad32[sl], self.layout.param_spans(bucket))
         it.arrived[bucket] = True
 
     def end(self) -> None:

@@ -6,12 +6,12 @@ element of its shard is what the whole replica computes, bit for bit.
 
 **Clipping.** ``clip_grad_norm_`` multiplies every gradient by a coefficient of the norm of
 the *whole* gradient: on the CPU, ``torch.linalg.vector_norm(torch.stack(norms))`` of the
-per-parameter norms in parameter order, each from ``torch._foreach_norm``
-(``updater/clipping.py``). A norm depends only on its own parameter's gradient, so each node
+per-parameter norms in parameter order, each as ``torch._foreach_norm`` takes it
+(``updater/clipping.py``, ``updater/norms.py``). A norm depends only on its own parameter's gradient, so each node
 takes those of its own parameters on arrival as the whole replica does; at the end of the
 iteration the nodes all-gather them (:meth:`ShardReplica.shard_norms`, the float32 bits as
 they are) and each puts the others' into its list (:meth:`ShardReplica.add_norms`): every
-node then stacks the very tensors, in the very order, the single replica stacks, and the
+node then stacks the very values, in the very order, the single replica stacks, and the
 same torch call gives the same total and coefficient (``tests/updater/test_shard.py``
 checks them against ``clip_grad_norm_`` itself).
 
@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from gradtap.core.errors import ConfigError, GradtapError
 from gradtap.updater.clipping import GradNorms
@@ -58,31 +57,26 @@ class ShardNorms(GradNorms):
         super().__init__(n_params)
         self._local = None if local is None else list(local)
 
-    def add(self, param_indices: Sequence[int], grads: Sequence[np.ndarray]) -> None:
+    def add(self, param_indices: Sequence[int], grad: np.ndarray, spans: np.ndarray) -> None:
         if self._local is not None:
             param_indices = [self._local[i] for i in param_indices]
-        super().add(param_indices, grads)
+        super().add(param_indices, grad, spans)
 
-    def own(self) -> dict[int, torch.Tensor]:
-        return {i: n for i, n in enumerate(self._norms) if n is not None}
+    def own(self) -> dict[int, np.float32]:
+        return {i: self._values[i] for i in np.flatnonzero(self._have).tolist()}
 
-    def put(self, norms: Mapping[int, torch.Tensor]) -> None:
-        for i, norm in norms.items():
-            if not 0 <= i < len(self._norms):
-                raise GradtapError(f"ShardNorms.put: parameter {i} is not one of the {len(self._norms)}")
-            if self._norms[i] is not None:
-                raise GradtapError(f"ShardNorms.put: parameter {i} already has a norm this iteration")
-            self._norms[i] = norm
+    def put(self, norms: Mapping[int, np.float32]) -> None:
+        self._put(list(norms), list(norms.values()))
 
 
-def encode_norms(norms: Mapping[int, torch.Tensor]) -> bytes:
+def encode_norms(norms: Mapping[int, np.float32]) -> bytes:
     """Parameter indices and their float32 norms, the bits as they are."""
     index = np.fromiter(norms, _INDEX, len(norms))
-    values = np.array([n.numpy() for n in norms.values()], _NORM)
+    values = np.array(list(norms.values()), _NORM)
     return np.array([len(norms)], _COUNT).tobytes() + index.tobytes() + values.tobytes()
 
 
-def decode_norms(message: bytes, source: str) -> dict[int, torch.Tensor]:
+def decode_norms(message: bytes, source: str) -> dict[int, np.float32]:
     """What :func:`encode_norms` wrote; ``GradtapError`` naming ``source`` when malformed."""
     if len(message) < _COUNT.itemsize:
         raise GradtapError(f"{source}: a norms message of {len(message)} bytes")
@@ -90,8 +84,7 @@ def decode_norms(message: bytes, source: str) -> dict[int, torch.Tensor]:
     if n < 0 or len(message) != _COUNT.itemsize + int(n) * (_INDEX.itemsize + _NORM.itemsize):
         raise GradtapError(f"{source}: a norms message of {len(message)} bytes for {n} norms")
     index = np.frombuffer(message, _INDEX, int(n), _COUNT.itemsize)
-    values = torch.from_numpy(np.frombuffer(message, _NORM, int(n), _COUNT.itemsize + int(n) * _INDEX.itemsize)
-                              .astype(np.float32))
+    values = np.frombuffer(message, _NORM, int(n), _COUNT.itemsize + int(n) * _INDEX.itemsize).astype(np.float32)
     return {int(i): values[k] for k, i in enumerate(index)}
 
 

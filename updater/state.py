@@ -56,12 +56,23 @@ class FlatLayout:
             start += b.numel
         self.total = start
         self._work: dict[tuple[int, str], np.ndarray] = {}
+        self._spans: dict[int, np.ndarray] = {}
 
     def bucket(self, b: int) -> slice:
         return slice(self.bucket_start[b], self.bucket_start[b] + self.buckets[b].numel)
 
     def param(self, i: int) -> slice:
         return slice(self.param_start[i], self.param_start[i] + self.params[i].numel)
+
+    def param_spans(self, b: int) -> np.ndarray:
+        """int64[k, 2]: where each parameter of bucket ``b`` lies within the bucket (elements,
+        in the bucket's order; made when first asked for, then kept)."""
+        if b not in self._spans:
+            bucket = self.buckets[b]
+            sizes = [self.params[i].numel for i in bucket.params]
+            self._spans[b] = np.array([(off, off + n) for off, n in zip(bucket.offsets, sizes)],
+                                      np.int64).reshape(-1, 2)
+        return self._spans[b]
 
     def work(self, b: int, implementation: str) -> np.ndarray:
         """The kernels' work list of bucket ``b`` (made for each bucket and implementation

@@ -1,8 +1,8 @@
 """One host also runs the updater's paths of the hosts it is not, and each equals torch there.
 
 A subprocess plays each kind of host (``benchmarks/_hosts.py``: torch, Numba and MKL each told
-to take a lesser path) and runs the root and kernel tests and the start-up self-check there,
-against that subprocess's own torch:
+to take a lesser path) and runs the root, kernel and gradient-norm tests and the start-up
+self-check there, against that subprocess's own torch:
 
 - an Intel CPU with AVX2 and no AVX-512 (a Xeon E5 v4, a desktop): MKL's AVX2 root;
 - a CPU on which MKL takes its SSE root (the AMD EPYC this project met, any non-Intel x86).
@@ -55,7 +55,9 @@ def test_the_paths_of_another_host_equal_torch(host, numba_cache):
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
          "tests/updater/test_mkl_sqrt.py", "tests/updater/test_kernels.py", "tests/updater/test_selfcheck.py",
-         "-k", f"({root} or ieee or torch_root_path or not_this_hosts or test_selfcheck) and not fresh_process"],
+         "tests/updater/test_norms.py",
+         "-k", f"({root} or ieee or torch_root_path or not_this_hosts or test_selfcheck or test_norms) "
+               "and not fresh_process"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     summary = run.stdout.splitlines()[-1]

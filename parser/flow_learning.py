@@ -163,7 +163,7 @@ class FlowLearner:
                     continue                     # a flood of flows between the ranks: watch the first ones
                 rec = recs[mine[i0]]
                 w = self.wire[kv] = WireFlow(pair=kv >> 24, qpn=kv & 0xFFFFFF, sport=int(rec["udp_sport"]))
-            self._take(w, recs[mine[order[bounds[k]:bounds[k + 1]]]], data)
+            self._take(w, recs, mine[order[bounds[k]:bounds[k + 1]]], data)
         return key
 
     def _count_strangers(self, recs: np.ndarray, key: np.ndarray) -> None:
@@ -177,37 +177,41 @@ class FlowLearner:
             if k in self.strangers or len(self.strangers) < KEEP_STRANGERS:
                 self.strangers[k] += n
 
-    def _take(self, w: WireFlow, r: np.ndarray, data: np.ndarray) -> None:
-        w.frames += len(r)
-        opcode = r["opcode"]
+    def _take(self, w: WireFlow, recs: np.ndarray, rows: np.ndarray, data: np.ndarray) -> None:
+        """What ``recs[rows]``, the batch's records of ``w`` in order, show of it. The columns
+        read are gathered one by one: gathering whole records took 2.8 ms of a GPT-2 small
+        stream's first batch (16.5 k frames), a fifth of its parse."""
+        w.frames += len(rows)
+        opcode = recs["opcode"][rows]
         full = (opcode == RC_RDMA_WRITE_FIRST) | (opcode == RC_RDMA_WRITE_MIDDLE)
         if full.any():
-            w.packet_bytes = max(w.packet_bytes, int(r["payload_len"][full].max()))
+            w.packet_bytes = max(w.packet_bytes, int(recs["payload_len"][rows[full]].max()))
         has_imm = OPCODE_IMMDT_OFF[opcode] >= 0
-        cts_shaped = (opcode == RC_RDMA_WRITE_ONLY) & ~has_imm & (r["payload_len"] == self.cts_bytes)
+        cts_shaped = (opcode == RC_RDMA_WRITE_ONLY) & ~has_imm & (recs["payload_len"][rows] == self.cts_bytes)
         w.data |= bool((~cts_shaped).any())
-        starts = r[OPCODE_RETH_OFF[opcode] >= 0]
+        starts = rows[OPCODE_RETH_OFF[opcode] >= 0]
         if len(starts) == 0:
             return
+        psn, reth_len = recs["psn"][starts], recs["reth_len"][starts]
         if w.ref < 0:
-            w.ref = int(starts["psn"][0])
+            w.ref = int(psn[0])
         w.writes += len(starts)
-        for length, n in Counter(starts["reth_len"].tolist()).items():
+        for length, n in Counter(reth_len.tolist()).items():
             if length in w.lengths or len(w.lengths) < KEEP_ADDRESSES:
                 w.lengths[length] += n
-        for va in starts["reth_va"][:KEEP_ADDRESSES].tolist():
+        for va in recs["reth_va"][starts[:KEEP_ADDRESSES]].tolist():
             if va and len(w.vas) < KEEP_ADDRESSES:
                 w.vas.add(va)
         if not w.data:
-            for i in range(min(len(starts), KEEP_ADDRESSES - len(w.announced))):
-                off = int(starts["payload_off"][i])
+            for i in starts[:max(0, KEEP_ADDRESSES - len(w.announced))].tolist():
+                off = int(recs["payload_off"][i])
                 if 0 <= off and off + CTS_ADDR_BYTES <= len(data):
                     w.announced.add(int.from_bytes(data[off:off + CTS_ADDR_BYTES].tobytes(), "little"))
             return
-        deltas = [psn_delta(w.ref, p) for p in starts["psn"][:MAX_STARTS].tolist()]
+        deltas = [psn_delta(w.ref, p) for p in psn[:MAX_STARTS].tolist()]
         w.span = max(w.span, *deltas)
-        lengths = starts["reth_len"][:MAX_STARTS].tolist()
-        only = (starts["opcode"][:MAX_STARTS] == RC_RDMA_WRITE_ONLY).tolist()
+        lengths = reth_len[:MAX_STARTS].tolist()
+        only = (recs["opcode"][starts[:MAX_STARTS]] == RC_RDMA_WRITE_ONLY).tolist()
         for f in np.flatnonzero((self.pair_of == w.pair) & self.tables.is_data).tolist():
             fit = w.fit.setdefault(f, _Fit())
             if fit.misfits > MISFIT_SHARE * (fit.fits + fit.misfits) + 8:

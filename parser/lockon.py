@@ -43,6 +43,7 @@ from gradtap.wire.psn import psn_add, psn_delta
 PLACE_PACKETS = 5     # a flow's first packets after a boundary that place it
 PLACE_STRIDE = 8      # PSNs between two of them that still say "in order" (a few lost between)
 MAX_STARTS = 64       # iteration start times kept (for numbering by a trainer checkpoint's time)
+MAX_CELLS = 1 << 20   # a flow's writes x its planned offsets of their length compared at once (8 MiB)
 
 
 def _anchor(psns: np.ndarray) -> int:
@@ -237,10 +238,12 @@ class LockOn:
             psn64 = psn.astype(np.int64)
             keeps = np.ones(len(psn), bool)
             for n in np.unique(length).tolist():
-                offsets = self._offsets(f, n)
-                if len(offsets):          # a length the plan lacks narrows nothing
-                    rows = length == n
-                    keeps[rows] = (self._bases(f, offsets[None, :], psn64[rows, None]) == c).any(axis=1)
+                offsets = self._offsets(f, n)          # none: a length the plan lacks narrows nothing
+                rows = np.flatnonzero(length == n) if len(offsets) else []
+                step = max(1, MAX_CELLS // max(1, len(offsets)))
+                for lo in range(0, len(rows), step):
+                    r = rows[lo:lo + step]
+                    keeps[r] = (self._bases(f, offsets[None, :], psn64[r, None]) == c).any(axis=1)
             start = int(np.argmin(keeps)) if not keeps.all() else len(psn)
             if start:
                 self.span[f] = max(self.span.get(f, 0), int(psn_delta(self.ref[f], psn64[:start]).max()))

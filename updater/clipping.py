@@ -53,13 +53,12 @@ class GradNorms:
         self._put(param_indices, param_norms(grad, spans))
 
     def _put(self, param_indices: Sequence[int], values: Sequence[np.float32]) -> None:
-        for i in param_indices:
+        for i, value in zip(param_indices, values):
             if not 0 <= i < len(self._values):
                 raise GradtapError(f"GradNorms: parameter {i} is not one of the {len(self._values)}")
             if self._have[i]:
                 raise GradtapError(f"GradNorms: parameter {i} already has a norm this iteration")
-        self._values[list(param_indices)] = values
-        self._have[list(param_indices)] = True
+            self._values[i], self._have[i] = value, True
 
     @property
     def missing(self) -> list[int]:

@@ -7,13 +7,13 @@ element of its shard is what the whole replica computes, bit for bit.
 **Clipping.** ``clip_grad_norm_`` multiplies every gradient by a coefficient of the norm of
 the *whole* gradient: on the CPU, ``torch.linalg.vector_norm(torch.stack(norms))`` of the
 per-parameter norms in parameter order, each as ``torch._foreach_norm`` takes it
-(``updater/clipping.py``, ``updater/norms.py``). A norm depends only on its own parameter's gradient, so each node
-takes those of its own parameters on arrival as the whole replica does; at the end of the
-iteration the nodes all-gather them (:meth:`ShardReplica.shard_norms`, the float32 bits as
-they are) and each puts the others' into its list (:meth:`ShardReplica.add_norms`): every
-node then stacks the very values, in the very order, the single replica stacks, and the
-same torch call gives the same total and coefficient (``tests/updater/test_shard.py``
-checks them against ``clip_grad_norm_`` itself).
+(``updater/clipping.py``, ``updater/norms.py``). A norm depends only on its own parameter's
+gradient, so each node takes those of its own parameters on arrival as the whole replica
+does; at the end of the iteration the nodes all-gather them (:meth:`ShardReplica.shard_norms`,
+the float32 bits as they are) and each puts the others' into its list
+(:meth:`ShardReplica.add_norms`): every node then stacks the very values, in the very order,
+the single replica stacks, and the same torch call gives the same total and coefficient
+(``tests/updater/test_shard.py`` checks them against ``clip_grad_norm_`` itself).
 
 **Memory.** A shard holds only its slice: parameters, both moments and the widened gradient
 of its own buckets (:class:`ShardLayout`: its parameters, renumbered, laid out as in the

@@ -59,6 +59,8 @@ def test_every_parameter_is_needed_once():
         norms.add([2, 3], *flat(gs[2:3]))
     with pytest.raises(GradtapError, match="parameter 6 is not one of the 6"):
         norms.add([6], *flat(gs[2:3]))
+    with pytest.raises(GradtapError, match="parameter 4 already has a norm"):
+        norms.add([4, 4], *flat(gs[4:5] * 2))             # twice in one bucket
 
 
 @pytest.mark.parametrize("threads", [1, 2])

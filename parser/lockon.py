@@ -238,9 +238,11 @@ class LockOn:
             psn64 = psn.astype(np.int64)
             keeps = np.ones(len(psn), bool)
             for n in np.unique(length).tolist():
-                offsets = self._offsets(f, n)          # none: a length the plan lacks narrows nothing
-                rows = np.flatnonzero(length == n) if len(offsets) else []
-                step = max(1, MAX_CELLS // max(1, len(offsets)))
+                offsets = self._offsets(f, n)
+                if not len(offsets):
+                    continue                           # a length the plan lacks narrows nothing
+                rows = np.flatnonzero(length == n)
+                step = max(1, MAX_CELLS // len(offsets))
                 for lo in range(0, len(rows), step):
                     r = rows[lo:lo + step]
                     keeps[r] = (self._bases(f, offsets[None, :], psn64[r, None]) == c).any(axis=1)

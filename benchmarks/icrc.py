@@ -4,8 +4,9 @@ Frames are real RoCEv2 frames from the captures (1102-byte RDMA WRITE MIDDLE at 
 4174-byte at MTU 4096), tiled into a batch much larger than the caches. Each contender
 CRCs every frame of the batch in place:
 
-- ``gradtap.wire.icrc.icrc_frame``: masked prefix + ISA-L ``crc32_gzip_refl`` (PCLMULQDQ), called
-  per frame from a Numba loop;
+- ``gradtap.wire.icrc.icrc_frame``: masked prefix + ISA-L ``crc32_gzip_refl`` (PCLMULQDQ), or,
+  on a host with 256-bit ``vpclmulqdq`` and no AVX-512, gradtap's fold for whole 128-byte
+  blocks (``wire/crc_fold.py``; the row says which), called per frame from a Numba loop;
 - ``gradtap.wire.icrc.icrc_and_payload_crc``: the same ICRC with the payload's own CRC made
   beside it (a CRC call for the payload alone and a shift by table), as the parser checks each
   frame; its target is to cost no more than 5% over the ICRC alone;
@@ -29,6 +30,7 @@ from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import read_pcap
 from gradtap.core.jit import JIT
 from gradtap.parser.decode import decode_batch
+from gradtap.wire.crc_fold import FOLDS
 from gradtap.wire.icrc import ICRC_LEN, icrc_and_payload_crc, icrc_frame, locate_icrc
 
 CAPTURES = Path(__file__).resolve().parents[2] / "shared" / "captures"
@@ -38,6 +40,7 @@ REPEATS = 5
 # What "fast enough" means: the ICRC must not be what limits the parser, which touches each
 # frame byte about once; and PCLMUL folding should beat the scalar ways by a wide margin.
 TARGETS = {"memcpy_1t": 1.0, "zlib": 5.0, "table": 10.0, "icrc": 0.95}
+ICRC_ROW = f"icrc ({'256-bit fold' if FOLDS else 'ISA-L'}, Numba)"
 
 
 def _make_table() -> np.ndarray:
@@ -134,7 +137,7 @@ def main() -> None:
         assert _icrc_batch(batch.data, batch.offsets, l3s, ends) == len(batch)
         assert _icrc_payload_batch(batch.data, batch.offsets, l3s, ends, payload_offs, payload_lens) == len(batch)
         rates = {
-            "icrc (ISA-L, Numba)": nbytes / _best(
+            ICRC_ROW: nbytes / _best(
                 lambda: _icrc_batch(batch.data, batch.offsets, l3s, ends)) / 1e9,
             "icrc + payload CRC": nbytes / _best(
                 lambda: _icrc_payload_batch(batch.data, batch.offsets, l3s, ends, payload_offs, payload_lens)) / 1e9,
@@ -143,7 +146,7 @@ def main() -> None:
             "table-driven Numba": nbytes / _best(
                 lambda: _table_batch(batch.data, batch.offsets, batch.caplens, _TABLE)) / 1e9,
         }
-        icrc = rates["icrc (ISA-L, Numba)"]
+        icrc = rates[ICRC_ROW]
         print(f"\n{length}-byte frames, {len(batch)} frames, {nbytes / 1e6:.0f} MB, 1 thread")
         for name, rate in rates.items():
             print(f"  {name:24s} {rate:7.2f} GB/s  {length / rate:8.1f} ns/frame")

@@ -2,7 +2,7 @@
 
 What runs is chosen in three places, each from the CPU: torch's ATen kernels (AVX-512 or AVX2
 builds; ``ATEN_CPU_CAPABILITY`` caps it), Numba's code (``NUMBA_CPU_NAME`` and
-``NUMBA_CPU_FEATURES``, which ``gradtap.updater.intrinsics.has_feature`` reads too) and MKL's
+``NUMBA_CPU_FEATURES``, which ``gradtap.core.jit.has_feature`` reads too) and MKL's
 kernels behind ``torch.sqrt`` (``MKL_ENABLE_INSTRUCTIONS``, honoured on Intel CPUs; see
 ``updater/mkl_sqrt.py``). ``tests/updater/test_other_hosts.py`` and ``benchmarks.adam --play``
 run in it. The instruction paths are the played host's; the memory system stays this one's.

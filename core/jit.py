@@ -1,4 +1,4 @@
-"""Numba options and the kernel cache, in one place.
+"""Numba options, the kernel cache, and the target features kernels may use, in one place.
 
 Every kernel in gradtap is decorated with ``njit(**JIT)`` or ``njit(**JIT_PARALLEL)``; no
 kernel writes its own option literals. Tests can run the whole suite with
@@ -29,6 +29,7 @@ import os
 from functools import lru_cache
 
 import numba
+from llvmlite import binding as llvm_binding
 from numba.core import caching
 
 import gradtap
@@ -46,6 +47,17 @@ JIT_PARALLEL = dict(JIT, parallel=True)
 # return. Numba's own hot helpers do the same (``numba/cpython/unicode.py``:
 # ``register_jitable(_nrt=False)``, "Disable RefCt for performance").
 JIT_NO_REFCOUNT = dict(JIT, _nrt=False)
+
+@lru_cache(maxsize=None)
+def has_feature(name: str) -> bool:
+    """Whether the kernels Numba compiles here may use the target feature ``name`` (LLVM's
+    spelling: ``"avx512f"``, ``"sse"``): the features ``NUMBA_CPU_FEATURES`` names when it is
+    set (Numba then compiles for them, e.g. an AVX2 target on an AVX-512 host), else the host
+    CPU's as LLVM sees them."""
+    features = numba.config.CPU_FEATURES if numba.config.CPU_FEATURES is not None \
+        else llvm_binding.get_host_cpu_features().flatten()
+    return f"+{name}" in features.split(",")
+
 
 PACKAGE = gradtap.__name__
 

@@ -27,18 +27,16 @@ is reproducible only by executing the same instruction on the same CPU. LLVM can
 vectorise a target intrinsic inside a loop, hence the many-lane forms.
 
 The ``rsqrt14`` pair needs AVX-512F and the ``rsqrt12`` pair SSE (any x86-64); ask
-:func:`has_feature` first, because calling one on a CPU without it fails when the kernel is
-compiled. Under ``NUMBA_DISABLE_JIT=1`` the others are plain-Python twins (exact, slow) and
+:func:`gradtap.core.jit.has_feature` first, because calling one on a CPU without it fails when
+the kernel is compiled. Under ``NUMBA_DISABLE_JIT=1`` the others are plain-Python twins (exact, slow) and
 the estimates are unavailable.
 """
 
 from __future__ import annotations
 
 from fractions import Fraction
-from functools import lru_cache
 
 import numpy as np
-from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import config, types
 from numba.core import cgutils
@@ -50,17 +48,6 @@ from gradtap.core.jit import JIT
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _V4 = ir.VectorType(_F32, 4)
-
-
-@lru_cache(maxsize=None)
-def has_feature(name: str) -> bool:
-    """Whether the kernels Numba compiles here may use the target feature ``name`` (LLVM's
-    spelling: ``"avx512f"``, ``"sse"``): the features ``NUMBA_CPU_FEATURES`` names when it is
-    set (Numba then compiles for them, e.g. an AVX2 target on an AVX-512 host), else the host
-    CPU's as LLVM sees them."""
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None \
-        else llvm_binding.get_host_cpu_features().flatten()
-    return f"+{name}" in features.split(",")
 
 
 if config.DISABLE_JIT:

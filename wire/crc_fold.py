@@ -38,8 +38,8 @@ from numba import config, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from gradtap.core.jit import has_feature
 from gradtap.core.memory import CACHE_LINE
-from gradtap.updater.intrinsics import has_feature
 
 BLOCK = 128                 # bytes folded per step: four 256-bit registers
 MIN_BLOCKS = 2

@@ -11,7 +11,8 @@ import torch
 from numba import njit
 
 from gradtap.core.jit import JIT
-from gradtap.updater.intrinsics import div32, fma32, has_feature, rsqrt12, rsqrt12x4, rsqrt14, rsqrt14x16, widen
+from gradtap.core.jit import has_feature
+from gradtap.updater.intrinsics import div32, fma32, rsqrt12, rsqrt12x4, rsqrt14, rsqrt14x16, widen
 
 
 @njit(**JIT)

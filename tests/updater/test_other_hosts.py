@@ -42,7 +42,7 @@ def test_the_paths_of_another_host_equal_torch(host, numba_cache):
     instructions, root = PLAYED[host], ROOTS[host]
     env = played_env(host, str(numba_cache))
     probe = subprocess.run(
-        [sys.executable, "-c", "import torch; from gradtap.updater.intrinsics import has_feature; "
+        [sys.executable, "-c", "import torch; from gradtap.core.jit import has_feature; "
                                "from gradtap.updater.selfcheck import mkl_roots; "
                                "print(torch.backends.cpu.get_cpu_capability(), has_feature('avx512f'), "
                                "has_feature('avx2'), *mkl_roots())"],

@@ -13,7 +13,7 @@ import pytest
 from numba import config, njit
 
 from benchmarks._hosts import host_features
-from gradtap.updater.intrinsics import has_feature
+from gradtap.core.jit import has_feature
 from gradtap.wire import crc_fold
 from gradtap.wire.crc_fold import BARRETT, BLOCK, K_64, K_128, fold_constant, fold_crc32, fold_crc32_py
 

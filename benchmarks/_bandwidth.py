@@ -9,11 +9,11 @@ Two copies are timed and the faster counts, so that no host's slow copy makes th
 look better than they are: ``np.copyto`` on contiguous uint8 slices, which is libc
 ``memcpy`` (non-temporal stores for large sizes; it releases the GIL, so the threads really
 run in parallel), and gradtap's own non-temporal copy (``gradtap.core.memory.stream_bytes``,
-64-byte lines, in a kernel that releases the GIL). On the Xeon hosts this project first ran
-on, memcpy was the faster; on an AMD EPYC VM (AVX2, 2 vCPUs), memcpy moved 8.1 GB/s on one
-thread and 8.45 on two, the non-temporal copy 8.4 and 15.3: libc's large copy did not scale
-there. ``copy_rates`` gives both. A Numba loop of ordinary stores is not a fair stand-in:
-every store first reads its cache line, so it moves half as much again.
+64-byte lines, in a kernel that releases the GIL). Which is faster depends on the host: on
+an AMD EPYC VM (Zen 3, 2 vCPUs), memcpy moved 8.1 GB/s on one thread and 8.45 on two, the
+non-temporal copy 8.4 and 15.3: libc's large copy did not scale there. ``copy_rates`` gives
+both. A Numba loop of ordinary stores is not a fair stand-in: every store first reads its
+cache line, so it moves half as much again.
 
 ``around(measure)`` measures the rate just before and just after ``measure()`` and keeps the
 higher (the lower ratio): this project's VM moves between about 22 and 36 GB/s (2 threads)

@@ -26,7 +26,8 @@ would bake in as a "dynamic global"), a by-name call keeps the calling kernels c
 (``cache=True`` in ``gradtap.core.jit``). With ``NUMBA_DISABLE_JIT=1`` the same functions run as
 Python and call ISA-L through ctypes. On a host with 256-bit ``vpclmulqdq`` and AVX2 but not
 AVX-512, for which ISA-L has no kernel, runs of whole 128-byte blocks are folded by gradtap's own
-(``wire/crc_fold.py``, twice ISA-L's rate on AMD EPYC Zen 3) and the rest continues in ISA-L.
+(``wire/crc_fold.py``: twice ISA-L's rate on AMD EPYC Zen 3 for data in cache, the same from
+memory) and the rest continues in ISA-L.
 
 The payload's own CRC comes with the ICRC at no extra pass (:func:`icrc_and_payload_crc`): the
 CRC of a concatenation is the first part's CRC shifted by the second part's length, xored with

@@ -42,7 +42,7 @@ from gradtap.core.jit import has_feature
 from gradtap.core.memory import CACHE_LINE
 
 BLOCK = 128                 # bytes folded per step: four 256-bit registers
-MIN_BLOCKS = 2
+MIN_BLOCKS = 2              # the fewest crc32_update folds (one block is correct too)
 PREFETCH = 1024             # bytes ahead of the block being folded that each step asks for
 POLY = 0x104C11DB7          # zlib's CRC-32 polynomial, x^32 included (not reflected)
 
@@ -117,7 +117,7 @@ def fold_crc32_py(crc: int, data: bytes, blocks: int) -> int:
 
 if config.DISABLE_JIT:
     def fold_crc32(crc, buf, start, blocks):
-        """``zlib.crc32(buf[start:start + 128 * blocks], crc)``; ``blocks >= 2``."""
+        """``zlib.crc32(buf[start:start + 128 * blocks], crc)``; ``blocks >= 1``."""
         return np.uint32(fold_crc32_py(int(crc), bytes(buf[start:start + BLOCK * blocks]), int(blocks)))
 else:
     _I8, _I32, _I64, _I128 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.IntType(128)
@@ -127,7 +127,7 @@ else:
     @intrinsic
     def fold_crc32(typingctx, crc, buf, start, blocks):
         """``zlib.crc32(buf[start:start + 128 * blocks], crc)`` as a uint32: ``buf`` a 1-D
-        C-contiguous uint8 array, ``blocks >= 2``, the range inside ``buf`` (the caller
+        C-contiguous uint8 array, ``blocks >= 1``, the range inside ``buf`` (the caller
         checks; nothing is checked here). Needs ``vpclmulqdq`` and AVX2 (:data:`FOLDS`)."""
         if not (isinstance(buf, types.Array) and buf.dtype == types.uint8 and buf.ndim == 1 and buf.layout == "C"):
             return None

@@ -47,10 +47,14 @@ PREFETCH = 1024             # bytes ahead of the block being folded that each st
 POLY = 0x104C11DB7          # zlib's CRC-32 polynomial, x^32 included (not reflected)
 
 
-def _mod_poly(a: int) -> int:
+def _divide(a: int) -> tuple[int, int]:
+    """Quotient and remainder of the polynomial ``a`` (over GF(2)) divided by P."""
+    q = 0
     while a.bit_length() > 32:
-        a ^= POLY << (a.bit_length() - 33)
-    return a
+        shift = a.bit_length() - 33
+        q |= 1 << shift
+        a ^= POLY << shift
+    return q, a
 
 
 def _reflect(v: int, bits: int) -> int:
@@ -59,23 +63,14 @@ def _reflect(v: int, bits: int) -> int:
 
 def fold_constant(e: int) -> int:
     """x^e mod P, bit-reflected in 32 bits and shifted left by one (33 bits)."""
-    return _reflect(_mod_poly(1 << e), 32) << 1
-
-
-def _quotient(a: int) -> int:
-    q = 0
-    while a.bit_length() > 32:
-        shift = a.bit_length() - 33
-        q |= 1 << shift
-        a ^= POLY << shift
-    return q
+    return _reflect(_divide(1 << e)[1], 32) << 1
 
 
 K_1024 = (fold_constant(1024 + 32), fold_constant(1024 - 32))   # one step: 1024 bits on
 K_256 = (fold_constant(256 + 32), fold_constant(256 - 32))      # register into register
 K_128 = (fold_constant(128 + 32), fold_constant(128 - 32))      # lane into lane
 K_64 = fold_constant(64)
-BARRETT = (_reflect(POLY, 33), _reflect(_quotient(1 << 64), 33))  # (P', u')
+BARRETT = (_reflect(POLY, 33), _reflect(_divide(1 << 64)[0], 33))  # (P', u')
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
 

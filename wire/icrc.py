@@ -169,29 +169,20 @@ else:
         return sig, codegen
 
 
-if FOLDS:
-    @njit(**JIT)
-    def crc32_update(crc, buf, start, stop):
-        """``zlib.crc32(buf[start:stop], crc)`` as a uint32, without copying: whole 128-byte
-        blocks folded on 256-bit vectors (``wire/crc_fold.py``), the rest in ISA-L.
+@njit(**JIT)
+def crc32_update(crc, buf, start, stop):
+    """``zlib.crc32(buf[start:stop], crc)`` as a uint32, without copying: in ISA-L, whole
+    128-byte blocks first folded on 256-bit vectors where this host takes that path
+    (``wire/crc_fold.py``; Numba drops the branch where it does not).
 
-        ``buf``: C-contiguous 1-D uint8 array; requires ``0 <= start <= stop <= len(buf)``.
-        """
-        crc = np.uint32(crc)
-        blocks = (stop - start) // FOLD_BLOCK
-        if blocks >= FOLD_MIN_BLOCKS:
-            crc = fold_crc32(crc, buf, start, blocks)
-            start += blocks * FOLD_BLOCK
-        return _isal_crc32(crc, buf.ctypes.data + np.int64(start), np.uint64(stop - start))
-else:
-    @njit(**JIT)
-    def crc32_update(crc, buf, start, stop):
-        """``zlib.crc32(buf[start:stop], crc)`` as a uint32, without copying (ISA-L).
-
-        ``buf``: C-contiguous 1-D uint8 array; requires ``0 <= start <= stop <= len(buf)``.
-        """
-        return _isal_crc32(np.uint32(crc), buf.ctypes.data + np.int64(start),
-                           np.uint64(stop - start))
+    ``buf``: C-contiguous 1-D uint8 array; requires ``0 <= start <= stop <= len(buf)``.
+    """
+    crc = np.uint32(crc)
+    blocks = (stop - start) // FOLD_BLOCK
+    if FOLDS and blocks >= FOLD_MIN_BLOCKS:
+        crc = fold_crc32(crc, buf, start, blocks)
+        start += blocks * FOLD_BLOCK
+    return _isal_crc32(crc, buf.ctypes.data + np.int64(start), np.uint64(stop - start))
 
 
 @njit(**JIT, inline="always")

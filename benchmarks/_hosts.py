@@ -11,6 +11,7 @@ run in it. The instruction paths are the played host's; the memory system stays 
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from llvmlite import binding as llvm
 
@@ -26,6 +27,12 @@ def host_features() -> list[str]:
     return llvm.get_host_cpu_features().flatten().split(",")
 
 
+def features_without(drop: Callable[[str], bool]) -> str:
+    """This CPU's features for ``NUMBA_CPU_FEATURES``, with each one ``drop(name)`` (LLVM's name,
+    no sign) is true of turned off."""
+    return ",".join(("-" + f[1:]) if drop(f[1:]) else f for f in host_features())
+
+
 def can_play() -> str | None:
     """Why this host cannot play the others (``None`` when it can): it needs AVX2 and FMA."""
     if not {"+avx2", "+fma"} <= set(host_features()):
@@ -36,7 +43,7 @@ def can_play() -> str | None:
 def played_env(host: str, numba_cache: str) -> dict[str, str]:
     """``os.environ`` with the variables that make a new process play ``host`` (one of
     :data:`PLAYED`), its Numba cache in ``numba_cache`` (code for another CPU)."""
-    without_avx512 = ",".join(("-" + f[1:]) if f[1:].startswith("avx512") else f for f in host_features())
+    without_avx512 = features_without(lambda f: f.startswith("avx512"))
     return {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "NUMBA_CPU_NAME": "haswell",
             "NUMBA_CPU_FEATURES": without_avx512, "NUMBA_CACHE_DIR": numba_cache,
             "MKL_ENABLE_INSTRUCTIONS": PLAYED[host]}

@@ -48,6 +48,7 @@ JIT_PARALLEL = dict(JIT, parallel=True)
 # ``register_jitable(_nrt=False)``, "Disable RefCt for performance").
 JIT_NO_REFCOUNT = dict(JIT, _nrt=False)
 
+
 @lru_cache(maxsize=None)
 def has_feature(name: str) -> bool:
     """Whether the kernels Numba compiles here may use the target feature ``name`` (LLVM's

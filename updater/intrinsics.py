@@ -28,8 +28,8 @@ vectorise a target intrinsic inside a loop, hence the many-lane forms.
 
 The ``rsqrt14`` pair needs AVX-512F and the ``rsqrt12`` pair SSE (any x86-64); ask
 :func:`gradtap.core.jit.has_feature` first, because calling one on a CPU without it fails when
-the kernel is compiled. Under ``NUMBA_DISABLE_JIT=1`` the others are plain-Python twins (exact, slow) and
-the estimates are unavailable.
+the kernel is compiled. Under ``NUMBA_DISABLE_JIT=1`` the others are plain-Python twins (exact,
+slow) and the estimates are unavailable.
 """
 
 from __future__ import annotations

@@ -89,9 +89,8 @@ import numpy as np
 from numba import config, njit
 
 from gradtap.core.errors import GradtapError
-from gradtap.core.jit import JIT
+from gradtap.core.jit import JIT, has_feature
 from gradtap.core.vector_math import settle_vector_math
-from gradtap.core.jit import has_feature
 from gradtap.updater.intrinsics import fma32, rsqrt12, rsqrt12x4, rsqrt14, rsqrt14x16
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,7 @@ import pytest
 import torch
 from numba import njit
 
-from gradtap.core.jit import JIT
-from gradtap.core.jit import has_feature
+from gradtap.core.jit import JIT, has_feature
 from gradtap.updater.intrinsics import div32, fma32, rsqrt12, rsqrt12x4, rsqrt14, rsqrt14x16, widen
 
 

@@ -37,11 +37,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradtap.parser.flow_match import pair_keys
+from gradtap.parser.flow_match import ELSEWHERE, pair_keys
 from gradtap.parser.stream_tables import UNKNOWN_QPN, StreamTables
-from gradtap.wire import events as ev
-from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_IMMDT_OFF, OPCODE_KIND, OPCODE_RETH_OFF, \
-    RC_RDMA_WRITE_FIRST, RC_RDMA_WRITE_MIDDLE, RC_RDMA_WRITE_ONLY
+from gradtap.wire.headers.opcodes import OPCODE_IMMDT_OFF, OPCODE_RETH_OFF, RC_RDMA_WRITE_FIRST, \
+    RC_RDMA_WRITE_MIDDLE, RC_RDMA_WRITE_ONLY
 from gradtap.wire.psn import psn_delta
 
 MISFIT_SHARE = 0.05         # share of a wire flow's writes that may contradict its planned flow
@@ -130,7 +129,8 @@ class FlowLearner:
     # -- evidence ----------------------------------------------------------------------------
 
     def keys(self, recs: np.ndarray) -> np.ndarray:
-        """Each record's wire flow as ``pair << 24 | qpn`` (-1: not a write between the job's ranks)."""
+        """Each record's wire flow as ``pair << 24 | qpn``; negative for any other record
+        (``flow_match.ELSEWHERE``: a write between other hosts)."""
         return pair_keys(recs, self.pairs)
 
     def maybe_job(self, keys: np.ndarray) -> np.ndarray:
@@ -167,7 +167,7 @@ class FlowLearner:
         return key
 
     def _count_strangers(self, recs: np.ndarray, key: np.ndarray) -> None:
-        other = (key < 0) & (recs["event"] == ev.DECODE_OK) & (OPCODE_KIND[recs["opcode"]] == KIND_WRITE)
+        other = key == ELSEWHERE
         if not other.any():
             return
         ends = np.concatenate([recs["src_ip"][other], recs["dst_ip"][other]], axis=1)

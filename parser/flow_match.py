@@ -24,6 +24,7 @@ from gradtap.wire import events as ev
 from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND
 
 NONE = -1           # a record of no flow (not a decoded write, or of no flow asked about)
+ELSEWHERE = -2      # pair_keys: a decoded RDMA WRITE between none of the pairs asked about
 
 
 @njit(**JIT_NO_REFCOUNT)
@@ -70,6 +71,7 @@ def _pair_keys(recs, pairs, out):
         out[i] = NONE
         if not _write(recs[i]):
             continue
+        out[i] = ELSEWHERE
         for p in range(pairs.shape[0]):
             if _between(recs[i], pairs[p, :16], pairs[p, 16:]):
                 out[i] = (np.int64(p) << 24) | np.int64(recs[i]["dest_qp"])
@@ -78,8 +80,8 @@ def _pair_keys(recs, pairs, out):
 
 def pair_keys(recs: np.ndarray, pairs: np.ndarray) -> np.ndarray:
     """int64[n]: each of ``recs`` that is a decoded RDMA WRITE between one of ``pairs``
-    (uint8[P, 32]: source then destination address, each row once) as ``p << 24 | dest_qp``,
-    else -1."""
+    (uint8[P, 32]: source then destination address, each row once) as ``p << 24 | dest_qp``;
+    :data:`ELSEWHERE` (-2) for one between none of them, and -1 for every other record."""
     if pairs.ndim != 2 or pairs.shape[1] != 32 or pairs.dtype != np.uint8:
         raise GradtapError(f"pair_keys: pairs is {pairs.dtype}{pairs.shape}; expected uint8[P, 32]")
     out = np.empty(len(recs), np.int64)

@@ -1,0 +1,46 @@
+"""How the suite shares the machine.
+
+``bin/test`` runs it on a pytest-xdist worker per core (at most 4) with ``--dist loadfile``:
+each test file runs whole on one worker, so that a module's fixtures (a simulated job, a
+capture, a replay) are made once, as in a run in one process. On one process, most of the
+suite leaves the second core of a 2-core machine idle (it compiles kernels and runs Python):
+on a 2-core AMD EPYC host, ``vmstat`` read 40-48% idle through a run in one process that took
+33 min (1991 s), and 6.6% through one on two workers that took 22 min (1320-1336 s, two runs
+from fresh clones, the same 2513 tests passed). ``bin/test -n 0`` runs it in one process
+(for ``--pdb``).
+
+The privileged tests change the host itself (network namespaces, veth, tc, AF_XDP,
+``vm.nr_hugepages``), and two at once would see each other's changes: a file that holds one
+runs under an exclusive lock on :data:`HOST_LOCK`, from its first fixture to its last, so no
+two such files run at once, from two workers or from two test runs on the same host.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HOST_LOCK = Path(tempfile.gettempdir()) / "gradtap-tests-privileged.lock"
+_PRIVILEGED_FILES = pytest.StashKey[set]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[_PRIVILEGED_FILES] = {item.path for item in items if item.get_closest_marker("privileged")}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _privileged_files_one_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    # Module-scoped and autouse: set up before the module's other fixtures (its network lab).
+    if request.path not in request.config.stash.get(_PRIVILEGED_FILES, set()):
+        yield
+        return
+    with open(HOST_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -5,7 +5,7 @@ each test file runs whole on one worker, so that a module's fixtures (a simulate
 capture, a replay) are made once, as in a run in one process. On one process, most of the
 suite leaves the second core of a 2-core machine idle (it compiles kernels and runs Python):
 on a 2-core AMD EPYC host, ``vmstat`` read 40-48% idle through a run in one process that took
-33 min (1991 s), and 6.6% through one on two workers that took 22 min (1320-1336 s, two runs
+33 min (1991 s), and 6.6% through one on two workers: 22-24 min (1320-1459 s over three runs
 from fresh clones, the same 2513 tests passed). ``bin/test -n 0`` runs it in one process
 (for ``--pdb``).
 

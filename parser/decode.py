@@ -60,7 +60,7 @@ from numba import njit, prange
 
 from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
 from gradtap.core.bytes import read_be, read_be_u64, read_le
-from gradtap.core.jit import JIT, JIT_PARALLEL
+from gradtap.core.jit import JIT, JIT_NO_REFCOUNT, JIT_PARALLEL
 from gradtap.core.memory import CACHE_LINE, prefetch_bytes
 from gradtap.wire.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
                            DECODE_ERSPAN_BAD_VERSION, DECODE_ERSPAN_TRUNCATED, DECODE_ERSPAN_UNSUPPORTED,
@@ -484,6 +484,24 @@ def decode_frame(data, start, caplen, wirelen, verify_icrc, decapsulate, rec):
     return event
 
 
+@njit(**JIT_NO_REFCOUNT)
+def decode_run(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, out, counts, start, stop):
+    """Decode frames ``start:stop`` of a batch checked by :func:`check_batch` into the same rows
+    of ``out``, on the calling thread, counting their events in ``counts`` (``int64[N_EVENTS]``).
+    Without reference counting (``core/jit.py``): the arrays pass to every frame's call."""
+    for i in range(start, stop):
+        if verify_icrc == VERIFY_NOW:
+            if i + AHEAD < stop:
+                prefetch_bytes(data, offsets[i + AHEAD], offsets[i + AHEAD] + caplens[i + AHEAD])
+        elif i + HEADERS_AHEAD < stop:
+            j = i + HEADERS_AHEAD
+            prefetch_bytes(data, offsets[j], offsets[j] + min(caplens[j], HEADER_BYTES))
+        rec = out[i]
+        event = decode_frame(data, offsets[i], caplens[i], wirelens[i], verify_icrc, decapsulate, rec)
+        rec["ts_ns"] = ts_ns[i]
+        counts[event] += 1
+
+
 @njit(**JIT_PARALLEL)
 def decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, out, counters):
     """Decode every frame of a batch checked by :func:`check_batch` into ``out`` (one
@@ -492,18 +510,8 @@ def decode_parts(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsula
     n = len(offsets)
     parts = counters.shape[0]
     for p in prange(parts):
-        stop = (p + 1) * n // parts
-        for i in range(p * n // parts, stop):
-            if verify_icrc == VERIFY_NOW:
-                if i + AHEAD < stop:
-                    prefetch_bytes(data, offsets[i + AHEAD], offsets[i + AHEAD] + caplens[i + AHEAD])
-            elif i + HEADERS_AHEAD < stop:
-                j = i + HEADERS_AHEAD
-                prefetch_bytes(data, offsets[j], offsets[j] + min(caplens[j], HEADER_BYTES))
-            rec = out[i]
-            event = decode_frame(data, offsets[i], caplens[i], wirelens[i], verify_icrc, decapsulate, rec)
-            rec["ts_ns"] = ts_ns[i]
-            counters[p, event] += 1
+        decode_run(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, out, counters[p],
+                   p * n // parts, (p + 1) * n // parts)
 
 
 def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | None = None, *,
@@ -546,10 +554,14 @@ def decode_batch(batch: FrameBatch, verify_icrc: bool = True, out: np.ndarray | 
                          f"the batch needs {n} writeable rows")
     out = out[:n]
     counters = part_counters(n)
-    mode = VERIFY_OFF if not verify_icrc else VERIFY_LATER if defer_icrc else VERIFY_NOW
     decode_parts(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
-                 mode, bool(decapsulate), out, counters)
+                 verify_mode(verify_icrc, defer_icrc), bool(decapsulate), out, counters)
     return out, counters.sum(axis=0)
+
+
+def verify_mode(verify_icrc: bool, defer_icrc: bool) -> int:
+    """What stage 1 does with a complete packet's ICRC (the kernels' ``verify_icrc``)."""
+    return VERIFY_OFF if not verify_icrc else VERIFY_LATER if defer_icrc else VERIFY_NOW
 
 
 def part_counters(frames: int) -> np.ndarray:

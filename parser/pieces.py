@@ -8,6 +8,20 @@ the cores' caches by then. Cut into pieces of about half a core's L2 cache per t
 piece is decoded, placed and copied before the next is read, and the second read finds the
 piece in the cache.
 
+With the ICRC checked in stage 2 (``defer_icrc``: a parser with at most a core to itself),
+stage 1 reads each frame's headers alone, and stage 2 reads them again before it reads the
+whole frame for the check. A batch of 8192 frames spans 8192 pages, more than the core's
+TLB and L2 cache keep between the two reads, so each frame's headers came from memory twice.
+In pieces of half the L2 cache, decoded on the calling thread, stage 2 finds them in the
+cache. (A parallel region for each piece cost more than it saved: in pieces of 128 frames,
+2.3-2.6 thread-s for the parse of the GPT-2 replay below, against 1.7-2.3 whole.) One stream of GPT-2
+small (``r0-egress`` of ``benchmarks.replay``'s capture) from the page cache in batches of
+8192 frames, on one thread of an AMD EPYC (Zen 3, 512 KiB of L2 per core; 6 alternations):
+0.405 s (median 0.481) in pieces against 0.462 (0.554) whole; the whole replay of 2
+iterations, 1.35-1.81 s (median 1.55) against 1.62-1.76 (1.69), 2 alternations of 3-4
+replays. Without the ICRC check, pieces gained nothing (0.233 s against 0.220 on one thread,
+0.187 against 0.164 on two): stage 2 reads only the headers and the payload it copies.
+
 The cut used to be made in Python, one call of each stage per piece: some 25 us of calls for
 every piece (stage 1's checks, allocations and dispatch: 13 us; stage 2's arguments: 10 us),
 so pieces small enough for the L2 cost more than they saved. :func:`parse_pieces` runs the
@@ -16,7 +30,9 @@ loop compiled, with the stream's arguments unpacked once per batch. One stream o
 the reader's batches of 65,536 frames, on a Xeon (family 6 model 207, 2 MiB of L2 per core;
 medians of 8 alternations, each the best of 3): on 2 threads 0.175 s whole, 0.162-0.164 in
 pieces of 1, 2 or 3 MiB; on one thread 0.307 s whole, 0.274 in pieces of 1 MiB. The counters
-and every byte placed are the same.
+and every byte placed are the same. The loop runs without reference counting (``core/jit.py``):
+with it, each piece's call of stage 2 took a reference to every array of the stream's tables,
+state and slots, 1.6 per frame of an LL stream in pieces of half the L2 cache.
 
 Stage 2 needs the records of every frame before it when a flow is still to be placed
 (``parser/lockon.py`` reads them first), so the loop serves a stream whose data flows are all
@@ -27,19 +43,20 @@ from __future__ import annotations
 
 from numba import njit
 
-from gradtap.core.jit import JIT
+from gradtap.core.jit import JIT_NO_REFCOUNT
 from gradtap.parser.assemble import DONE, NEED_ADVANCE, assemble
-from gradtap.parser.decode import decode_parts
+from gradtap.parser.decode import decode_parts, decode_run
 from gradtap.parser.payload import copy_deferred
 
 
-@njit(**JIT)
+@njit(**JIT_NO_REFCOUNT)
 def parse_pieces(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, recs, parts, start, piece,
                  t, state, slots, aside, slot0, counters):
     """Frames ``start:`` of a batch (``data`` and its per-frame arrays, checked by
     ``decode.check_batch``), ``piece`` frames at a time: stage 1 into ``recs`` (a
     ``FRAME_DTYPE`` row per frame; ``parts``, stage 1's counters from
-    ``decode.part_counters(piece)``, are scratch, not read after), stage 2 (``assemble``: the
+    ``decode.part_counters``, are scratch, not read after: with one row, stage 1 runs on the
+    calling thread, else in as many parts in parallel), stage 2 (``assemble``: the
     stream's tables, state, slots, aside, oldest slot and counters), then the payload copies it
     left pending. Returns ``assemble``'s ``(status, next_index)``: ``NEED_ADVANCE`` stops the
     loop at the frame that needs the oldest slot retired, for the caller to retire it and call
@@ -48,8 +65,11 @@ def parse_pieces(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsula
     i = start
     while i < n:
         stop = min(n, i + piece)
-        decode_parts(data, offsets[i:stop], caplens[i:stop], wirelens[i:stop], ts_ns[i:stop], verify_icrc,
-                     decapsulate, recs[i:stop], parts)
+        if parts.shape[0] == 1:
+            decode_run(data, offsets, caplens, wirelens, ts_ns, verify_icrc, decapsulate, recs, parts[0], i, stop)
+        else:
+            decode_parts(data, offsets[i:stop], caplens[i:stop], wirelens[i:stop], ts_ns[i:stop], verify_icrc,
+                         decapsulate, recs[i:stop], parts)
         status, j = assemble(recs[:stop], i, data, t, state, slots, aside, slot0, counters)
         if slots.pending.count[0]:
             copy_deferred(slots.pending, data, slots.grads)

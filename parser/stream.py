@@ -26,7 +26,7 @@ from gradtap.capture.frames import FrameBatch
 from gradtap.core.memory import cache_bytes
 from gradtap.parser.aside import NOTHING_ASIDE, AsideCopies, kept, new_aside, reconcile
 from gradtap.parser.assemble import NEED_ADVANCE, Slots, StreamState, assemble, origins
-from gradtap.parser.decode import VERIFY_NOW, check_batch, decode_batch, part_counters
+from gradtap.parser.decode import check_batch, decode_batch, part_counters, verify_mode
 from gradtap.parser.flow_learning import FlowLearner
 from gradtap.parser.lockon import Lock, LockFailure, LockOn, misplaced
 from gradtap.parser.mismatch import what_differs
@@ -98,16 +98,16 @@ class StreamParser:
         Once locked on, check a frame's ICRC in stage 2, just before its payload is placed
         (``decode_batch``'s ``defer_icrc``), instead of in stage 1: each payload is then read
         from memory once instead of twice, but the check runs in stage 2's one thread
-        instead of stage 1's threads. The better choice for a parser that has at most one
-        core to itself, e.g. one of as many streams as threads
-        (``gradtap/pipeline.py``).
+        instead of stage 1's threads (and stage 1, in pieces, on that thread). The better choice
+        for a parser that has at most one core to itself, e.g. one of as many streams as
+        threads (``gradtap/pipeline.py``).
     piece_bytes:
-        With the ICRC checked in stage 1, stage 2 reads each payload a second time. Once every
-        data flow is placed, a batch larger than this is parsed in pieces of about this size
-        (as many frames each; ``parser/pieces.py``), so that the second read finds the frames
-        in the cache: by default half a core's L2 cache for each Numba thread
-        (``core.memory.cache_bytes``; whole batches where the host does not say). 0: whole
-        batches.
+        With the ICRC checked, once every data flow is placed, a batch larger than this is
+        parsed in pieces of about this size (as many frames each; ``parser/pieces.py``), so
+        that stage 2 finds in the cache what stage 1 read of the piece: whole frames with the
+        check in stage 1, their headers with it in stage 2. By default half a core's L2 cache
+        for each thread stage 1 runs on (``core.memory.cache_bytes``; whole batches where the
+        host does not say). 0: whole batches.
     slots:
         Iterations assembled at once (1 by default: see ``DEFAULT_SLOTS``).
     spares:
@@ -254,14 +254,19 @@ class StreamParser:
         return out
 
     def _piece_frames(self, batch: FrameBatch) -> int:
-        """Frames per piece for a batch of a locked stream (0: whole): with the ICRC checked in
-        stage 1, every data flow placed and the batch larger than a piece."""
-        if not self.verify_icrc or self.defer_icrc or not self._placed():
+        """Frames per piece for a batch of a locked stream (0: whole): with the ICRC checked,
+        every data flow placed and the batch larger than a piece."""
+        if not self.verify_icrc or not self._placed():
             return 0
         size = self.piece_bytes
         if size is None:
-            size = self._half_l2 * numba.get_num_threads()
+            size = self._half_l2 * self._stage1_threads()
         return max(1, len(batch) * size // batch.nbytes) if 0 < size < batch.nbytes else 0
+
+    def _stage1_threads(self) -> int:
+        """The threads stage 1 runs on in pieces: the caller's alone with the ICRC checked in
+        stage 2 (a parser with at most a core to itself), else every Numba thread."""
+        return 1 if self.defer_icrc else numba.get_num_threads()
 
     def _placed(self) -> bool:
         """Whether every data flow has its base: stage 2 then needs no record ahead of it."""
@@ -271,11 +276,12 @@ class StreamParser:
         """Stages 1 and 2 of a locked stream, ``piece`` frames at a time (``parser/pieces.py``)."""
         check_batch(batch)
         recs = np.empty(len(batch), FRAME_DTYPE)
-        parts = part_counters(piece)
+        parts = part_counters(min(piece, self._stage1_threads()))
         self._make_room(len(batch))
         out, i = [], 0
         while True:
-            status, i = parse_pieces(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns, VERIFY_NOW,
+            status, i = parse_pieces(batch.data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns,
+                                     verify_mode(self.verify_icrc, self.defer_icrc),
                                      self.decapsulate, recs, parts, i, piece, self.tables, self.state,
                                      self.slots, self.aside, self.slot0, self.counters)
             if status != NEED_ADVANCE:

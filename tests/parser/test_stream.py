@@ -250,13 +250,15 @@ def test_a_late_copy_of_a_retired_iteration_moves_nothing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("defer", [False, True], ids=["icrc-in-stage-1", "icrc-in-stage-2"])
 @pytest.mark.parametrize("protocol, encapsulation", [("Simple", "none"), ("LL128", "none"), ("Simple", "erspan3")])
-def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path, protocol, encapsulation,
+def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path, protocol, encapsulation, defer,
                                                                          monkeypatch):
-    """With the ICRC checked in stage 1, a batch of a locked stream larger than ``piece_bytes``
-    is parsed in pieces (``parser/pieces.py``: so that stage 2 finds the frames in the cache):
-    the counters, the coverage and every byte equal those of the batch parsed whole, on a
-    faulty stream, plain or arriving over ERSPAN."""
+    """With the ICRC checked, in stage 1 or (``defer_icrc``) in stage 2, a batch of a locked
+    stream larger than ``piece_bytes`` is parsed in pieces (``parser/pieces.py``: so that
+    stage 2 finds in the cache what stage 1 read): the counters, the coverage and every byte
+    equal those of the batch parsed whole, on a faulty stream, plain or arriving over ERSPAN.
+    With the check in stage 2, stage 1 decodes each piece on the calling thread (one part)."""
     import gradtap.parser.stream as stream
     from gradtap.parser.pieces import parse_pieces
     from tests.simulator.test_erspan import with_encapsulation
@@ -264,13 +266,13 @@ def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path
     simulate(tmp_path, job, iterations=3, faults="mirror_loss=0.02," + FAULTS_ALL_BUT_MIRROR_LOSS)
     plan = job_plan(job)
     frames = read_pcap(tmp_path / "streams" / "m-both.pcap")
-    calls = {}          # piece_bytes -> (start, frames per piece) of every call of the compiled loop
+    calls = {}          # piece_bytes -> (start, frames per piece, stage 1's parts) of every call of the compiled loop
     runs = {}
     for piece_bytes in (0, 1000):
         made = calls.setdefault(piece_bytes, [])
         monkeypatch.setattr(stream, "parse_pieces", lambda *a, inner=parse_pieces, made=made: made.append(
-            (a[9], a[10])) or inner(*a))
-        parser = StreamParser(job, plan, "m-both", piece_bytes=piece_bytes)
+            (a[9], a[10], len(a[8]))) or inner(*a))
+        parser = StreamParser(job, plan, "m-both", piece_bytes=piece_bytes, defer_icrc=defer)
         its = [it for lo in range(0, len(frames), 64) for it in parser.feed(frames.frames(lo, lo + 64))]
         runs[piece_bytes] = (parser, its + parser.flush())
     (whole, whole_its), (pieces, piece_its) = runs[0], runs[1000]
@@ -278,7 +280,9 @@ def test_a_batch_parsed_in_cache_sized_pieces_gives_what_it_gives_whole(tmp_path
     # frame or two at a time (1000 bytes; the frames are some 600), and where an iteration
     # ended inside one, the loop stopped there and was called again from that frame.
     assert calls[0] == [] and len(calls[1000]) > len(frames) // 64 // 2, calls
-    assert {p for _, p in calls[1000]} <= {1, 2} and any(start > 0 for start, _ in calls[1000]), calls
+    assert {p for _, p, _ in calls[1000]} <= {1, 2} and any(start > 0 for start, _, _ in calls[1000]), calls
+    if defer:
+        assert {parts for _, _, parts in calls[1000]} == {1}, calls
     assert np.array_equal(pieces.counters, whole.counters)
     assert [it.index for it in piece_its] == [it.index for it in whole_its] == [0, 1, 2]
     for a, b in zip(piece_its, whole_its):

@@ -12,7 +12,8 @@ from fresh clones, the same 2513 tests passed). ``bin/test -n 0`` runs it in one
 The privileged tests change the host itself (network namespaces, veth, tc, AF_XDP,
 ``vm.nr_hugepages``), and two at once would see each other's changes: a file that holds one
 runs under an exclusive lock on :data:`HOST_LOCK`, from its first fixture to its last, so no
-two such files run at once, from two workers or from two test runs on the same host.
+two such files run at once, from two workers or from two test runs on the same host. The wait
+for it is not a test's time: pytest-timeout's 600 s start after it.
 """
 
 from __future__ import annotations
@@ -21,26 +22,34 @@ import fcntl
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
 HOST_LOCK = Path(tempfile.gettempdir()) / "gradtap-tests-privileged.lock"
 _PRIVILEGED_FILES = pytest.StashKey[set]()
+_HELD = pytest.StashKey[IO[str]]()     # the open lock file, while a privileged file runs
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[_PRIVILEGED_FILES] = {item.path for item in items if item.get_closest_marker("privileged")}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _privileged_files_one_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
-    # Module-scoped and autouse: set up before the module's other fixtures (its network lab).
-    if request.path not in request.config.stash.get(_PRIVILEGED_FILES, set()):
-        yield
-        return
-    with open(HOST_LOCK, "a") as lock:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[object]:
+    """Hold :data:`HOST_LOCK` from the set-up of a privileged file's first test to the
+    tear-down of its last, where the file's module fixtures (its network lab) go too. Taken
+    here, outside pytest-timeout's wrapper (this one runs first), so that a worker waiting for
+    another worker's privileged file does not spend its first test's timeout waiting."""
+    if item.path in item.config.stash.get(_PRIVILEGED_FILES, set()) and _HELD not in item.config.stash:
+        lock = open(HOST_LOCK, "a")
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
+        item.config.stash[_HELD] = lock
+    try:
+        return (yield)
+    finally:
+        if _HELD in item.config.stash and (nextitem is None or nextitem.path != item.path):
+            lock = item.config.stash[_HELD]
+            del item.config.stash[_HELD]
             fcntl.flock(lock, fcntl.LOCK_UN)
+            lock.close()

@@ -10,17 +10,18 @@ piece in the cache.
 
 With the ICRC checked in stage 2 (``defer_icrc``: a parser with at most a core to itself),
 stage 1 reads each frame's headers alone, and stage 2 reads them again before it reads the
-whole frame for the check. A batch of 8192 frames spans 8192 pages, more than the core's
+whole frame for the check. A batch of 8192 frames of 4 KB spans about 8192 pages, more than the core's
 TLB and L2 cache keep between the two reads, so each frame's headers came from memory twice.
 In pieces of half the L2 cache, decoded on the calling thread, stage 2 finds them in the
-cache. (A parallel region for each piece cost more than it saved: in pieces of 128 frames,
-2.3-2.6 thread-s for the parse of the GPT-2 replay below, against 1.7-2.3 whole.) One stream of GPT-2
-small (``r0-egress`` of ``benchmarks.replay``'s capture) from the page cache in batches of
-8192 frames, on one thread of an AMD EPYC (Zen 3, 512 KiB of L2 per core; 6 alternations):
-0.405 s (median 0.481) in pieces against 0.462 (0.554) whole; the whole replay of 2
-iterations, 1.35-1.81 s (median 1.55) against 1.62-1.76 (1.69), 2 alternations of 3-4
-replays. Without the ICRC check, pieces gained nothing (0.233 s against 0.220 on one thread,
-0.187 against 0.164 on two): stage 2 reads only the headers and the payload it copies.
+cache. One stream of GPT-2 small (``r0-egress`` of ``benchmarks.replay``'s capture) from the
+page cache in batches of 8192 frames, on one thread of an AMD EPYC (Zen 3, 512 KiB of L2 per
+core; 6 alternations): 0.401-0.405 s (median 0.481-0.485) in pieces against 0.462-0.479
+(0.554-0.590) whole. The whole replay of 2 iterations: 1.35-1.81 s (median 1.51 over 9
+replays) against 1.62-1.76 (median 1.69 over 5), alternated. A parallel region for each piece
+cost more than it saved (in pieces of 128 frames, 2.3-2.6 thread-s for that replay's parse,
+against 1.7-2.3 whole). Without the ICRC check, pieces gained nothing (0.233 s against 0.220
+on one thread, 0.187 against 0.164 on two): stage 2 reads only the headers and the payload
+it copies.
 
 The cut used to be made in Python, one call of each stage per piece: some 25 us of calls for
 every piece (stage 1's checks, allocations and dispatch: 13 us; stage 2's arguments: 10 us),

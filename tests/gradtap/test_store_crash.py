@@ -262,10 +262,15 @@ def upload_window(ctx, argv: list[str], out: Path, timeout: float = 300) -> floa
 
 
 def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float = 300) -> dict:
-    """Start the appliance and SIGKILL it at ``moment``: ``delay`` seconds after an upload is
-    pending or in flight while the first is (``first``), or once at least one upload has
-    completed and the replica has reported ``iteration`` iterations. What was seen: whether it
-    was killed (rather than finished first) and whether an upload was under way then."""
+    """Start the appliance and SIGKILL it at ``moment``: once an upload is pending or in flight
+    while the first is (``first``), or once at least one upload has completed and the replica
+    has reported ``iteration`` iterations, after a delay of ``fraction`` of the upload
+    ``window`` or, if less, of half the capture still to come then. (Killed while the capture
+    still comes: after the last iteration the appliance closes at once, whatever the delay. The
+    capture left is taken when the moment comes, not from ``iteration``: on a slow store the
+    first upload completes iterations later, and a delay drawn for ``iteration`` let the
+    appliance finish first in 5 of 10 trials of one run.) What was seen: whether it was killed
+    (rather than finished first), whether an upload was under way then, and the delay."""
     proc = start_appliance(ctx, argv, out)
 
     def due() -> bool:
@@ -280,7 +285,9 @@ def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float =
         while proc.is_alive() and not due():
             assert time.monotonic() < deadline, f"the appliance did not reach {moment} in {timeout} s"
             time.sleep(0.0005)
-        time.sleep(moment["delay"])
+        left = PACE_S * max(0, ITERATIONS - applied(out)) / ITERATIONS
+        delay = min(moment["window"], left / 2) * moment["fraction"]
+        time.sleep(delay)
         in_flight = uploads_waiting(out)
         killed = proc.is_alive()
     finally:
@@ -288,7 +295,7 @@ def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float =
             os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
     return {"killed": killed and proc.exitcode == -signal.SIGKILL, "in_flight": killed and in_flight,
-            "exitcode": proc.exitcode}
+            "exitcode": proc.exitcode, "delay": round(delay, 4)}
 
 
 def restart(sim: Sim, job_file: Path, iteration: int, out: Path):
@@ -326,13 +333,8 @@ def test_sigkill_of_the_appliance_while_uploading(tmp_path, sim, kind, request):
     print(f"{kind}: an upload is under way for {1e3 * window:.1f} ms (median)")
     outcomes = []
     for trial in range(TRIALS[kind]):
-        # Killed while the capture still comes: after the last iteration the appliance closes
-        # at once, whatever the delay. So the delay after the replica reports an iteration is
-        # at most half the capture still to come then: a slow store (a long upload window)
-        # otherwise made the kills at the last iterations miss (4 of 10 trials in one CI run).
-        iteration = rng.randint(2, ITERATIONS - 1)
-        left = PACE_S * (ITERATIONS - iteration) / ITERATIONS
-        moment = {"first": trial % 5 == 4, "iteration": iteration, "delay": min(window, left / 2) * rng.random()}
+        moment = {"first": trial % 5 == 4, "iteration": rng.randint(2, ITERATIONS - 1), "window": window,
+                  "fraction": rng.random()}
         where = f"{kind} trial {trial} (CRASH_SEED={CRASH_SEED}: killed at {moment})"
         root = tmp_path / f"t{trial}"
         root.mkdir()

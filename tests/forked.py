@@ -1,11 +1,15 @@
-"""Warm processes for the kill trials.
+"""Warm processes for the tests that start many gradtap processes: the kill trials and the
+mirror groups' node processes.
 
-A test that SIGKILLs a process at random moments, many times over, forks each life from a
-``multiprocessing`` fork server that has imported torch, gradtap and the tests' own modules
-once, instead of starting an interpreter for it: the imports took 3-4 s of every life on a
-2-core Xeon, and a forked life starts its own work at once. What is killed is still a
-process of its own, with its own memory, threads and file descriptors, so a kill leaves on
-disk what it would leave of a fresh interpreter.
+Such a test forks each process from a ``multiprocessing`` fork server that has imported torch,
+gradtap and the tests' own modules once, instead of starting an interpreter for it: the
+imports took 3-4 s of every life on a 2-core Xeon, and 7-8 s of CPU on the 2-core AMD EPYC
+(torch alone 3.5 s), and a forked process starts its own work at once. A spawned node of
+``tests/merger/test_group.py`` did little else: that file took 109 s with spawned nodes and
+28 s with forked ones. What is forked is still a process of its own, with its own memory,
+threads and file descriptors, so a kill leaves on disk what it would leave of a fresh
+interpreter. The fork server has run no kernel and joined no process group, so each child
+starts its own Numba and OpenMP threads and its own gloo links.
 
 Python has one fork server per process, started at its first use with the modules named
 then (``set_forkserver_preload``), so every test takes its context from :func:`fork_server`.
@@ -19,11 +23,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-# What the trials' children import: the fork server imports it once, before any child.
+# What the children import: the fork server imports it once, before any child.
 PRELOAD = ["torch", "torch._dynamo", "torch._decomp", "torch._meta_registrations", "s3fs", "gradtap.cli",
            "gradtap.commands.replay", "gradtap.replay", "gradtap.store_tier", "gradtap.store.snapshot",
            "gradtap.store.snapshot_writer", "gradtap.store.object_store", "gradtap.store.uploader",
-           "gradtap.updater.replica", "tests.forked", "tests.updater.test_replica",
+           "gradtap.updater.replica", "gradtap.merger.group", "gradtap.group", "tests.forked", "tests.merger.test_group",
+           "tests.merger.test_group_link", "tests.gradtap.test_group_replay", "tests.updater.test_replica",
            "tests.store.test_snapshot_writer", "tests.gradtap.test_store_crash"]
 PIPE = subprocess.PIPE
 

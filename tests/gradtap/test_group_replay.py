@@ -5,7 +5,6 @@ single-process appliance (itself checked against the simulator's truth), bit for
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import queue
 from pathlib import Path
@@ -25,6 +24,7 @@ from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.models import build
 from gradtap.workload.shards import Shards
 from gradtap.workload.spec import parse_job
+from tests.forked import fork_server
 from tests.gradtap.test_replay import allgather_frames, start_of, streams_of
 from tests.merger.test_group import group_job
 from tests.simulator.test_simulate import make_job, simulate
@@ -71,7 +71,7 @@ def node(rank, world, rendezvous, job_doc, pcaps, out, start, die_at, results):
 
 def run_group(tmp_path: Path, job, sim: Path, nodes: list[list[str]], die: tuple[int, int] | None = None):
     """One process per node; rank -> (shard state, report lines, stale), and the exit codes."""
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     results = ctx.Queue()
     paths = streams_of(sim, job)
     doc = job.model_dump(mode="json", exclude_none=True)

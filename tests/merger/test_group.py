@@ -9,7 +9,6 @@ dies mid-iteration leaves the others reporting it, not hanging.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import queue
 
@@ -24,6 +23,7 @@ from gradtap.parser.stream import AssembledIteration
 from gradtap.workload.layout import job_plan
 from gradtap.workload.shards import Shards
 from gradtap.workload.spec import parse_job
+from tests.forked import fork_server
 from tests.simulator.test_simulate import make_job
 
 STREAMS = ["a", "b", "c"]
@@ -123,7 +123,7 @@ def node(rank, world, rendezvous, streams, group_only, die_at, out, quiet_ns=Non
 def run_group(tmp_path, nodes: list[list[str]], group_only=False, die=None, quiet_ns=None):
     """Run one process per node; returns rank -> (buckets, reports, bytes sent, iterations finished
     before the end of input), and each exit code."""
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     out = ctx.Queue()
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
     procs = [ctx.Process(target=node, args=(r, len(nodes), rendezvous, s, group_only,

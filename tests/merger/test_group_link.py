@@ -3,13 +3,14 @@ within the timeout, never waited on for ever."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
 import time
 
 import pytest
+
+from tests.forked import fork_server
 
 TIMEOUT_S = 3.0
 
@@ -39,7 +40,7 @@ def peer(rank, world, rendezvous, silent, out):
 def hear_peers(rendezvous: str, silent: int) -> dict:
     """Run :func:`peer` in 3 processes, rank ``silent`` hanging after round 1; every message
     they put, by ``(kind, rank)``: 3 of round 1, and from each survivor "gone" and "again"."""
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     out = ctx.Queue()
     procs = [ctx.Process(target=peer, args=(r, 3, rendezvous, silent, out), daemon=True) for r in range(3)]
     try:
@@ -90,7 +91,7 @@ def leaver(rank, rendezvous, out):
 
 
 def test_a_peer_that_left_alive_is_not_named_gone(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     out = ctx.Queue()
     procs = [ctx.Process(target=leaver, args=(r, f"file://{tmp_path / 'rdv'}", out), daemon=True) for r in range(3)]
     try:

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 # What the children import: the fork server imports it once, before any child.
@@ -31,6 +32,7 @@ PRELOAD = ["torch", "torch._dynamo", "torch._decomp", "torch._meta_registrations
            "tests.merger.test_group_link", "tests.gradtap.test_group_replay", "tests.updater.test_replica",
            "tests.store.test_snapshot_writer", "tests.gradtap.test_store_crash"]
 PIPE = subprocess.PIPE
+CLI = "from gradtap.cli import main; main()"     # what the console script runs
 
 
 def fork_server() -> multiprocessing.context.ForkServerContext:
@@ -41,8 +43,9 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
 
 def _run(code: str, args: list[str], cwd: str, env: dict[str, str], pipe, out: str | None,
          err: str | None) -> None:
-    """The child: ``python -c CODE ARGS...`` in this forked process."""
+    """The child: ``python -c CODE ARGS...`` in this forked process, in environment ``env``."""
     os.chdir(cwd)
+    os.environ.clear()
     os.environ.update(env)
     if pipe is not None:
         os.dup2(pipe.fileno(), 1)
@@ -60,8 +63,10 @@ class Child:
     if it still runs.
 
     ``stdout``: :data:`PIPE` (read it from :attr:`stdout`, as text), a file to append to, or
-    None (the fork server's); ``stderr``: a file to append to, or None. ``env`` is added to
-    the environment, and ``cwd`` is where it runs (the repository's root by default).
+    None (the fork server's); ``stderr``: a file to append to, or None. Its environment is
+    this process's (as a subprocess's would be, not the fork server's) with ``env`` added, and
+    ``cwd`` is where it runs (the repository's root by default). What Numba reads at import
+    (``NUMBA_*``) is the fork server's: a test that varies it needs an interpreter of its own.
 
     It is a daemon: at exit ``multiprocessing`` would wait for any other child, and a trial's
     child runs until it is killed. So it cannot start processes of its own.
@@ -74,7 +79,7 @@ class Child:
         if stdout is PIPE:
             read, write = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_run, args=(code, list(args), str(cwd or Path(__file__).parents[1]),
-                                                    env or {}, write, None if stdout is PIPE or stdout is None
+                                                    {**os.environ, **(env or {})}, write, None if stdout is PIPE or stdout is None
                                                     else str(stdout), None if stderr is None else str(stderr)),
                                  daemon=True)
         self._proc.start()
@@ -107,3 +112,18 @@ class Child:
         if self.stdout is not None:
             self.stdout.close()
         self._proc.close()
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """``gradtap ARGS...`` in a :class:`Child`, as ``subprocess.run(..., capture_output=True,
+    text=True, timeout=timeout)`` would run the console script: its exit code, stdout and stderr.
+    For the commands that import torch (``simulate``, ``replay``, ``export``), whose start-up
+    in a fresh interpreter took 7-8 s of CPU on the 2-core AMD EPYC and did the test no good.
+    ``gradtap run`` starts capture processes of its own, so it needs an interpreter."""
+    with tempfile.TemporaryDirectory(prefix="gradtap-cli-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        with Child(CLI, *args, stdout=out, stderr=err, env=env, cwd=cwd) as child:
+            code = child.wait(timeout)
+        return subprocess.CompletedProcess(["gradtap", *args], code, out.read_text() if out.exists() else "",
+                                           err.read_text() if err.exists() else "")

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from gradtap.cli import _register, app
 from gradtap.commands import COMMAND_MODULES
+from tests.forked import run_cli
 from tests.golden import CAPTURES
 from tests.simulator.test_simulate import make_job
 
@@ -33,8 +34,7 @@ HELPS = [["--help"], *([c, "--help"] for c in COMMAND_MODULES), *(["netconfig", 
 
 
 def gradtap_process(*args: str, columns: int = 80) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": str(columns)})
+    return run_cli(*args, cwd=ROOT, env={"COLUMNS": str(columns)}, timeout=600)
 
 
 def assert_fits(text: str, width: int = 80) -> None:

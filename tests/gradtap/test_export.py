@@ -25,6 +25,7 @@ from gradtap.store import snapshot
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.models import build
+from tests.forked import run_cli
 from tests.gloo import end_spawned_rank, gloo_group
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
@@ -199,21 +200,15 @@ def _fsdp_worker(rank, world, job_doc, source, tmp, out):
 
 
 def test_the_command_exports_and_says_what(replica, tmp_path):
-    import subprocess
-    import sys
-
     from gradtap.workload.spec import dump_job
 
     job, snaps, state, _ = replica
     (tmp_path / "job.yaml").write_text(dump_job(job))
-    run = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "export", str(snaps),
-                          "--job", str(tmp_path / "job.yaml"), "--format", "safetensors", "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, timeout=300)
+    run = run_cli("export", str(snaps), "--job", str(tmp_path / "job.yaml"), "--format", "safetensors",
+                  "--out", str(tmp_path / "o"))
     assert run.returncode == 0, run.stderr
     assert f"exported iteration {state['iteration']} of job {job.name} as safetensors" in run.stdout
-    run = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "export", str(snaps),
-                          "--job", str(tmp_path / "job.yaml"), "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, timeout=300)
+    run = run_cli("export", str(snaps), "--job", str(tmp_path / "job.yaml"), "--out", str(tmp_path / "o"))
     assert run.returncode == 2 and "exists; give a new directory, or --force" in run.stderr
 
 

@@ -4,14 +4,13 @@ trainer's own (the simulator's ``truth/iter_NNNNNN/grad.npy``, which its ring re
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from gradtap.replay import run_replay
 from gradtap.simulator.truth import iteration_dir
+from tests.forked import run_cli
 from tests.gradtap.test_replay import drop_allgather, start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
 
@@ -37,11 +36,9 @@ def test_an_unrecoverable_iteration_writes_no_gradient(tmp_path):
     job = make_job(3, "LL", 2, "fp32")
     simulate(tmp_path / "sim", job, iterations=3)
     assert drop_allgather(tmp_path / "sim", job, ordinal=1, bucket=0) > 0
-    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "replay",
-                           str(tmp_path / "sim" / "job.yaml"),
-                           *[f"{n}={p}" for n, p in streams_of(tmp_path / "sim", job).items()],
-                           "-o", str(tmp_path / "replay"), "--gradients", str(tmp_path / "grads")],
-                          capture_output=True, text=True, timeout=300)
+    done = run_cli("replay", str(tmp_path / "sim" / "job.yaml"),
+                   *[f"{n}={p}" for n, p in streams_of(tmp_path / "sim", job).items()],
+                   "-o", str(tmp_path / "replay"), "--gradients", str(tmp_path / "grads"))
     assert done.returncode == 0, done.stderr
     assert "reduced gradients of the recovered iterations in" in " ".join(done.stdout.split())
     assert sorted(p.name for p in (tmp_path / "grads").iterdir()) == ["iter_000001.npy", "iter_000003.npy",

@@ -4,10 +4,7 @@ into --out, then the right one; a read-only --out; the event log on a full disk;
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
@@ -19,13 +16,13 @@ from gradtap.replay import run_replay
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params, job_plan
 from gradtap.workload.spec import dump_job, parse_job
+from tests.forked import run_cli
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
 from tests.tmpfs import fill, read_only, tmpfs
 
 def gradtap(*args, cwd):
-    return subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
+    return run_cli(*args, cwd=cwd, env={"COLUMNS": "200"})
 
 
 @pytest.mark.slow
@@ -111,6 +108,5 @@ def test_a_command_names_the_job_file_whose_model_kwargs_are_refused(tmp_path):
     path.write_text(yaml.safe_dump(doc))
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: model\.kwargs: \{{'sizes': 'abc'\}} do not fit"):
         open_job(path)
-    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "simulate", str(path),
-                           "-o", str(tmp_path / "sim")], capture_output=True, text=True, timeout=300)
+    done = run_cli("simulate", str(path), "-o", str(tmp_path / "sim"))
     assert done.returncode != 0 and f"{path}: model.kwargs" in " ".join(done.stderr.split()), done.stderr

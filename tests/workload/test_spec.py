@@ -1,8 +1,6 @@
 """The job spec loads every shipped config and rejects bad input with errors that name the
 field, the bad value and what is allowed."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +8,7 @@ import yaml
 
 from gradtap.core.errors import ConfigError
 from gradtap.workload.spec import dump_job, load_job, parse_job
+from tests.forked import run_cli
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
@@ -147,8 +146,7 @@ def test_a_file_that_is_no_job_spec_is_named(tmp_path, content, message):
 def test_the_command_line_says_so_without_a_traceback(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_bytes(NOT_TEXT[0].values[0])
-    done = subprocess.run([sys.executable, "-c", "from gradtap.cli import main; main()", "replay", str(path),
-                           f"s={path}", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    done = run_cli("replay", str(path), f"s={path}", "--out", str(tmp_path / "out"), timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"error: {path}: (top level): not a text file"), done.stderr
     assert not (tmp_path / "out").exists()

@@ -15,6 +15,7 @@ import pytest
 from gradtap.core.errors import GradtapError
 from gradtap.updater import kernels, mkl_sqrt, selfcheck
 from gradtap.workload.spec import OptimizerSpec
+from tests.forked import Child
 from tests.updater.roots import MKL_ROOTS, mkl_runs_here, torch_uses
 
 
@@ -99,6 +100,8 @@ def test_kernels_equal_torch_without_the_jit():
 
 
 FRESH_SCRIPT = """
+from gradtap.core.vector_math import settle_vector_math
+print(settle_vector_math.cache_info().currsize)         # 0: nothing here has called MKL's vector math yet
 from gradtap.updater import selfcheck
 print(",".join(selfcheck.mkl_roots()) or "-")
 """
@@ -106,20 +109,23 @@ FRESH_PROCESSES = 12
 
 
 @pytest.mark.slow
-def test_every_fresh_process_finds_the_same_roots():
+def test_every_fresh_process_finds_the_same_roots(tmp_path):
     """The self-check's answer is the host's, not the process's: MKL's vector math, set up by
     a parallel first call, gave one thread low-accuracy roots in about 1 process in 10 on a
     Xeon (``core/vector_math.py``), and that process took the slow torch.sqrt path. In 12
     fresh processes (torch's default threads: one per CPU; not set, which would start its
-    thread pool before the first call), every one finds the roots this one does."""
+    thread pool before the first call), every one finds the roots this one does. They are
+    forked from the tests' fork server (``tests/forked.py``), which has imported torch but
+    called nothing of MKL's (each child checks): 12 interpreters took 41 s of a CI run."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one CPU: torch.sqrt runs on one thread, and its first call cannot race")
-    root = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", FRESH_SCRIPT], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(FRESH_PROCESSES)]
+    procs = [Child(FRESH_SCRIPT, stderr=tmp_path / f"stderr{i}") for i in range(FRESH_PROCESSES)]
     answers = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-        answers.append(out.split()[-1])
+    for i, proc in enumerate(procs):
+        with proc:
+            code = proc.wait(600)
+            assert code == 0, (tmp_path / f"stderr{i}").read_text()[-3000:]
+            settled_before, roots = proc.stdout.read().split()
+        assert settled_before == "0"
+        answers.append(roots)
     assert answers == [",".join(selfcheck.mkl_roots()) or "-"] * FRESH_PROCESSES

@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 
 # What the children import: the fork server imports it once, before any child.
-PRELOAD = ["torch", "torch._dynamo", "torch._decomp", "torch._meta_registrations", "s3fs", "gradtap.cli",
+PRELOAD = ["torch", "torch._dynamo", "torch._decomp", "torch._meta_registrations", "torch.distributed", "s3fs",
+           "gradtap.cli",
            "gradtap.commands.replay", "gradtap.replay", "gradtap.store_tier", "gradtap.store.snapshot",
            "gradtap.store.snapshot_writer", "gradtap.store.object_store", "gradtap.store.uploader",
            "gradtap.updater.replica", "gradtap.merger.group", "gradtap.group", "tests.forked", "tests.merger.test_group",
@@ -39,6 +40,16 @@ def fork_server() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def start_ranks(fn, args: tuple, nprocs: int):
+    """``torch.multiprocessing.start_processes(fn, args, nprocs, join=False)`` with the ranks
+    forked from the fork server: a test's gloo job, each rank ``fn(rank, *args)``. Its
+    ``ProcessContext`` is returned; ``join`` it."""
+    import torch.multiprocessing
+
+    fork_server()           # the server starts with its preloads, if this is its first use
+    return torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
 
 
 def _run(code: str, args: list[str], cwd: str, env: dict[str, str], pipe, out: str | None,

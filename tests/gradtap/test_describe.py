@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import yaml
 
@@ -26,6 +25,7 @@ from gradtap.trainer.describe import ddp_param_names, describe_to, nccl_section,
 from gradtap.workload.layout import job_buckets, job_params
 from gradtap.workload.schedule import lr_factor
 from gradtap.workload.spec import Schedule, dump_job, load_job, parse_job
+from tests.forked import start_ranks
 from tests.gloo import end_spawned_rank, gloo_group
 
 WORLD = 2
@@ -45,7 +45,7 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("describe")
     (tmp / "job.yaml").write_text(yaml.safe_dump({"name": "operator-named", **RING_AND_MIRRORS,
                                                   "nccl": {"mtu": 4096, "channels": 4, "era": "2.21"}}))
-    ctx = mp.start_processes(_worker, args=(WORLD, str(tmp)), nprocs=WORLD, join=False, start_method="spawn")
+    ctx = start_ranks(_worker, (WORLD, str(tmp)), WORLD)
     while not ctx.join(timeout=120):
         pass
     return json.loads((tmp / "seen.json").read_text()), tmp

@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 
 from gradtap.commands.export import FORMATS as CLI_FORMATS
@@ -25,7 +24,7 @@ from gradtap.store import snapshot
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.models import build
-from tests.forked import run_cli
+from tests.forked import run_cli, start_ranks
 from tests.gloo import end_spawned_rank, gloo_group
 from tests.gradtap.test_replay import start_of, streams_of
 from tests.simulator.test_simulate import make_job, simulate
@@ -110,8 +109,7 @@ def test_dcp_export_reshards_into_fsdp2_and_trains_on_bit_identically(replica, t
     results = {}
     for source in ("dcp", "trainer"):
         out = tmp_path / f"after-{source}.pt"
-        ctx = mp.start_processes(_fsdp_worker, args=(WORLD, job.model_dump(mode="json"), source, str(tmp_path),
-                                                     str(out)), nprocs=WORLD, join=False, start_method="spawn")
+        ctx = start_ranks(_fsdp_worker, (WORLD, job.model_dump(mode="json"), source, str(tmp_path), str(out)), WORLD)
         while not ctx.join(timeout=300):
             pass
         results[source] = torch.load(out, weights_only=True)

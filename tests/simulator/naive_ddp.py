@@ -5,8 +5,8 @@ already initialised process group and records what DDP actually did: for every b
 it allreduced (through a comm hook), the bucket index, its parameters, its buffer and
 each parameter's slot in it; after every backward pass the reduced gradients; at the end
 the model and optimizer state. :func:`run_in_process` runs jobs as rank 0 of a one-rank
-group inside the test process; :func:`run_spawned` runs them on N spawned processes,
-bounded in time and always reaped.
+group inside the test process; :func:`run_spawned` runs them on N processes (forked from
+the tests' fork server, ``tests/forked.py``), bounded in time and always reaped.
 
 Also holds test-only models whose shapes exercise the bucketing rules.
 """
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -31,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gradtap.workload import models
 from gradtap.workload.data import ClassificationData, batch_loss
 from gradtap.simulator.training import learning_rate, make_optimizer
+from tests.forked import start_ranks
 from tests.gloo import end_spawned_rank, gloo_group
 
 
@@ -164,10 +164,9 @@ def _worker(rank: int, world_size: int, store_path: str, out_dir: str, jobs: lis
 
 def run_spawned(jobs: list[Job], world_size: int, work_dir: Path,
                 timeout_s: float = 240.0) -> list[list[JobResult]]:
-    """Run ``jobs`` on ``world_size`` spawned processes (one intra-op thread each);
+    """Run ``jobs`` on ``world_size`` rank processes (one intra-op thread each);
     returns ``results[rank][job]``. Kills every process it started on timeout or error."""
-    ctx = mp.start_processes(_worker, args=(world_size, str(work_dir / "store"), str(work_dir), jobs),
-                             nprocs=world_size, join=False, start_method="spawn")
+    ctx = start_ranks(_worker, (world_size, str(work_dir / "store"), str(work_dir), jobs), world_size)
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1.0):

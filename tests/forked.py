@@ -22,6 +22,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 # What the children import: the fork server imports it once, before any child.
@@ -125,16 +128,29 @@ class Child:
         self._proc.close()
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-            timeout: float = 300) -> subprocess.CompletedProcess:
-    """``gradtap ARGS...`` in a :class:`Child`, as ``subprocess.run(..., capture_output=True,
-    text=True, timeout=timeout)`` would run the console script: its exit code, stdout and stderr.
+def run_clis(commands: Iterable[Sequence[str]], cwd: Path | None = None, env: dict[str, str] | None = None,
+             timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Several ``gradtap ARGS...`` at once (a mirror group's nodes), each in a :class:`Child`, as
+    ``subprocess.run(..., capture_output=True, text=True)`` would run the console script: the
+    exit code, stdout and stderr of each; all within ``timeout`` seconds, else every one still
+    running is killed and ``subprocess.TimeoutExpired`` raised.
+
     For the commands that import torch (``simulate``, ``replay``, ``export``), whose start-up
     in a fresh interpreter took 7-8 s of CPU on the 2-core AMD EPYC and did the test no good.
     ``gradtap run`` starts capture processes of its own, so it needs an interpreter."""
-    with tempfile.TemporaryDirectory(prefix="gradtap-cli-") as tmp:
-        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        with Child(CLI, *args, stdout=out, stderr=err, env=env, cwd=cwd) as child:
-            code = child.wait(timeout)
-        return subprocess.CompletedProcess(["gradtap", *args], code, out.read_text() if out.exists() else "",
-                                           err.read_text() if err.exists() else "")
+    commands = [tuple(args) for args in commands]
+    with tempfile.TemporaryDirectory(prefix="gradtap-cli-") as tmp, ExitStack() as running:
+        files = [(Path(tmp, f"{i}.out"), Path(tmp, f"{i}.err")) for i in range(len(commands))]
+        children = [running.enter_context(Child(CLI, *args, stdout=out, stderr=err, env=env, cwd=cwd))
+                    for args, (out, err) in zip(commands, files)]
+        deadline = time.monotonic() + timeout
+        codes = [child.wait(max(0.0, deadline - time.monotonic())) for child in children]
+        return [subprocess.CompletedProcess(["gradtap", *args], code, *(f.read_text() if f.exists() else ""
+                                                                         for f in (out, err)))
+                for args, code, (out, err) in zip(commands, codes, files)]
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """``gradtap ARGS...`` alone, as :func:`run_clis` runs each."""
+    return run_clis([args], cwd=cwd, env=env, timeout=timeout)[0]

@@ -4,10 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import click
@@ -16,6 +13,7 @@ import pytest
 from gradtap.commands.replay import mirror_group
 from gradtap.core.errors import ConfigError
 from gradtap.workload.spec import dump_job, parse_job
+from tests.forked import run_clis
 from tests.gradtap.test_group_replay import ITERATIONS, simulated  # noqa: F401 (the fixture)
 from tests.merger.test_group import group_job
 
@@ -64,22 +62,13 @@ def test_two_nodes_replay_through_the_command_line(tmp_path, simulated):  # noqa
     (tmp_path / "job.yaml").write_text(dump_job(job))
     rendezvous = f"tcp://127.0.0.1:{free_port()}"
     nodes = [["m-egress", "m-both"], ["m-ingress"]]
-    procs = [subprocess.Popen([sys.executable, "-c", "from gradtap.cli import main; main()", "replay",
-                               str(tmp_path / "job.yaml"), *(f"{s}={sim / 'streams' / f'{s}.pcap'}" for s in streams),
-                               "--start", str(sim / "truth" / "start.pt"), "--out", str(tmp_path / f"node{r}"),
-                               "--group", f"{r}/2", "--rendezvous", rendezvous, "--group-timeout", "60"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "COLUMNS": "120"})
-             for r, streams in enumerate(nodes)]
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    for r, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, text
+    done = run_clis([("replay", str(tmp_path / "job.yaml"), *(f"{s}={sim / 'streams' / f'{s}.pcap'}" for s in streams),
+                      "--start", str(sim / "truth" / "start.pt"), "--out", str(tmp_path / f"node{r}"),
+                      "--group", f"{r}/2", "--rendezvous", rendezvous, "--group-timeout", "60")
+                     for r, streams in enumerate(nodes)], cwd=ROOT, env={"COLUMNS": "120"})
+    for r, node in enumerate(done):
+        text = node.stdout + node.stderr
+        assert node.returncode == 0, text
         assert f"node {r} of 2" in text and "current" in text, text
         report = json.loads((tmp_path / f"node{r}" / "replay.json").read_text())
         assert [line["recovered"] for line in report["iterations"]] == [True] * ITERATIONS

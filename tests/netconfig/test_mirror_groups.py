@@ -392,11 +392,8 @@ def test_the_nodes_run_from_the_specs_the_plan_wrote_and_equal_the_single_applia
     """End to end: plan a 3-rank group over two CPU nodes (2 + 1 streams), complete a simulated
     job's spec with each node's sections, replay each node from its own spec alone (no --group
     flags) in its own process; their joined snapshot is the single appliance's replica."""
-    import os
-    import subprocess
-    import sys
-
     from gradtap.replay import run_replay
+    from tests.forked import run_clis
     from tests.gradtap.test_group_cli import free_port
     from tests.gradtap.test_group_replay import ITERATIONS, assert_group_snapshot, clipped_job
     from tests.gradtap.test_replay import start_of, streams_of
@@ -417,21 +414,13 @@ def test_the_nodes_run_from_the_specs_the_plan_wrote_and_equal_the_single_applia
     paths = streams_of(tmp_path / "sim", planned)
     _, single = run_replay(planned, paths, tmp_path / "single", start_of(tmp_path / "sim"), batch_frames=512)
     root = Path(__file__).resolve().parents[2]
-    procs = [subprocess.Popen([sys.executable, "-c", "from gradtap.cli import main; main()", "replay", str(spec),
-                               *(f"{name}={paths[name]}" for name in names), "--start",
-                               str(tmp_path / "sim" / "truth" / "start.pt"), "--out", str(tmp_path / f"node{rank}")],
-                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "COLUMNS": "120"})
-             for rank, (spec, names) in enumerate(zip(specs, (["m0", "m1"], ["m2"])))]
-    try:
-        outputs = [p.communicate(timeout=300)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(5)
-    for rank, (p, text) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, text
+    done = run_clis([("replay", str(spec), *(f"{name}={paths[name]}" for name in names), "--start",
+                      str(tmp_path / "sim" / "truth" / "start.pt"), "--out", str(tmp_path / f"node{rank}"))
+                     for rank, (spec, names) in enumerate(zip(specs, (["m0", "m1"], ["m2"])))],
+                    cwd=root, env={"COLUMNS": "120"})
+    for rank, node in enumerate(done):
+        text = node.stdout + node.stderr
+        assert node.returncode == 0, text
         report = json.loads((tmp_path / f"node{rank}" / "replay.json").read_text())
         assert [line["recovered"] for line in report["iterations"]] == [True] * ITERATIONS, text
         assert not report["stale"] and report["group"]["rank"] == rank

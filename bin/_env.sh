@@ -25,7 +25,12 @@ ensure_venv() {
     echo "gradtap: preparing virtualenv at $VENV (pinned dependencies, once)" >&2
     [[ -x "$VENV/bin/python" ]] || "$(find_python)" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip >&2
-    "$VENV/bin/python" -m pip install --quiet -r "$GRADTAP_ROOT/requirements.lock" >&2
+    # pip would byte-compile what it installs on one core; compileall does it on every core
+    # (2-core AMD EPYC: the virtualenv in 95-102 s against 117 s). It exits 1 on the files no
+    # Python 3.11 compiles (torch's py312_intrinsics.py, as pip also skips them).
+    "$VENV/bin/python" -m pip install --quiet --no-compile -r "$GRADTAP_ROOT/requirements.lock" >&2
+    local site; site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$VENV/bin/python" -m compileall -qq -j 0 "$site" >&2 || true
     "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$GRADTAP_ROOT" >&2
     echo "$want" > "$VENV/.gradtap-stamp"
 }

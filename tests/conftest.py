@@ -9,6 +9,14 @@ on a 2-core AMD EPYC host, ``vmstat`` read 40-48% idle through a run in one proc
 from fresh clones, the same 2513 tests passed). ``bin/test -n 0`` runs it in one process
 (for ``--pdb``).
 
+Processes cost more than most tests: on that host a Python process that imports torch spends
+6-8 s of CPU before it does anything. The tests that start gradtap commands, mirror-group nodes
+or gloo ranks fork them from a fork server per worker that has imported those once
+(``tests/forked.py``). What must be an interpreter of its own still is one: ``gradtap run``
+(it starts capture processes), the trainer of ``tests/trainer``, the wheel's demo, and runs
+that change what Numba or torch read at import (``NUMBA_BOUNDSCHECK``, ``NUMBA_DISABLE_JIT``,
+a played host).
+
 The privileged tests change the host itself (network namespaces, veth, tc, AF_XDP,
 ``vm.nr_hugepages``), and two at once would see each other's changes: a file that holds one
 runs under an exclusive lock on :data:`HOST_LOCK`, from its first fixture to its last, so no

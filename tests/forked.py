@@ -1,5 +1,5 @@
-"""Warm processes for the tests that start many gradtap processes: the kill trials and the
-mirror groups' node processes.
+"""Warm processes for the tests that start gradtap or torch processes: the kill trials, the
+mirror groups' nodes, the gradtap commands that import torch, and gloo ranks.
 
 Such a test forks each process from a ``multiprocessing`` fork server that has imported torch,
 gradtap and the tests' own modules once, instead of starting an interpreter for it: the
@@ -29,12 +29,11 @@ from pathlib import Path
 
 # What the children import: the fork server imports it once, before any child.
 PRELOAD = ["torch", "torch._dynamo", "torch._decomp", "torch._meta_registrations", "torch.distributed", "s3fs",
-           "gradtap.cli",
-           "gradtap.commands.replay", "gradtap.replay", "gradtap.store_tier", "gradtap.store.snapshot",
+           "gradtap.cli", "gradtap.commands.replay", "gradtap.replay", "gradtap.store_tier", "gradtap.store.snapshot",
            "gradtap.store.snapshot_writer", "gradtap.store.object_store", "gradtap.store.uploader",
-           "gradtap.updater.replica", "gradtap.merger.group", "gradtap.group", "tests.forked", "tests.merger.test_group",
-           "tests.merger.test_group_link", "tests.gradtap.test_group_replay", "tests.updater.test_replica",
-           "tests.store.test_snapshot_writer", "tests.gradtap.test_store_crash"]
+           "gradtap.updater.replica", "gradtap.merger.group", "gradtap.group", "tests.forked",
+           "tests.merger.test_group", "tests.merger.test_group_link", "tests.gradtap.test_group_replay",
+           "tests.updater.test_replica", "tests.store.test_snapshot_writer", "tests.gradtap.test_store_crash"]
 PIPE = subprocess.PIPE
 CLI = "from gradtap.cli import main; main()"     # what the console script runs
 
@@ -92,8 +91,9 @@ class Child:
         read = write = None
         if stdout is PIPE:
             read, write = ctx.Pipe(duplex=False)
+        environment = {**os.environ, **(env or {})}
         self._proc = ctx.Process(target=_run, args=(code, list(args), str(cwd or Path(__file__).parents[1]),
-                                                    {**os.environ, **(env or {})}, write, None if stdout is PIPE or stdout is None
+                                                    environment, write, None if stdout is PIPE or stdout is None
                                                     else str(stdout), None if stderr is None else str(stderr)),
                                  daemon=True)
         self._proc.start()

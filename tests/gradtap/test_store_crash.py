@@ -147,24 +147,25 @@ def check_ready(sim: Sim, store: SnapshotStore, where: str) -> list[int]:
 
 # -- the appliance as a process of its own ----------------------------------------------------
 
-def appliance(argv: list[str], log: str, pace_s: float) -> None:
+def appliance(argv: list[str], log: str, pace_s: float, mark: str) -> None:
     """``gradtap ARGV...`` in this (forked) process, its output in ``log``; the capture read over
-    ``pace_s`` seconds (:func:`paced`)."""
+    ``pace_s`` seconds (:func:`paced`), the share read so far written to ``mark``."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.environ.update(CREDENTIALS)
-    paced(pace_s)
+    paced(pace_s, mark)
     from gradtap.cli import main
     sys.argv = ["gradtap", *argv]
     main()
 
 
-def paced(seconds: float) -> None:
+def paced(seconds: float, mark: str) -> None:
     """Make ``gradtap replay`` in this process read its capture over ``seconds``, in rounds of
     256 frames: a live capture comes at the trainer's pace (here a few iterations a second),
     whereas a replay reads as fast as it parses and would be over before the store's client has
-    made its first connection."""
+    made its first connection. After each round, the share of a stream's capture read so far is
+    written to ``mark``, whole (:func:`capture_left`)."""
     import contextlib
 
     import gradtap.progress
@@ -179,6 +180,8 @@ def paced(seconds: float) -> None:
             def step(stream: str, done: int, total: int) -> None:
                 report(stream, done, total)
                 time.sleep(max(0.0, started + seconds * done / total - time.monotonic()))
+                Path(mark + ".tmp").write_text(repr(done / total))
+                os.replace(mark + ".tmp", mark)
             yield step
 
     gradtap.progress.replay_progress = replay_progress
@@ -217,6 +220,17 @@ def applied(out: Path) -> int:
         return 0
 
 
+def capture_left(out: Path) -> float:
+    """Seconds at least until the appliance writing ``out`` has been given its whole capture: the
+    pace of the share still to read (:func:`paced`), as it is never read faster; more when the
+    appliance runs behind the pace, as on a loaded machine."""
+    try:
+        read = float(Path(str(out) + ".paced").read_text())
+    except FileNotFoundError:
+        return PACE_S
+    return PACE_S * (1.0 - read)
+
+
 def wait_until(what: str, ready, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -227,7 +241,7 @@ def wait_until(what: str, ready, timeout: float = 60) -> None:
 def start_appliance(ctx, argv: list[str], out: Path):
     """``gradtap ARGV...`` started in a process of the fork server, its log beside ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S))
+    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S, str(out) + ".paced"))
     proc.start()
     return proc
 
@@ -266,11 +280,13 @@ def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float =
     while the first is (``first``), or once at least one upload has completed and the replica
     has reported ``iteration`` iterations, after a delay of ``fraction`` of the upload
     ``window`` or, if less, of half the capture still to come then. (Killed while the capture
-    still comes: after the last iteration the appliance closes at once, whatever the delay. The
-    capture left is taken when the moment comes, not from ``iteration``: on a slow store the
-    first upload completes iterations later, and a delay drawn for ``iteration`` let the
-    appliance finish first in 5 of 10 trials of one run.) What was seen: whether it was killed
-    (rather than finished first), whether an upload was under way then, and the delay."""
+    still comes: after the last iteration the appliance closes at once, whatever the delay.
+    The capture left is the share still to read when the moment comes (:func:`capture_left`).
+    Drawn for ``iteration``, a delay let the appliance finish first in 5 of 10 trials of one
+    run, whose slow store completed the first upload iterations later; drawn from the
+    iterations the replica had reported when the moment came, in 3 of 10 of a loaded run,
+    whose replica reported iterations behind the capture.) What was seen: whether it was
+    killed (rather than finished first), whether an upload was under way then, and the delay."""
     proc = start_appliance(ctx, argv, out)
 
     def due() -> bool:
@@ -285,8 +301,7 @@ def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float =
         while proc.is_alive() and not due():
             assert time.monotonic() < deadline, f"the appliance did not reach {moment} in {timeout} s"
             time.sleep(0.0005)
-        left = PACE_S * max(0, ITERATIONS - applied(out)) / ITERATIONS
-        delay = min(moment["window"], left / 2) * moment["fraction"]
+        delay = min(moment["window"], capture_left(out) / 2) * moment["fraction"]
         time.sleep(delay)
         in_flight = uploads_waiting(out)
         killed = proc.is_alive()

@@ -101,7 +101,7 @@ def test_kernels_equal_torch_without_the_jit():
 
 FRESH_SCRIPT = """
 from gradtap.core.vector_math import settle_vector_math
-print(settle_vector_math.cache_info().currsize)         # 0: nothing here has called MKL's vector math yet
+print(settle_vector_math.cache_info().currsize)         # 0: the fork server has not settled MKL's vector math
 from gradtap.updater import selfcheck
 print(",".join(selfcheck.mkl_roots()) or "-")
 """
@@ -115,8 +115,9 @@ def test_every_fresh_process_finds_the_same_roots(tmp_path):
     Xeon (``core/vector_math.py``), and that process took the slow torch.sqrt path. In 12
     fresh processes (torch's default threads: one per CPU; not set, which would start its
     thread pool before the first call), every one finds the roots this one does. They are
-    forked from the tests' fork server (``tests/forked.py``), which has imported torch but
-    called nothing of MKL's (each child checks): 12 interpreters took 41 s of a CI run."""
+    forked from the tests' fork server (``tests/forked.py``), which has imported torch and
+    gradtap but run no optimizer step or self-check, so has not settled MKL's vector math (each
+    child checks that much): 12 interpreters took 41 s of a CI run."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one CPU: torch.sqrt runs on one thread, and its first call cannot race")
     procs = [Child(FRESH_SCRIPT, stderr=tmp_path / f"stderr{i}") for i in range(FRESH_PROCESSES)]

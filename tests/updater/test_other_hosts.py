@@ -10,7 +10,7 @@ self-check there, against that subprocess's own torch:
 A host that cannot play one (no AVX2 or FMA to compile for, or an MKL that keeps its own
 choice) skips it, saying so. A host that *is* that kind (no AVX-512, and MKL takes that root
 unasked) skips it too: the suite's own updater tests run those paths there, as they are, and
-playing it again took 127 s of a CI run on the AMD EPYC.
+playing it again took 98-127 s of a fresh-clone run on the AMD EPYC.
 """
 
 from __future__ import annotations

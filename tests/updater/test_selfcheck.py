@@ -117,7 +117,7 @@ def test_every_fresh_process_finds_the_same_roots(tmp_path):
     thread pool before the first call), every one finds the roots this one does. They are
     forked from the tests' fork server (``tests/forked.py``), which has imported torch and
     gradtap but run no optimizer step or self-check, so has not settled MKL's vector math (each
-    child checks that much): 12 interpreters took 41 s of a CI run."""
+    child checks that much): 12 interpreters took 41 s of a fresh-clone run."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one CPU: torch.sqrt runs on one thread, and its first call cannot race")
     procs = [Child(FRESH_SCRIPT, stderr=tmp_path / f"stderr{i}") for i in range(FRESH_PROCESSES)]

@@ -220,12 +220,17 @@ def applied(out: Path) -> int:
         return 0
 
 
+def share_read(out: Path) -> Path:
+    """Where the appliance writing ``out`` keeps the share of its capture read so far (:func:`paced`)."""
+    return Path(str(out) + ".paced")
+
+
 def capture_left(out: Path) -> float:
     """Seconds at least until the appliance writing ``out`` has been given its whole capture: the
     pace of the share still to read (:func:`paced`), as it is never read faster; more when the
     appliance runs behind the pace, as on a loaded machine."""
     try:
-        read = float(Path(str(out) + ".paced").read_text())
+        read = float(share_read(out).read_text())
     except FileNotFoundError:
         return PACE_S
     return PACE_S * (1.0 - read)
@@ -241,7 +246,7 @@ def wait_until(what: str, ready, timeout: float = 60) -> None:
 def start_appliance(ctx, argv: list[str], out: Path):
     """``gradtap ARGV...`` started in a process of the fork server, its log beside ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S, str(out) + ".paced"))
+    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S, str(share_read(out))))
     proc.start()
     return proc
 

@@ -58,9 +58,11 @@ Figures:
   256 GB node then holds (FlowCheck asks for at least 300 GB per checkpoint node). Every
   replay is watched: the first one's peak also holds LLVM's memory when it compiles the
   kernels (a cold Numba cache: 28.0 B per parameter against 22.5 warm, on an AMD EPYC host),
-  and a later one what the earlier ones left in the heap (23.9 against 22.6 for the first,
-  warm). The target is held to the highest peak of the later replays: a process that has run
-  for a while, as an appliance has;
+  and a later one what the earlier ones left in the heap. The target is held to the highest
+  peak of the later replays: a process that has run for a while, as an appliance has. (Until
+  the replica gave a checkpoint's freed tensors back to the system as it copied them,
+  ``core/heap.py``, a later replay's start-up held both: 23.9 B per parameter against 22.6
+  for the first, warm; now 22.7 against 22.5);
 - **replica lag**: per iteration, from the start of the last pipeline round that carried a
   frame of it to the replica having applied it (``ReplayResult.timings``, ``lag_s``). With
   clipping the whole Adam step waits for the last bucket, so the lag holds a full step:

@@ -29,12 +29,12 @@ import torch
 from gradtap.capture.frames import FrameBatch
 from gradtap.capture.pcap import PcapngWriter, PcapWriter
 from gradtap.core.errors import ConfigError
+from gradtap.core.heap import retained_heap
 from gradtap.workload import models
 from gradtap.simulator.allreduce import chunk_index, plan_allreduce, ring_partials, ring_sum
 from gradtap.simulator.background import Background
 from gradtap.simulator.faults import FaultSpec, apply_mirror_faults
 from gradtap.simulator.frames import ErspanTunnel, Routes, encode_frames
-from gradtap.simulator.heap import retained_heap
 from gradtap.simulator.lanes import Lane, PhaseClock, wait_for
 from gradtap.simulator.traffic import ConnectionState, Timing, TrafficBuilder
 from gradtap.simulator.training import WIRE_NUMPY, Trainer

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from gradtap.core.errors import ConfigError
+from gradtap.core.heap import GiveBack
 from gradtap.core.memory import aligned_bytes
 from gradtap.updater.kernels import work_spans
 from gradtap.workload.buckets import Bucket
@@ -167,7 +168,9 @@ def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout, cfg: Opti
 
     ``consume``: the caller hands the checkpoint over, and each parameter and moment tensor
     leaves it once copied, so that the checkpoint's tensors and the flat state (12 bytes per
-    parameter each) are not both held at once. Other references to the tensors keep them.
+    parameter each) are not both held at once. Other references to the tensors keep them. The
+    heap's free pages go back to the system as the tensors leave (``core/heap.py``): glibc
+    keeps a freed tensor of the heap resident otherwise.
     """
     for key in ("model", "optimizer"):
         if key not in checkpoint:
@@ -203,15 +206,13 @@ def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout, cfg: Opti
         raise ConfigError(f"checkpoint optimizer: parameters are at different steps {sorted(steps)[:4]}")
 
     flat = [aligned_empty(layout.total) for _ in range(3)]
+    given = GiveBack()
     for i, spec in enumerate(params):
-        flat[0][layout.param(i)] = _flat(model[spec.name])
-        if consume:
-            del model[spec.name]
-        if state:
-            for k, name in ((1, "exp_avg"), (2, "exp_avg_sq")):
-                flat[k][layout.param(i)] = _flat(state[i][name])
-                if consume:
-                    del state[i][name]
+        sources = [(model, spec.name)] + [(state[i], name) for name in ("exp_avg", "exp_avg_sq") if state]
+        for k, (holder, key) in enumerate(sources):
+            flat[k][layout.param(i)] = _flat(holder[key])
+            if consume:
+                given.freed(holder.pop(key).nbytes)
     if not state:
         flat[1][:] = 0
         flat[2][:] = 0

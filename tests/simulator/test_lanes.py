@@ -82,26 +82,3 @@ def test_truth_refuses_a_gradient_of_the_wrong_size_or_dtype(tmp_path):
     truth.add_gradient(np.zeros(4, np.float32))
     with pytest.raises(ValueError, match="holds 4 of 8 elements"):
         truth.end_iteration(1, model, optimizer, (0, 1))
-
-
-def _resident_bytes() -> int:
-    import os
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def test_retained_heap_keeps_freed_blocks_and_gives_them_back_after():
-    """A freed 256 MB tensor stays resident inside (for the next allocation to reuse without
-    faulting its pages in again) and is given back on leaving; outside, glibc unmaps it at
-    once (its default for blocks this large)."""
-    from gradtap.simulator.heap import _libc, retained_heap
-    if _libc() is None:
-        pytest.skip("the C library has no mallopt (not glibc)")
-    size = 256 << 20
-    base = _resident_bytes()
-    torch.ones(size // 4)
-    assert _resident_bytes() - base < size // 2
-    with retained_heap():
-        torch.ones(size // 4)
-        assert _resident_bytes() - base > size * 3 // 4
-    assert _resident_bytes() - base < size // 2

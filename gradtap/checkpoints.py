@@ -9,9 +9,12 @@ Every file is read the same careful way, because an offered checkpoint comes fro
 control endpoint (:func:`offered_checkpoint`): the path is resolved and, for an offer, must
 lie under a directory the operator allowed; only a regular file is opened (checked before
 opening and again on the open descriptor, so a FIFO or a device is never opened for
-reading), and never more than ``max_bytes`` of it is read. The bytes must be a
-``torch.save`` zip archive with stored (uncompressed) members, so loading them cannot take
-more memory than the file has, and ``torch.load`` runs with ``weights_only=True``. A file
+reading), and never more than ``max_bytes`` of it is read: an offered file is loaded in
+place, each tensor read into its own memory (so that the file's bytes and its tensors are not
+both held, 12 bytes per parameter each), never past the size it had when opened, and refused
+if it changed while it was read. The bytes must be a ``torch.save`` zip archive with stored
+(uncompressed) members, so loading them cannot take more memory than the file has, and
+``torch.load`` runs with ``weights_only=True``. A file
 that is missing, unreadable or not a regular file gets one answer, so that the answer does
 not tell which (no existence oracle). What is checked here is the shape of a trainer
 checkpoint; whether it is *this job's* model and optimizer is ``Replica.check_offer``'s
@@ -79,9 +82,15 @@ def load_checkpoint(path: Path, *, max_bytes: int | None = None, what: str = "ch
     if is_dir:
         return _load_snapshot(path, max_bytes, what)
     with _open_regular(path, what) as f:
-        # An offer is read into memory up to its limit first; a file named on the command line is loaded in place.
-        source = f if max_bytes is None else io.BytesIO(_read_bounded(f, max_bytes, path, what))
-        return _checked(_torch_load(source, path, what), path, what)
+        if max_bytes is None:        # a file named on the command line
+            return _checked(_torch_load(f, path, what), path, what)
+        # An offer: loaded in place too, its tensors read straight into their memory, but never
+        # past the size it had when opened, and refused if it changed while it was read.
+        opened = os.fstat(f.fileno())
+        checkpoint = _torch_load(_Prefix(f, _size_within(opened, max_bytes, path, what)), path, what)
+        if _changed(opened, os.fstat(f.fileno())):
+            raise ConfigError(f"{what} {path}: the file changed while it was read; offer it once it is written")
+        return _checked(checkpoint, path, what)
 
 
 def offered_checkpoint(path: str, allowed_dirs: Sequence[Path], max_bytes: int) -> dict:
@@ -127,12 +136,61 @@ def _open_regular(path: Path | str, what: str, *, dir_fd: int | None = None, sho
     return f
 
 
+def _size_within(opened: os.stat_result, max_bytes: int, shown: Path, what: str) -> int:
+    """The size of the file ``opened`` describes, refused when it has more than ``max_bytes``."""
+    if opened.st_size > max_bytes:
+        raise ConfigError(f"{what} {shown}: {opened.st_size} bytes, more than the {max_bytes} this appliance reads "
+                          "for the job's model")
+    return opened.st_size
+
+
+def _changed(before: os.stat_result, after: os.stat_result) -> bool:
+    """Whether a file was written between two ``fstat`` calls on its open descriptor."""
+    return (before.st_size, before.st_mtime_ns, before.st_ctime_ns) != (after.st_size, after.st_mtime_ns,
+                                                                           after.st_ctime_ns)
+
+
+class _Prefix(io.RawIOBase):
+    """The first ``size`` bytes of the open file ``f``, read where the reader asks
+    (``os.preadv`` into its buffer: ``torch.load`` reads each tensor into the tensor's own
+    memory), never past them: bytes the file gains while it is read are not there, and bytes
+    it loses read short, which ``torch.load`` refuses."""
+
+    def __init__(self, f: BinaryIO, size: int):
+        super().__init__()
+        self._fd, self._size, self._pos = f.fileno(), size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise OSError(f"seek to {base + offset}, before the start of the file")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        want, done = max(0, min(len(view), self._size - self._pos)), 0
+        while done < want:
+            got = os.preadv(self._fd, [view[done:want]], self._pos + done)
+            if got == 0:
+                break
+            done += got
+        self._pos += done
+        return done
+
+
 def _read_bounded(f: BinaryIO, max_bytes: int, shown: Path, what: str) -> bytes:
     """All of ``f``, refused when it has more than ``max_bytes`` (by its size, or while reading)."""
-    size = os.fstat(f.fileno()).st_size
-    if size > max_bytes:
-        raise ConfigError(f"{what} {shown}: {size} bytes, more than the {max_bytes} this appliance reads "
-                          "for the job's model")
+    _size_within(os.fstat(f.fileno()), max_bytes, shown, what)
     try:
         data = f.read(max_bytes + 1)
     except OSError as exc:

@@ -20,12 +20,13 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gradtap.control import ControlPlane
 from gradtap.core.errors import ConfigError
 from gradtap.merger.numbering import Anchor, anchor_of
 from gradtap.pipeline import Pipeline
-from gradtap.updater.replica import Replica, seed_checkpoint
+from gradtap.updater.replica import Offer, Replica, seed_checkpoint
 from gradtap.workload.spec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,13 @@ def _check_time(time_ns, source: str) -> None:
                           "at which the trainer's state was this checkpoint, or no time_ns")
 
 
+class OfferMade(NamedTuple):
+    """An offered checkpoint made ready to hold (:meth:`Numbering.make_offer`)."""
+
+    offer: Offer
+    anchor: Anchor | None       # where its time_ns places it, when it has one
+
+
 class Numbering:
     """Ties a replica to the captured iterations for the appliance and replay: builds the
     pipeline's numbering from a :class:`ReplicaStart`, takes offers, and reports where each
@@ -106,20 +114,31 @@ class Numbering:
         if self.start.anchor is not None:
             pipeline.anchor(self.start.anchor, start=True)
 
-    def offer(self, checkpoint: dict, source: str) -> list[int]:
-        """A trainer checkpoint to resync from (``Replica.offer`` with ``only``). A replica that
-        began waiting takes, until its iterations are numbered, only one with ``time_ns``,
-        which then numbers them."""
+    def make_offer(self, checkpoint: dict, source: str) -> OfferMade:
+        """A trainer checkpoint to resync from, made ready (``Replica.make_offer``) but not held
+        (:meth:`offer`): the slow part, which the appliance runs without its locks. The
+        checkpoint is handed over: its tensors leave it as they are copied, so that it and the
+        offer's state are not both held. A replica that began waiting takes, until its
+        iterations are numbered, only one with ``time_ns``, which then numbers them."""
         _check_time(checkpoint.get("time_ns"), source)
         anchor = anchor_of(checkpoint, source)
+        self._numbered_or_timed(anchor, source)      # before the copy; :meth:`offer` checks again
+        return OfferMade(self.replica.make_offer(checkpoint, consume=True), anchor)
+
+    def offer(self, made: OfferMade, source: str) -> list[int]:
+        """Hold an offer :meth:`make_offer` made, as the one pending (``Replica.hold`` with
+        ``only``), and place its anchor; the iterations of the offers it replaced."""
+        self._numbered_or_timed(made.anchor, source)
+        replaced = self.replica.hold(made.offer, only=True)
+        if made.anchor is not None:
+            self.pipeline.anchor(made.anchor)
+        return replaced
+
+    def _numbered_or_timed(self, anchor: Anchor | None, source: str) -> None:
         if anchor is None and self.start.waiting and not self.pipeline.numbered:
             raise ConfigError(f"{source}: the appliance does not know yet which captured iteration is which (it "
                               f"started without a start state); offer a checkpoint with time_ns, the CLOCK_REALTIME "
                               f"nanoseconds at which the trainer's state was this checkpoint")
-        replaced = self.replica.offer(checkpoint, only=True)
-        if anchor is not None:
-            self.pipeline.anchor(anchor)
-        return replaced
 
     def placed(self, anchor: Anchor, ordinal: int | None, refused: str | None) -> None:
         if refused is None:

@@ -131,10 +131,12 @@ class ShardReplica(Replica):
         self._attach(job, ShardLayout(self.whole.params, buckets, self._own))
         self.state, self._keys = self._load(checkpoint)
 
-    def _load(self, checkpoint: Mapping[str, Any]):
+    def _load(self, checkpoint: Mapping[str, Any], layout: FlatLayout | None = None, consume: bool = False):
         """The shard's flat state from the trainer's full ``checkpoint``: ``from_checkpoint``
-        over the shard's parameters (their tensors only), and the step of the whole."""
-        state, keys = from_checkpoint(self._part(checkpoint), self.layout, self.cfg)
+        over the shard's parameters (their tensors only), and the step of the whole. The
+        checkpoint is never consumed: the shard takes a part of it, and the whole keeps every
+        tensor."""
+        state, keys = from_checkpoint(self._part(checkpoint), layout or self.layout, self.cfg)
         whole = checkpoint["optimizer"].get("state", {})
         if not self.layout.local and whole:       # no parameter of its own: the step is the whole's
             state.step = int(float(whole[0]["step"]))

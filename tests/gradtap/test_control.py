@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.checkpoints import offer_size_limit
+from gradtap.checkpoints import _Prefix, load_checkpoint, offer_size_limit
 from gradtap.control import request_resync
 from gradtap.control_server import ControlServer, ControlSettings
 from gradtap.control_token import MIN_TOKEN_BYTES, ensure_token, read_token
@@ -364,6 +364,37 @@ def test_a_checkpoint_larger_than_the_limit_is_not_read(tmp_path, stale):
         code, answer = endpoint.offer(path)
         assert code == 400 and f"{path.stat().st_size} bytes, more than the 4096" in answer["error"], answer
     assert offer_size_limit(replica.job) > path.stat().st_size
+
+
+def test_an_offered_file_is_loaded_in_place_within_its_opened_size_and_refused_if_it_changes(tmp_path, stale,
+                                                                                              monkeypatch):
+    """An offered file is loaded where it lies (each tensor read into its own memory): what is
+    loaded equals ``torch.load`` of the file; reads stop at the size the file had when opened,
+    whatever it gains since; and a file written while it is read is refused."""
+    _, reference = stale
+    path = save(tmp_path / "c5.pt", trainer_checkpoint(reference, 5))
+    limit = offer_size_limit(job())
+    loaded, truth = load_checkpoint(path, max_bytes=limit), torch.load(path, weights_only=True)
+    assert loaded["iteration"] == truth["iteration"] == 5
+    assert all(torch.equal(loaded["model"][k], v) for k, v in truth["model"].items())
+    assert all(torch.equal(loaded["optimizer"]["state"][i][m], e[m]) for i, e in truth["optimizer"]["state"].items()
+               for m in ("exp_avg", "exp_avg_sq"))
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = _Prefix(f, size)
+        with open(path, "ab") as grow:
+            grow.write(b"\0" * 4096)
+        assert prefix.seek(0, os.SEEK_END) == size and prefix.seek(0) == 0
+        assert prefix.read() == path.read_bytes()[:size]
+    real = torch.load
+
+    def written_meanwhile(source, **kwargs):     # the trainer writes the file again while it is read
+        os.utime(path, ns=(time.time_ns(), time.time_ns() + 1))
+        return real(source, **kwargs)
+
+    monkeypatch.setattr(torch, "load", written_meanwhile)
+    with pytest.raises(ConfigError, match="changed while it was read; offer it once it is written"):
+        load_checkpoint(path, max_bytes=limit)
 
 
 def _raw(port: int, data: bytes, timeout: float = 10.0) -> tuple[bytes, float]:

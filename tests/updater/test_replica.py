@@ -309,6 +309,28 @@ def test_offers_are_bounded_and_dropped_once_passed():
     assert sorted(replica.offers) == list(range(13, 10 + MAX_OFFERS))    # passed ones can never be used
 
 
+def test_an_offer_made_then_passed_by_the_streams_is_refused_when_held():
+    """An offer is made (copied and checked) without the replica's lock, then held: the
+    streams may have passed its iteration meanwhile, and holding it checks again. One handed
+    over is left without its tensors, and resyncs the replica as one kept would."""
+    j = job()
+    replica, reference = drive(j, iterations=1)
+    handed = copy.deepcopy(trainer_checkpoint(reference, 3))    # not the reference optimizer's own state
+    made = replica.make_offer(handed, consume=True)
+    assert not handed["model"] and replica.offers == {}, "made, not held"
+    late = replica.make_offer(trainer_checkpoint(reference, 2))
+    assert replica.begin(1) is Begin.OPENED
+    replica.abort()
+    assert replica.begin(2) is Begin.STALE           # no offer held for it: the streams pass iteration 2
+    with pytest.raises(ConfigError, match="iteration 2: the streams are past it"):
+        replica.hold(late)
+    assert replica.hold(made) == [] and list(replica.offers) == [3]
+    kept = Replica(j, trainer_checkpoint(reference, 3))
+    assert replica.begin(3) is Begin.RESYNCED
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        assert getattr(replica.state, name).tobytes() == getattr(kept.state, name).tobytes()
+
+
 def test_a_checkpoint_of_another_optimizer_or_model_is_refused():
     j = job()
     reference = TorchStep(j)

@@ -183,17 +183,18 @@ class Appliance:
     def stop(self) -> None:
         self.stopping.set()
 
-    def offer(self, checkpoint: dict, source: str = "POST /resync") -> list[int]:
+    def offer(self, checkpoint: dict, source: str = "POST /resync", *, handed_over: bool = False) -> list[int]:
         """A trainer checkpoint to resynchronise from (the control endpoint's POST /resync): it
         replaces any offer pending; the iterations of the offers it replaced. Until the
-        iterations are numbered, it must carry ``time_ns`` (``gradtap/start.py``). The checkpoint
-        is handed over: its tensors leave it as they are copied (``Numbering.make_offer``)."""
+        iterations are numbered, it must carry ``time_ns`` (``gradtap/start.py``).
+        ``handed_over``: nothing else keeps the checkpoint's tensors, which then leave it as
+        they are copied (``Numbering.make_offer``)."""
         self._not_for_group("POST /resync (a trainer checkpoint offered)")
         # Made without the locks: the rounds (self._lock) and the update thread (the replica's)
         # go on while its 12 bytes per parameter are copied and checked. Under them, the copy
         # (GPT-2 small: 1.3-3.6 s on a 2-core AMD EPYC) stalled both for as long as it took,
         # longer than the capture rings hold.
-        made = self.numbering.make_offer(checkpoint, source)
+        made = self.numbering.make_offer(checkpoint, source, handed_over=handed_over)
         with self._lock, self._replica_lock:
             return self.numbering.offer(made, source)
 

@@ -84,13 +84,7 @@ def load_checkpoint(path: Path, *, max_bytes: int | None = None, what: str = "ch
     with _open_regular(path, what) as f:
         if max_bytes is None:        # a file named on the command line
             return _checked(_torch_load(f, path, what), path, what)
-        # An offer: loaded in place too, its tensors read straight into their memory, but never
-        # past the size it had when opened, and refused if it changed while it was read.
-        opened = os.fstat(f.fileno())
-        checkpoint = _torch_load(_Prefix(f, _size_within(opened, max_bytes, path, what)), path, what)
-        if _changed(opened, os.fstat(f.fileno())):
-            raise ConfigError(f"{what} {path}: the file changed while it was read; offer it once it is written")
-        return _checked(checkpoint, path, what)
+        return _checked(_load_in_place(f, max_bytes, path, what)[0], path, what)
 
 
 def offered_checkpoint(path: str, allowed_dirs: Sequence[Path], max_bytes: int) -> dict:
@@ -134,6 +128,29 @@ def _open_regular(path: Path | str, what: str, *, dir_fd: int | None = None, sho
         f.close()
         raise _unreadable(shown, what)
     return f
+
+
+def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
+                   sha256: str | None = None) -> tuple[Any, int]:
+    """``torch.load`` of the open file ``f`` where it lies (:class:`_Prefix`: each tensor read
+    into its own memory, so that the file's bytes and its tensors are not both held), and the
+    bytes read: never more than ``max_bytes`` (None: no limit), nor past the size the file had
+    when opened. With ``sha256`` (a snapshot's manifest), the bytes are hashed first and must
+    match. A file that changed meanwhile (``fstat``: size, mtime, ctime) is refused, so what was
+    hashed and checked is what was loaded."""
+    opened = os.fstat(f.fileno())
+    size = opened.st_size if max_bytes is None else _size_within(opened, max_bytes, shown, what)
+    source = _Prefix(f, size)
+    if sha256 is not None:
+        digest, chunk = hashlib.sha256(), bytearray(1 << 20)
+        while n := source.readinto(chunk):
+            digest.update(memoryview(chunk)[:n])
+        if digest.hexdigest() != sha256:
+            raise ConfigError(f"{what} {shown.parent}: {shown.name} does not match the sha256 in its {MANIFEST}")
+    checkpoint = _torch_load(source, shown, what)
+    if _changed(opened, os.fstat(f.fileno())):
+        raise ConfigError(f"{what} {shown}: the file changed while it was read; offer it once it is written")
+    return checkpoint, size
 
 
 def _size_within(opened: os.stat_result, max_bytes: int, shown: Path, what: str) -> int:
@@ -241,13 +258,9 @@ def _load_snapshot(path: Path, max_bytes: int | None, what: str) -> dict:
         state, left = {}, max_bytes
         for name in snapshot.FILES:
             with _open_regular(name, what, dir_fd=dir_fd, shown=path / name) as f:
-                # Hashed and loaded from the same bytes: what is checked is what is used.
-                data = f.read() if left is None else _read_bounded(f, left, path / name, what)
+                state[name], size = _load_in_place(f, left, path / name, what, sha256.get(name))
             if left is not None:
-                left -= len(data)
-            if hashlib.sha256(data).hexdigest() != sha256.get(name):
-                raise ConfigError(f"{what} {path}: {name} does not match the sha256 in its {MANIFEST}")
-            state[name] = _torch_load(io.BytesIO(data), path / name, what)
+                left -= size
     finally:
         os.close(dir_fd)
     return _checked({"model": state["model.pt"], "optimizer": state["optimizer.pt"],

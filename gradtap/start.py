@@ -114,16 +114,16 @@ class Numbering:
         if self.start.anchor is not None:
             pipeline.anchor(self.start.anchor, start=True)
 
-    def make_offer(self, checkpoint: dict, source: str) -> OfferMade:
+    def make_offer(self, checkpoint: dict, source: str, *, handed_over: bool = False) -> OfferMade:
         """A trainer checkpoint to resync from, made ready (``Replica.make_offer``) but not held
-        (:meth:`offer`): the slow part, which the appliance runs without its locks. The
-        checkpoint is handed over: its tensors leave it as they are copied, so that it and the
-        offer's state are not both held. A replica that began waiting takes, until its
-        iterations are numbered, only one with ``time_ns``, which then numbers them."""
+        (:meth:`offer`): the slow part, which the appliance runs without its locks.
+        ``handed_over``: nothing else keeps its tensors, which leave it as they are copied, so
+        that it and the offer's state are not both held. A replica that began waiting takes,
+        until its iterations are numbered, only one with ``time_ns``, which then numbers them."""
         _check_time(checkpoint.get("time_ns"), source)
         anchor = anchor_of(checkpoint, source)
         self._numbered_or_timed(anchor, source)      # before the copy; :meth:`offer` checks again
-        return OfferMade(self.replica.make_offer(checkpoint, consume=True), anchor)
+        return OfferMade(self.replica.make_offer(checkpoint, consume=handed_over), anchor)
 
     def offer(self, made: OfferMade, source: str) -> list[int]:
         """Hold an offer :meth:`make_offer` made, as the one pending (``Replica.hold`` with

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -206,7 +207,9 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                                    max_checkpoint_bytes=offer_size_limit(job),
                                    resync_dirs=tuple(resync_dirs) or job.appliance.resync_dirs,
                                    address=control_address, port=control_port)
-        control = ControlServer(appliance.offer, appliance.status, settings, attest=appliance.attest)
+        # Each offered file is loaded into a checkpoint of its own, which nothing else keeps.
+        control = ControlServer(functools.partial(appliance.offer, handed_over=True), appliance.status, settings,
+                                attest=appliance.attest)
     live = Live(console=console, auto_refresh=False) if console.is_terminal and not no_status else None
     if live is not None:
         live.start()

@@ -9,6 +9,7 @@ by a client that does not share its code."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import socket
@@ -594,7 +595,8 @@ def test_the_appliance_resyncs_from_a_checkpoint_posted_to_it(tmp_path):
     streams = {m.name: SourceSpec("pcap", (str(sim / "streams" / f"{m.name}.pcap"),), {}) for m in j.mirrors}
     appliance = Appliance(j, streams, tmp_path / "run", start,
                           RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True))
-    with serving(tmp_path, appliance.offer, appliance.status,
+    # As gradtap run serves it: each checkpoint the endpoint loads is handed over.
+    with serving(tmp_path, functools.partial(appliance.offer, handed_over=True), appliance.status,
                  max_checkpoint_bytes=offer_size_limit(j)) as endpoint:
         torch.save(dict(resume(j, start, seed=7, until=4).state_dict()), endpoint.offers / "trainer-4.pt")
         code, answer = endpoint.offer(endpoint.offers / "trainer-4.pt")

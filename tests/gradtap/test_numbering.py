@@ -134,7 +134,7 @@ def test_an_offer_is_copied_without_the_appliances_locks_and_handed_over(sim, tm
     """An offer's slow part, its state copied and checked (12 bytes per parameter), runs while
     the rounds and the update thread may take their locks; only holding it takes them. (Under
     them, GPT-2 small's took 1.3-3.6 s on a 2-core AMD EPYC, and stalled both.) The checkpoint
-    is handed over: the copy takes its tensors out of it."""
+    may be handed over: the copy then takes its tensors out of it."""
     job, sim_dir, checkpoint = sim
     app = appliance(job, sim_dir, tmp_path / "run", None)
     held, load = [], Replica._load
@@ -144,10 +144,13 @@ def test_an_offer_is_copied_without_the_appliances_locks_and_handed_over(sim, tm
         return load(self, *args, **kwargs)
 
     monkeypatch.setattr(Replica, "_load", watched)
-    handed = checkpoint(3)
-    app.offer(handed, "POST /resync trainer.pt")
+    kept, handed = checkpoint(3), checkpoint(4)
+    app.offer(kept, "POST /resync trainer.pt")
     assert held == [(False, False)]
-    assert list(app.replica.offers) == [3] and not handed["model"]
+    assert list(app.replica.offers) == [3] and len(kept["model"]) == len(job_params(job)), "kept was consumed"
+    app.offer(handed, "POST /resync trainer.pt", handed_over=True)
+    assert held == [(False, False)] * 2
+    assert list(app.replica.offers) == [4] and not handed["model"]
     assert all(list(e) == ["step"] for e in handed["optimizer"]["state"].values())
 
 

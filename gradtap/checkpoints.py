@@ -143,8 +143,11 @@ def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
     source = _Prefix(f, size)
     if sha256 is not None:
         digest, chunk = hashlib.sha256(), bytearray(1 << 20)
-        while n := source.readinto(chunk):
-            digest.update(memoryview(chunk)[:n])
+        try:
+            while n := source.readinto(chunk):
+                digest.update(memoryview(chunk)[:n])
+        except OSError as exc:
+            raise ConfigError(f"{what} {shown}: reading failed ({exc.strerror})") from None
         if digest.hexdigest() != sha256:
             raise ConfigError(f"{what} {shown.parent}: {shown.name} does not match the sha256 in its {MANIFEST}")
     checkpoint = _torch_load(source, shown, what)

@@ -192,7 +192,7 @@ class Appliance:
         self._not_for_group("POST /resync (a trainer checkpoint offered)")
         # Made without the locks: the rounds (self._lock) and the update thread (the replica's)
         # go on while its 12 bytes per parameter are copied and checked. Under them, the copy
-        # (GPT-2 small: 1.3-3.6 s on a 2-core AMD EPYC) stalled both for as long as it took,
+        # (GPT-2 small: 1.3-6.8 s on a 2-core AMD EPYC) stalled both for as long as it took,
         # longer than the capture rings hold.
         made = self.numbering.make_offer(checkpoint, source, handed_over=handed_over)
         with self._lock, self._replica_lock:

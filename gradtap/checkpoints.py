@@ -137,7 +137,9 @@ def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
     bytes read: never more than ``max_bytes`` (None: no limit), nor past the size the file had
     when opened. With ``sha256`` (a snapshot's manifest), the bytes are hashed first and must
     match. A file that changed meanwhile (``fstat``: size, mtime, ctime) is refused, so what was
-    hashed and checked is what was loaded."""
+    hashed and checked is what was loaded. Nothing else would see a file torn by a write during
+    the load: ``torch.load`` checks no record's CRC (PyTorch builds miniz with
+    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``; pytorch/pytorch#28858 and #126952)."""
     opened = os.fstat(f.fileno())
     size = opened.st_size if max_bytes is None else _size_within(opened, max_bytes, shown, what)
     source = _Prefix(f, size)

@@ -160,7 +160,7 @@ class Replica:
 
     def make_offer(self, checkpoint: Mapping[str, Any], *, consume: bool = False) -> Offer:
         """:meth:`offer`'s checks and flat state, not yet held: the part that takes time (the
-        12 bytes per parameter made and checked; GPT-2 small: 1.3-3.6 s on a 2-core AMD EPYC).
+        12 bytes per parameter made and checked; GPT-2 small: 1.3-6.8 s on a 2-core AMD EPYC, KVM).
         It changes nothing, and reads only what no step changes (the job, the names, shapes
         and dtypes of the keys, the layout it makes the state in) and the iteration the replica
         has reached, which :meth:`hold` checks again. So it runs beside the update path,

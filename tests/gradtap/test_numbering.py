@@ -133,7 +133,7 @@ def test_a_waiting_appliance_resyncs_from_the_trainers_timed_checkpoint_and_stay
 def test_an_offer_is_copied_without_the_appliances_locks_and_handed_over(sim, tmp_path, monkeypatch):
     """An offer's slow part, its state copied and checked (12 bytes per parameter), runs while
     the rounds and the update thread may take their locks; only holding it takes them. (Under
-    them, GPT-2 small's took 1.3-3.6 s on a 2-core AMD EPYC, and stalled both.) The checkpoint
+    them, GPT-2 small's took 1.3-6.8 s on a 2-core AMD EPYC, and stalled both.) The checkpoint
     may be handed over: the copy then takes its tensors out of it."""
     job, sim_dir, checkpoint = sim
     app = appliance(job, sim_dir, tmp_path / "run", None)

@@ -24,6 +24,7 @@ import json, torch
 from gradtap.core.heap import give_back_freed, libc
 from tests.core.test_heap import resident_bytes
 libc().mallopt(-3, 64 << 20)
+torch.ones(1 << 20)           # torch's first allocation sets up what it keeps: not counted below
 give_back_freed()
 base = resident_bytes()
 blocks = [torch.ones(1 << 20) for _ in range(32)]
@@ -55,10 +56,11 @@ def test_retained_heap_keeps_freed_blocks_and_gives_them_back_after():
 
 def test_freed_blocks_between_held_ones_are_given_back(tmp_path):
     """16 freed blocks of 4 MiB in the heap, each between two held ones, stay resident until
-    given back; then only the 16 held ones are."""
+    given back; then the process shrinks by those 16. (What else the forked child holds by
+    then varies with the fork server's state: 0-26 MB in runs of the suite.)"""
     with Child(GIVE_BACK, stderr=tmp_path / "err") as child:
         assert child.wait(120) == 0, (tmp_path / "err").read_text()
         got = json.loads(child.stdout.read())
     block = 4 << 20
     assert got["kept"] > 30 * block, got
-    assert 15 * block < got["given"] < 18 * block, got
+    assert 15 * block < got["kept"] - got["given"] < 17 * block, got

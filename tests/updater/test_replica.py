@@ -440,7 +440,7 @@ def test_a_checkpoint_handed_over_in_the_heap_is_given_back_as_it_is_copied(tmp_
     state = grown["kept"]["state"]
     assert state > 400e6
     assert grown["kept"]["grown"] > 0.9 * state, grown
-    assert grown["consume"]["grown"] < state / 4, grown
+    assert grown["consume"]["grown"] < state / 3, grown       # 73 MB here; 403 MB without the give-back
 
 
 @pytest.mark.parametrize("make", [lambda: make_job(), lambda: make_job(dtype="bf16", nqps=2),

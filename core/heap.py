@@ -70,7 +70,7 @@ def retained_heap():
     finally:
         lib.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
         lib.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
-        lib.malloc_trim(0)
+        give_back_freed()
 
 
 def give_back_freed() -> None:

@@ -191,9 +191,12 @@ class AfPacketSource(CaptureSource):
                 return f"af_packet needs CONFIG_PACKET; socket(AF_PACKET) failed: {os.strerror(exc.errno)}"
         return problem
 
+    def locate(self) -> None:
+        interface_index(self.interface, self.netns, self.name)
+
     def open(self) -> None:
         require_root("af_packet capture")
-        interface_index(self.interface, self.netns, self.name)
+        self.locate()
         # The kernel allocates the whole ring at once and would rather invoke the OOM
         # killer than refuse: keep it well inside what the host can give.
         size, available = self.block_size * self.block_count, available_memory()

@@ -299,6 +299,9 @@ class AfXdpSource(CaptureSource):
                 return _no_af_xdp(exc)
         return problem
 
+    def locate(self) -> None:
+        interface_index(self.interface, self.netns, self.name)
+
     def open(self) -> None:
         require_root("af_xdp capture")
         self._ifindex = interface_index(self.interface, self.netns, self.name)

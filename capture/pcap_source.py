@@ -37,9 +37,12 @@ class PcapSource(CaptureSource):
         self._pending: FrameBatch | None = None
         self._next = 0              # first frame of _pending not yet in the ring
 
-    def open(self) -> None:
+    def locate(self) -> None:
         if not os.path.isfile(self.path):
             raise CaptureError(f"pcap: {self.path}: no such file")
+
+    def open(self) -> None:
+        self.locate()
         self._reader = PcapReader(self.path, max_frames=self.max_frames)
         self._batches = iter(self._reader)
 

@@ -57,6 +57,12 @@ class CaptureSource(ABC):
         return None
 
     @abstractmethod
+    def locate(self) -> None:
+        """Check that what this source reads is there (its interface, in its namespace; its
+        file); CaptureError naming it otherwise. Opens and holds nothing: a command checks
+        every stream this way before its start-up work, and ``open`` checks again."""
+
+    @abstractmethod
     def open(self) -> None:
         """Acquire the kernel resources (sockets, maps, programs, files)."""
 

@@ -70,6 +70,11 @@ class SourceSpec:
         except ValueError as exc:
             raise ConfigError(f"capture source {self.source}: {exc}") from None
 
+    def locate(self) -> None:
+        """The source's target is there (:meth:`CaptureSource.locate`), checked from the
+        parent: a mistyped interface stops a command before its start-up work, not after."""
+        make_source(self.source, *self.args, **self.options).locate()
+
     @classmethod
     def parse(cls, target: str, default: str = "af_xdp", **options) -> SourceSpec:
         """A command-line capture target: ``[SOURCE:]IFACE[@NETNS]`` for live sources

@@ -99,11 +99,17 @@ class Appliance:
     with ``group``, into this node's shard of the group's replica (the rendezvous waits here
     for every node, up to the group's timeout)."""
 
-    def __init__(self, job: JobSpec, streams: dict[str, SourceSpec], out: Path, start: ReplicaStart | dict | None,
-                 options: RunOptions = RunOptions(), group: MirrorGroupSpec | None = None):
+    @staticmethod
+    def check_streams(job: JobSpec, streams: dict[str, SourceSpec]) -> None:
+        """ConfigError naming the streams that are no mirror of ``job``; checked by ``gradtap
+        run`` before it loads the start state too."""
         unknown = set(streams) - {m.name for m in job.mirrors}
         if unknown:
             raise ConfigError(f"--stream: {sorted(unknown)} are not mirror streams of job {job.name!r}")
+
+    def __init__(self, job: JobSpec, streams: dict[str, SourceSpec], out: Path, start: ReplicaStart | dict | None,
+                 options: RunOptions = RunOptions(), group: MirrorGroupSpec | None = None):
+        self.check_streams(job, streams)
         self.job, self.specs, self.out, self.options = job, streams, Path(out), options
         start = replica_start(job, start, "the start state", handed_over=False)     # a dict stays the caller's
         self.group = None

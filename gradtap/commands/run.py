@@ -153,6 +153,18 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     With --group, this is one of the CPU nodes a DP group's streams arrive at: it merges with
     its peers over gloo and steps its shard of the replica (docs/group.md); it needs a start
     state, and a peer gone stops it with exit status 4 (the replica is stale)."""
+    if start and start_from_store:
+        raise click.UsageError("give --start or --start-from-store, not both")
+    # The streams first: a mistyped interface or option is named in a second, before the
+    # stages are imported, the job's model described, the start state loaded and the
+    # pipeline rehearsed (some 15 s on a 2-core host).
+    given = parse_source_options(source_options)
+    specs = dict(parse_stream(s, source, netns, given) for s in stream)
+    for spec in specs.values():
+        spec.locate()
+    cores = _cpus(capture_cpus, "--capture-cpus")
+    parse_cores, update_cores = _cpus(parse_cpus, "--parse-cpus"), _cpus(update_cpus, "--update-cpus")
+
     from rich.console import Console
     from rich.live import Live
 
@@ -169,18 +181,13 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
 
     console = Console(stderr=True)
     job = with_store(open_job(job_path), store)
-    if start and start_from_store:
-        raise click.UsageError("give --start or --start-from-store, not both")
+    Appliance.check_streams(job, specs)
     group = mirror_group(job, group_at, rendezvous, group_timeout)
     if group is not None:
         refuse_for_group({"--store": bool(store), "--start-from-store": start_from_store,
                           "--resync-dir": bool(resync_dirs), "--force": force})
-    given = parse_source_options(source_options)
-    specs = dict(parse_stream(s, source, netns, given) for s in stream)
-    cores = _cpus(capture_cpus, "--capture-cpus")
     options = RunOptions(ring_slots=ring_slots, slot_size=slot_size, hugepages=hugepages,
-                         capture_cpus=dict(zip(specs, cores)), parse_cpus=_cpus(parse_cpus, "--parse-cpus"),
-                         update_cpus=_cpus(update_cpus, "--update-cpus"),
+                         capture_cpus=dict(zip(specs, cores)), parse_cpus=parse_cores, update_cpus=update_cores,
                          force=force, start=start, control_token_file=control_token_file, rehearse=not no_rehearsal)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
     if start_from_store:

@@ -79,10 +79,11 @@ class VethLab:
 
 
 def remove_stale() -> None:
-    """Remove namespaces of earlier capture-test runs that were killed before their own
-    clean-up could run (names ``gtc<pid>…``/``gtm<pid>…`` whose process is gone)."""
+    """Remove namespaces of earlier test runs that were killed before their own clean-up
+    could run: every test names its namespaces ``gt<letters><pid>…`` (``gtc``, ``gtm``,
+    ``gtl``, ``gtnc``, ``gtrun``, ``gtsig``), and these are the ones whose process is gone."""
     for name in netns.listnetns():
-        match = re.match(r"gt[cm](\d+)", name)
+        match = re.match(r"gt[a-z]+(\d+)", name)
         if match and not os.path.exists(f"/proc/{match.group(1)}"):
             netns.remove(name)
 
@@ -158,6 +159,7 @@ class BridgeLab:
         return self
 
     def _build(self) -> None:
+        remove_stale()
         for name in (self.sw, self.cpu, *self.nodes):
             quiet_netns(name)
         with NetNS(self.sw) as sw:

@@ -121,11 +121,14 @@ def test_long_frames_are_cut_at_the_slot_and_counted(lab):
     assert stats["truncated"] == 5
 
 
-def test_missing_interface_or_namespace_says_what_is_missing(lab):
+@pytest.mark.parametrize("check", ["open", "locate"])
+def test_missing_interface_or_namespace_says_what_is_missing(lab, check):
+    """``locate`` (what ``gradtap run`` checks before its start-up) names them as ``open`` does."""
     with pytest.raises(CaptureError, match=rf"no interface 'nope0' in network namespace '{lab.rx}'"):
-        AfPacketSource("nope0", netns=lab.rx).open()
+        getattr(AfPacketSource("nope0", netns=lab.rx), check)()
     with pytest.raises(CaptureError, match="network namespace 'gtc-absent' does not exist"):
-        AfPacketSource("rx0", netns="gtc-absent").open()
+        getattr(AfPacketSource("rx0", netns="gtc-absent"), check)()
+    AfPacketSource("rx0", netns=lab.rx).locate()
 
 
 def test_a_ring_larger_than_memory_is_refused_before_the_kernel_tries(lab):

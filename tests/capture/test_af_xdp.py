@@ -192,6 +192,9 @@ def test_a_queue_taken_by_another_socket_is_named(lab):
 def test_missing_things_are_named(lab):
     with pytest.raises(CaptureError, match=rf"no interface 'nope0' in network namespace '{lab.rx}'"):
         AfXdpSource("nope0", netns=lab.rx).open()
+    with pytest.raises(CaptureError, match=rf"no interface 'nope0' in network namespace '{lab.rx}'"):
+        AfXdpSource("nope0", netns=lab.rx).locate()
+    AfXdpSource("rx0", netns=lab.rx).locate()           # opens nothing
     with pytest.raises(CaptureError, match="zero-copy"):
         open_source(lab, mode="zerocopy")               # veth has copy mode only
     with pytest.raises(CaptureError, match="queue 9"):

@@ -53,5 +53,6 @@ def test_a_full_ring_makes_receive_wait_a_bounded_time():
 
 
 def test_a_missing_file_is_named(tmp_path):
-    with pytest.raises(CaptureError, match="no such file"):
-        PcapSource(tmp_path / "absent.pcap").open()
+    for check in ("open", "locate"):
+        with pytest.raises(CaptureError, match="absent.pcap: no such file"):
+            getattr(PcapSource(tmp_path / "absent.pcap"), check)()

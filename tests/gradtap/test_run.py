@@ -25,6 +25,7 @@ from gradtap.updater.replica import seed_checkpoint
 from gradtap.verify import verify
 from gradtap.workload.layout import job_params
 from gradtap.workload.spec import dump_job
+from tests.capture.netlab import remove_stale
 from tests.simulator.test_simulate import make_job, simulate
 
 
@@ -182,7 +183,8 @@ def test_a_missing_interface_fails_fast_with_its_reason(tmp_path):
                            "--slot-size", "2048"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode != 0
-    assert "gradtap-no-such-if0" in done.stderr
+    assert "no interface 'gradtap-no-such-if0'" in done.stderr, done.stderr[-2000:]
+    assert "rehearsal" not in done.stderr and "start state" not in done.stderr      # named before either
 
 
 def test_source_options_reach_every_stream_and_a_wrong_one_is_named():
@@ -241,6 +243,7 @@ def test_a_crashed_capture_worker_stops_the_appliance_with_an_error(tmp_path):
     from pyroute2 import NetNS, netns
 
     ns = f"gtrun{os.getpid()}"
+    remove_stale()
     netns.create(ns)
     try:
         with NetNS(ns) as ipr:
@@ -273,6 +276,7 @@ def test_gradtap_run_stops_cleanly_on_a_signal(tmp_path, signum):
     from pyroute2 import NetNS, netns
 
     ns = f"gtsig{os.getpid()}"
+    remove_stale()
     netns.create(ns)
     try:
         with NetNS(ns) as ipr:

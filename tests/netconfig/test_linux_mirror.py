@@ -26,7 +26,7 @@ from gradtap.netconfig.linux_mirror import (PARENT, _Link, _mirred_targets, _our
 from gradtap.netconfig.planner import plan_topology
 from gradtap.netconfig.topology import parse_topology
 from gradtap.netconfig.vendors.linux import TcMirror
-from tests.capture.netlab import in_netns
+from tests.capture.netlab import in_netns, remove_stale
 
 pytestmark = [pytest.mark.privileged, pytest.mark.timeout(20),
               pytest.mark.skipif(os.geteuid() != 0, reason="needs root for network namespaces")]
@@ -54,6 +54,7 @@ class Lab:
         self.names = [self.sw, self.cpu, *self.nodes]
 
     def build(self) -> None:
+        remove_stale()
         for name in self.names:
             netns.create(name)
         with NetNS(self.sw) as sw:

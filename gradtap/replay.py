@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -202,7 +202,7 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
 
 def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | ReplicaStart, *, digests: bool = True,
                batch_frames: int = 65536, progress: Progress = _no_progress,
-               resync: list[dict] | None = None, force: bool = False,
+               resync: Iterable[dict] = (), resync_handed_over: bool = False, force: bool = False,
                start_source: str = "the start state",
                gradients: Path | None = None,
                snapshot_buffers: int = 0, continues: Path | None = None,
@@ -212,7 +212,9 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     first that began after it: ``gradtap/start.py``), writing into ``out``:
     ``snapshots/``, ``iterations.jsonl`` (with a state digest per iteration when ``digests``),
     ``events.jsonl`` and ``replay.json``. ``resync``: trainer checkpoints a stale replica
-    resynchronises from when the streams reach their iteration. An ``out`` that cannot be
+    resynchronises from when the streams reach their iteration, each offered as it comes (a
+    generator loads one at a time); ``resync_handed_over``: they are the replay's own, and give
+    their tensors up as their offers copy them (``Replica.make_offer(consume=True)``). An ``out`` that cannot be
     written, or holds the snapshots of another replica (another job or start state), is
     refused before anything in it changes; ``force`` clears the other replica's snapshots.
     ``gradients``: a directory for each recovered iteration's reduced gradient
@@ -242,8 +244,8 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     if gradient_log is not None:
         gradient_log.on_event = control.event
     numbering = Numbering(begin, replica, control)
-    for checkpoint in resync or []:
-        replica.offer(checkpoint)
+    for checkpoint in resync:
+        replica.hold(replica.make_offer(checkpoint, consume=resync_handed_over))
     sink = ReplicaSink(replica, control, snapshots=snapshots, report_path=out / "iterations.jsonl", digests=digests,
                        gradient_log=gradient_log, lasting_buckets=True)
     plan = job_plan(job) if job.nccl.resolved else None      # else read from the wire (parser/resolve.py)

@@ -31,7 +31,7 @@ from gradtap.core.errors import CaptureError
                    "trainer's checkpoint (fallback)")
 @click.option("--digests/--no-digests", default=True,
               help="record a digest of the replica after every iteration (for verify; a --group node records none)")
-@click.option("--resync", multiple=True, type=click.Path(path_type=Path), metavar="CKPT",
+@click.option("--resync", multiple=True, type=click.Path(exists=True, path_type=Path), metavar="CKPT",
               help="trainer checkpoint to resynchronise a stale replica from when the streams reach its "
                    "iteration (repeatable)")
 @click.option("--force", is_flag=True,
@@ -70,7 +70,9 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
         console.print(f"[yellow]warning:[/] {len(streams)} mirror stream(s): FlowCheck's analysis needs 3 to "
                       "survive single mirror-link losses; expect unrecoverable iterations "
                       "(see `gradtap netconfig plan` for the probability)")
-    checkpoints = [load_checkpoint(path) for path in resync]
+    # Loaded one at a time as the replica takes them, each handed over: it gives its tensors up
+    # as its offer copies them, so that no two are held whole beside the offers.
+    checkpoints = (load_checkpoint(path) for path in resync)
     if start_from_store:
         with records_progress(console, "replaying the store's gradient log") as progress:
             begin = store_start(job, progress)
@@ -79,7 +81,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
                               f"--start {start}" if start else f"initial_state of {job_path}")
     with replay_progress(console, streams) as progress:
         result, sink = run_replay(job, streams, out, begin, digests=digests, progress=progress, resync=checkpoints,
-                                  force=force, gradients=gradients, continues=start)
+                                  resync_handed_over=True, force=force, gradients=gradients, continues=start)
     console.print(iteration_table(result, sink))
     console.print(events_table(result))
     console.print(rate_line(result))

@@ -32,6 +32,7 @@ from tests.parser import naive_coverage
 from tests.simulator.test_simulate import make_job, simulate
 from gradtap.store import snapshot
 from gradtap.workload.layout import job_params, job_plan
+from gradtap.workload.spec import dump_job
 from gradtap.wire.icrc import compute_icrc
 from gradtap.wire.psn import PSN_MODULUS
 from gradtap.workload.spec import dump_job, load_job, parse_job
@@ -284,7 +285,11 @@ def trainer_endpoint():
 
 
 @pytest.mark.slow
-def test_unrecoverable_iteration_falls_back_marks_stale_and_resync_restores_exactness(tmp_path, trainer_endpoint):
+@pytest.mark.parametrize("given", ["in the process", "on the command line"])
+def test_unrecoverable_iteration_falls_back_marks_stale_and_resync_restores_exactness(tmp_path, trainer_endpoint,
+                                                                                       given):
+    """The resync checkpoint given to ``run_replay`` (kept: the trainer's live state_dict), or
+    to ``gradtap replay --resync`` as a file (loaded as the replica takes it, and handed over)."""
     url, received = trainer_endpoint
     job = make_job(3, "LL", 2, "fp32")
     job = job.model_copy(update={"appliance": job.appliance.model_copy(update={"control_endpoint": url})})
@@ -292,8 +297,28 @@ def test_unrecoverable_iteration_falls_back_marks_stale_and_resync_restores_exac
     assert drop_allgather(tmp_path / "sim", job, ordinal=2, bucket=0) > 0
     # The trainer's regular checkpoint after the lost iteration (3): what it sends when asked.
     checkpoint = resume(job, start_of(tmp_path / "sim"), seed=7, until=4).state_dict()
-    _, sink = run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"),
-                         resync=[checkpoint])
+    if given == "in the process":
+        _, sink = run_replay(job, streams_of(tmp_path / "sim", job), tmp_path / "replay", start_of(tmp_path / "sim"),
+                             resync=[checkpoint])
+        assert not sink.replica.stale
+        assert all(len(v) for v in checkpoint["optimizer"]["state"].values())      # the trainer's, untouched
+    else:
+        from click.testing import CliRunner
+
+        from gradtap.cli import _register, app
+        _register()
+        torch.save(checkpoint, tmp_path / "iter4.pt")
+        (tmp_path / "job.yaml").write_text(dump_job(job))
+        done = CliRunner().invoke(app, ["replay", str(tmp_path / "job.yaml"),
+                                        *(f"{n}={p}" for n, p in streams_of(tmp_path / "sim", job).items()),
+                                        "--out", str(tmp_path / "replay"), "--start",
+                                        str(tmp_path / "sim" / "truth" / "start.pt"),
+                                        "--resync", str(tmp_path / "iter4.pt")])
+        assert done.exit_code == 0, done.output
+        assert "replica current at iteration 6" in done.output
+        missing = CliRunner().invoke(app, ["replay", str(tmp_path / "job.yaml"), "x.pcap", "--out",
+                                           str(tmp_path / "r2"), "--resync", str(tmp_path / "absent.pt")])
+        assert missing.exit_code == 2 and "absent.pt' does not exist" in missing.output      # before any work
     events = [json.loads(line) for line in (tmp_path / "replay" / "events.jsonl").read_text().splitlines()]
     fallback = [e for e in events if e["event"] == "fallback"]
     assert [e["iteration"] for e in fallback] == [3]
@@ -304,7 +329,6 @@ def test_unrecoverable_iteration_falls_back_marks_stale_and_resync_restores_exac
     # The snapshots never hold the half-applied iteration: one ready for 3, then 5 and 6.
     ready = [snapshot.verify(p)["iteration"] for p in sorted((tmp_path / "replay" / "snapshots").glob("iteration-*"))]
     assert 4 not in ready
-    assert not sink.replica.stale
 
 
 def test_stream_names_and_files_are_checked(tmp_path):

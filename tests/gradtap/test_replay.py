@@ -32,7 +32,6 @@ from tests.parser import naive_coverage
 from tests.simulator.test_simulate import make_job, simulate
 from gradtap.store import snapshot
 from gradtap.workload.layout import job_params, job_plan
-from gradtap.workload.spec import dump_job
 from gradtap.wire.icrc import compute_icrc
 from gradtap.wire.psn import PSN_MODULUS
 from gradtap.workload.spec import dump_job, load_job, parse_job

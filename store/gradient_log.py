@@ -550,7 +550,10 @@ def _check_reachable(k: int, at: int, logged: set[int], ready: list[int], url: s
 
 def _replay(job: JobSpec, logstore: LogStore, checkpoint: dict, k: int, at: int | None, logged: set[int],
             progress: Progress | None) -> Rebuilt:
-    replica = Replica(job, checkpoint)
+    # The snapshot's tensors are this rebuild's own: each leaves the checkpoint as the replica
+    # copies it, and what the rebuild returns shares the replica's memory (nothing steps it
+    # after), so that the state is never held twice.
+    replica = Replica(job, checkpoint, consume=True)
     sections, numel = job_sha256(job), replica.layout.total
     end = at
     if end is None:
@@ -580,7 +583,7 @@ def _replay(job: JobSpec, logstore: LogStore, checkpoint: dict, k: int, at: int 
         done.append(j)
         if progress is not None:
             progress(len(done), end - k)
-    return Rebuilt(replica.state_dict(), replica.step, k, done, stopped)
+    return Rebuilt(replica.state_dict(copy=False), replica.step, k, done, stopped)
 
 
 def _check_chain(entry: LogEntry, j: int, k: int, prev_sha: str | None, logstore: LogStore,

@@ -207,12 +207,21 @@ def from_checkpoint(checkpoint: Mapping[str, Any], layout: FlatLayout, cfg: Opti
 
     flat = [aligned_empty(layout.total) for _ in range(3)]
     given = GiveBack()
-    for i, spec in enumerate(params):
-        sources = [(model, spec.name)] + [(state[i], name) for name in ("exp_avg", "exp_avg_sq") if state]
-        for k, (holder, key) in enumerate(sources):
+    # One kind at a time (parameters, then each moment): a checkpoint whose tensors are views
+    # of one flat array per kind (``Replica.state_dict(copy=False)``) frees each array once
+    # its last view leaves, so that consuming it holds 16 bytes per parameter at most, not 24.
+    # A tied weight's other names (GPT-2's ``lm_head.weight``) leave with it: they hold its memory.
+    kinds = [[(model, spec.name) for spec in params]]
+    kinds += [[(state[i], name) for i in range(len(params))] for name in ("exp_avg", "exp_avg_sq") if state]
+    aliases = [(key, ref) for key, ref in keys.keys if isinstance(ref, int) and key != params[ref].name]
+    for k, sources in enumerate(kinds):
+        for i, (holder, key) in enumerate(sources):
             flat[k][layout.param(i)] = _flat(holder[key])
             if consume:
                 given.freed(holder.pop(key).nbytes)
+                if k == 0:
+                    for alias in [a for a, ref in aliases if ref == i]:
+                        del holder[alias]
     if not state:
         flat[1][:] = 0
         flat[2][:] = 0

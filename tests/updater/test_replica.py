@@ -152,6 +152,11 @@ def test_tied_weights_appear_under_both_names():
     model = build(*tiny, seed=3)
     model.load_state_dict(sd)
     assert torch.equal(model.lm_head.weight, reference.model.lm_head.weight)
+    # Handed over, the tied weight's second name leaves with the first: it holds the same memory.
+    handed = replica.state_dict(copy=False)
+    taken = Replica(j, handed, consume=True)
+    assert not handed["model"], list(handed["model"])
+    assert taken.state.param.tobytes() == replica.state.param.tobytes()
 
 
 def test_protocol_misuse_is_refused():
@@ -393,10 +398,12 @@ def test_a_consumed_checkpoint_gives_each_tensor_up_once_copied_and_nothing_when
 # A forked child: a checkpoint of 134 MB of parameters (8 weights of 16.8 MB, with both
 # moments 403 MB) whose tensors lie in the heap, as they do once glibc has raised its mmap
 # threshold (here fixed at 64 MiB: M_MMAP_THRESHOLD, glibc malloc.h), copied into the flat
-# state kept (argv[1] "kept") or handed over ("consume"); prints how far the copy grew the
-# process's resident memory at its peak (VmHWM after clear_refs "5", proc(5)).
+# state kept (argv[1] "kept") or handed over ("consume"), or first into a replica whose own
+# state_dict(copy=False) (views of its three flat arrays) is then handed over ("views"); prints
+# how far the copy grew the process's resident memory at its peak (VmHWM after clear_refs "5",
+# proc(5)).
 CONSUMED = """
-import json, sys, torch
+import gc, json, sys, torch
 from gradtap.core.heap import give_back_freed, libc
 from gradtap.simulator.training import make_optimizer
 from gradtap.updater.state import FlatLayout, from_checkpoint
@@ -417,11 +424,17 @@ optimizer.step()
 checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "iteration": 1}
 del model, optimizer, p
 layout = FlatLayout(job_params(j), job_buckets(j))
+if sys.argv[1] == "views":
+    from gradtap.updater.replica import Replica
+    replica = Replica(j, checkpoint, consume=True)
+    checkpoint = replica.state_dict(copy=False)
+    del replica
+    gc.collect()
 give_back_freed()
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 before = status("VmRSS")
-state, _ = from_checkpoint(checkpoint, layout, j.optimizer, consume=sys.argv[1] == "consume")
+state, _ = from_checkpoint(checkpoint, layout, j.optimizer, consume=sys.argv[1] != "kept")
 print(json.dumps({"grown": status("VmHWM") - before, "state": 3 * state.param.nbytes}))
 """
 
@@ -433,7 +446,7 @@ def test_a_checkpoint_handed_over_in_the_heap_is_given_back_as_it_is_copied(tmp_
     Before, each freed tensor stayed resident, and GPT-2 small's later replays peaked at 23.9
     B per parameter in the start-up (22.7 in the replay itself)."""
     grown = {}
-    for way in ("kept", "consume"):
+    for way in ("kept", "consume", "views"):
         with Child(CONSUMED, way, stderr=tmp_path / "err") as child:
             assert child.wait(300) == 0, (tmp_path / "err").read_text()
             grown[way] = json.loads(child.stdout.read())
@@ -441,6 +454,10 @@ def test_a_checkpoint_handed_over_in_the_heap_is_given_back_as_it_is_copied(tmp_
     assert state > 400e6
     assert grown["kept"]["grown"] > 0.9 * state, grown
     assert grown["consume"]["grown"] < state / 3, grown       # 73 MB here; 403 MB without the give-back
+    # A replica's own state, handed over (``store/gradient_log.rebuild`` to ``--start-from-store``),
+    # is three flat arrays, each freed once its last view leaves: copied one kind at a time, the
+    # copy holds one more kind at most (a third of the state); copied parameter by parameter, all.
+    assert grown["views"]["grown"] < state / 2, grown
 
 
 @pytest.mark.parametrize("make", [lambda: make_job(), lambda: make_job(dtype="bf16", nqps=2),

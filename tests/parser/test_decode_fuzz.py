@@ -5,9 +5,9 @@ For every input the kernel must return (no crash, no hang), count the frame exac
 and take the same accept/refuse decision as the naive decoder of ``tests/naive.py`` (through
 ``check_record`` of ``test_decode.py``, which lists the deliberate differences). Each frame is
 decoded alone, as the last bytes of its batch's data array, so a read past its end is a read
-past the array: :func:`test_no_read_outside_a_frame_under_boundscheck` reruns this module in a
-subprocess with ``NUMBA_BOUNDSCHECK=1`` (its kernels compiled with the checks,
-``tests/core/boundscheck.py``), where such a read raises ``IndexError``.
+past the array: ``tests/parser/test_under_boundscheck.py`` reruns this module in a subprocess
+with ``NUMBA_BOUNDSCHECK=1`` (its kernels compiled with the checks, ``tests/core/boundscheck.py``),
+where such a read raises ``IndexError``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from gradtap.wire import events as ev
 from gradtap.parser.decode import decode_batch, is_roce
 from gradtap.wire.headers.opcodes import OPCODE_EXT_LEN, OPCODE_VALID, OPCODES
 from tests import naive
-from tests.core.boundscheck import rerun_with_boundscheck
 from tests.parser.test_decode import CAPTURES, check_record
 from tests.simulator.test_simulate import make_job, simulate
 from gradtap.workload.layout import job_plan
@@ -207,9 +206,3 @@ def test_boundscheck_is_on():
     with pytest.raises(IndexError):
         read_le(np.zeros(3, np.uint8), 1, 4)
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(bool(config.BOUNDSCHECK), reason="this is the subprocess")
-def test_no_read_outside_a_frame_under_boundscheck():
-    rerun_with_boundscheck(__file__)      # test_boundscheck_is_on runs there

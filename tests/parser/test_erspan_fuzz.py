@@ -5,7 +5,7 @@ For every input the kernel must return, count the frame exactly once, and decode
 ``test_erspan.check_erspan_record`` says (the struct-based reading of the outer headers, then
 the inner frame against ``tests/naive.py``). Each frame is decoded alone, as the last bytes of
 its batch's data array, so a read past its end is a read past the array:
-:func:`test_no_read_outside_a_frame_under_boundscheck` reruns this module in a subprocess with
+``tests/parser/test_under_boundscheck.py`` reruns this module in a subprocess with
 ``NUMBA_BOUNDSCHECK=1`` (``tests/core/boundscheck.py``), where such a read raises ``IndexError``.
 ``test_erspan.py::test_without_jit_the_records_are_the_same`` covers the plain-Python run.
 """
@@ -19,12 +19,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from numba import config
 
 from gradtap.capture.frames import FrameBatch
 from gradtap.parser.decode import decode_batch
 from gradtap.wire import events as ev
-from tests.core.boundscheck import rerun_with_boundscheck
 from tests.parser.test_erspan import KINDS, check_erspan_record, decode_one, inner_corpus, wrap
 
 FUZZ = settings(max_examples=600, deadline=None, database=None, derandomize=True,
@@ -124,9 +122,3 @@ def test_batches_count_every_frame_once(corpus):
     assert counters.sum() == len(frames) == len(records)
     assert np.array_equal(counters, np.bincount(records["event"], minlength=ev.N_EVENTS))
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.skipif(bool(config.BOUNDSCHECK), reason="this is the subprocess")
-def test_no_read_outside_a_frame_under_boundscheck():
-    rerun_with_boundscheck(__file__)

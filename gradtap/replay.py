@@ -213,10 +213,11 @@ def run_replay(job: JobSpec, pcaps: dict[str, Path], out: Path, start: dict | Re
     ``snapshots/``, ``iterations.jsonl`` (with a state digest per iteration when ``digests``),
     ``events.jsonl`` and ``replay.json``. ``resync``: trainer checkpoints a stale replica
     resynchronises from when the streams reach their iteration, each offered as it comes (a
-    generator loads one at a time); ``resync_handed_over``: they are the replay's own, and give
-    their tensors up as their offers copy them (``Replica.make_offer(consume=True)``). An ``out`` that cannot be
-    written, or holds the snapshots of another replica (another job or start state), is
-    refused before anything in it changes; ``force`` clears the other replica's snapshots.
+    generator loads one at a time); ``resync_handed_over``: they are the replay's own, and
+    give their tensors up as their offers copy them (``Replica.make_offer(consume=True)``).
+    An ``out`` that cannot be written, or holds the snapshots of another replica (another job
+    or start state), is refused before anything in it changes; ``force`` clears the other
+    replica's snapshots.
     ``gradients``: a directory for each recovered iteration's reduced gradient
     (``gradtap/gradient_dump.py``). ``start`` may also be a :class:`ReplicaStart`
     (:func:`~gradtap.start.replica_start`, ``--start-from-store``): handed over, its checkpoint

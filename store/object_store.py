@@ -25,6 +25,7 @@ writer per store URL: two appliances writing one prefix would collect each other
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -84,6 +85,58 @@ def _sha256_file(path: Path) -> StoreObject:
             h.update(block)
             size += len(block)
     return StoreObject(h.hexdigest(), size)
+
+
+class _HashedRead(io.RawIOBase):
+    """A store object's file, for ``torch.load``, hashed on the way. Bytes read in order from
+    the start are hashed as they pass, and a short gap (a zip member's header fields the
+    reader skips) is read for the hash where it lies; what lies further ahead, such as the zip
+    directory at the end that the reader reads first, is hashed by :meth:`digest` at the end,
+    with whatever the reader never read. ``torch.save``'s members lie in the order
+    ``torch.load`` reads them, so the object is read about once."""
+
+    GAP = 1 << 20       # a skip no longer than this is read for the hash at once
+
+    def __init__(self, f):
+        self._f = f
+        self._at = 0                    # where the next read starts
+        self._hash = hashlib.sha256()
+        self._hashed = 0                # bytes [0, _hashed) are in the hash
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._at = self._f.seek(offset, whence)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def readinto(self, buffer) -> int:
+        if self._hashed < self._at <= self._hashed + self.GAP:
+            self._f.seek(self._hashed)
+            gap = self._f.read(self._at - self._hashed)
+            self._hash.update(gap)
+            self._hashed += len(gap)
+            self._f.seek(self._at)
+        n = self._f.readinto(buffer)
+        if n and self._at <= self._hashed < self._at + n:
+            self._hash.update(memoryview(buffer).cast("B")[self._hashed - self._at:n])
+            self._hashed = self._at + n
+        self._at += n
+        return n
+
+    def digest(self) -> tuple[str, int]:
+        """The object's sha256 and size, once the rest of it is read."""
+        self._f.seek(self._hashed)
+        while chunk := self._f.read(CHUNK):
+            self._hash.update(chunk)
+            self._hashed += len(chunk)
+        return self._hash.hexdigest(), self._hashed
 
 
 class SnapshotStore:
@@ -281,21 +334,26 @@ class SnapshotStore:
                 "iteration": int(manifest["iteration"])}
 
     def _load_object(self, path: str, want: dict, what: str) -> Any:
-        """``torch.load`` of the object at ``path`` once its size and sha256 are ``want``'s: read
-        twice, to check it and then to load it, so that its bytes are never held whole beside its
-        tensors (20 bytes per parameter at once for a snapshot's optimizer.pt, where the
-        tensors alone are 12). An object is named by its sha256 and never rewritten."""
-        digest, size = hashlib.sha256(), 0
+        """``torch.load`` of the object at ``path``, which must have ``want``'s size and sha256
+        (``GradtapError`` otherwise): hashed as ``torch.load`` reads it (:class:`_HashedRead`),
+        so that it crosses the network about once and its bytes are never held whole beside
+        its tensors (that was 20 bytes per parameter at once for a snapshot's optimizer.pt,
+        whose tensors alone are 8). What a failed check loaded is dropped unseen."""
         with self.fs.open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
-                size += len(chunk)
-        got = digest.hexdigest()
+            reader = _HashedRead(f)
+            try:
+                loaded = torch.load(reader, weights_only=True)
+            except Exception as exc:         # a torn or corrupt object fails here, or in the check
+                loaded, failed = None, exc
+            else:
+                failed = None
+            got, size = reader.digest()
         if got != want.get("sha256") or size != want.get("size"):
             raise GradtapError(f"{what} has sha256 {got[:16]}… and {size} B, the manifest says "
                                f"{str(want.get('sha256'))[:16]}… and {want.get('size')} B")
-        with self.fs.open(path, "rb") as f:
-            return torch.load(f, weights_only=True)
+        if failed is not None:
+            raise GradtapError(f"{what} matches its manifest but does not load: {failed}")
+        return loaded
 
     def load_newest(self) -> dict[str, Any]:
         """The newest READY snapshot that verifies; older ones are tried when a newer fails

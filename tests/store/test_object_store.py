@@ -130,6 +130,67 @@ def test_a_corrupted_object_is_refused_and_the_one_before_loads(tmp_path):
         store.load_newest()
 
 
+class _Counting:
+    """A file that counts the bytes read from it."""
+
+    def __init__(self, f):
+        self.f, self.bytes = f, 0
+
+    def seek(self, *args):
+        return self.f.seek(*args)
+
+    def read(self, n=-1):
+        data = self.f.read(n)
+        self.bytes += len(data)
+        return data
+
+    def readinto(self, buffer):
+        n = self.f.readinto(buffer)
+        self.bytes += n
+        return n
+
+
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_an_object_is_hashed_as_it_loads_and_read_about_once(tmp_path, kind, request):
+    """``torch.load`` reads a store object through its hash: the sha256 and size are
+    hashlib's of its bytes, the tensors those ``torch.load`` makes of them, and the object is
+    read once and a little (the zip directory at its end, which the reader reads first)."""
+    import hashlib
+
+    from gradtap.store.object_store import _HashedRead
+
+    store = s3_store(request.getfixturevalue("s3"), "replica-test") if kind == "s3" else file_store(tmp_path, "x")
+    model = build("gradtap.workload.models:gpt2", {"n_layer": 2, "n_head": 2, "n_embd": 64, "vocab_size": 512,
+                                                    "block_size": 32}, seed=1)
+    optimizer = make_optimizer(list(model.parameters()), job().optimizer)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "ckpt.pt")
+    data = (tmp_path / "ckpt.pt").read_bytes()
+    store.fs.makedirs(store._path("objects"), exist_ok=True)
+    store.fs.pipe(store._path("objects/ckpt"), data)
+    with store.fs.open(store._path("objects/ckpt"), "rb") as f:
+        counted = _Counting(f)
+        reader = _HashedRead(counted)
+        loaded = torch.load(reader, weights_only=True)
+        assert reader.digest() == (hashlib.sha256(data).hexdigest(), len(data))
+    assert bits(loaded) == bits(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    assert len(data) <= counted.bytes < 1.05 * len(data), (counted.bytes, len(data))
+
+
+def test_a_truncated_object_is_refused_by_its_size(tmp_path):
+    store = file_store(tmp_path, "replica-test")
+    _, snaps, _ = write_and_upload(tmp_path, store, 1)
+    snaps.close()
+    path = Path(store._path(object_key(store.manifest(1)["objects"]["model.pt"]["sha256"])))
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])       # torch.load fails on it: the check says why
+    with pytest.raises(GradtapError, match=rf"model.pt has sha256 \S+ and {len(data) // 2} B, the manifest says "
+                                           rf"\S+ and {len(data)} B"):
+        store.load(1)
+
+
 def test_a_snapshot_without_its_manifest_is_not_ready(tmp_path):
     store = file_store(tmp_path, "replica-test")
     _, snaps, _ = write_and_upload(tmp_path, store, 2)

@@ -34,7 +34,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from numbers import Real
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable
 
 import torch
 
@@ -49,16 +49,18 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 20
 
+Progress = Callable[[int, int], None]       # (bytes read, of all to read)
 
-def start_checkpoint(job: JobSpec, path: Path | None) -> dict:
+
+def start_checkpoint(job: JobSpec, path: Path | None, progress: Progress | None = None) -> dict:
     """The checkpoint at ``path`` (``--start``), else the job's ``initial_state``: its
     checkpoint file, or the model built under its seed. Its iteration is the one the capture
     starts at; a job whose buckets are DDP's rebuilt ones cannot start at iteration 0 (DDP
     rebuilds them after it), so a start state of iteration 0 for it is refused rather than
-    replayed into a replica the trainer never was."""
+    replayed into a replica the trainer never was. ``progress``: as :func:`load_checkpoint`'s."""
     given = path or job.initial_state.checkpoint
     start = seed_checkpoint(job, job.initial_state.seed or 0) if given is None else \
-        load_checkpoint(Path(given), what="--start")
+        load_checkpoint(Path(given), what="--start", progress=progress)
     if job.ddp.layout == "rebuilt" and int(start["iteration"]) == 0:
         source = f"--start {given}" if path else f"initial_state.checkpoint {given}" if given else \
             f"initial_state (seed {job.initial_state.seed or 0})"
@@ -70,21 +72,22 @@ def start_checkpoint(job: JobSpec, path: Path | None) -> dict:
     return start
 
 
-def load_checkpoint(path: Path, *, max_bytes: int | None = None, what: str = "checkpoint") -> dict:
+def load_checkpoint(path: Path, *, max_bytes: int | None = None, what: str = "checkpoint",
+                    progress: Progress | None = None) -> dict:
     """A trainer checkpoint file, or a gradtap snapshot directory, to resynchronise from
     (``ConfigError`` naming the path when it is neither). At most ``max_bytes`` are read
-    (``None``: no limit)."""
+    (``None``: no limit). ``progress(done, total)`` hears the bytes read so far of all it
+    reads (a snapshot's files twice: hashed, then loaded)."""
     path = Path(os.path.realpath(path))      # unlike Path.resolve, never raises (on a symlink loop)
     try:
         is_dir = stat.S_ISDIR(os.stat(path).st_mode)
     except (OSError, ValueError):
         is_dir = False        # reported by _open_regular, in the same words as any unreadable file
     if is_dir:
-        return _load_snapshot(path, max_bytes, what)
+        return _load_snapshot(path, max_bytes, what, progress)
     with _open_regular(path, what) as f:
-        if max_bytes is None:        # a file named on the command line
-            return _checked(_torch_load(f, path, what), path, what)
-        return _checked(_load_in_place(f, max_bytes, path, what)[0], path, what)
+        meter = _Meter(progress, os.fstat(f.fileno()).st_size)
+        return _checked(_load_in_place(f, max_bytes, path, what, meter=meter)[0], path, what)
 
 
 def offered_checkpoint(path: str, allowed_dirs: Sequence[Path], max_bytes: int) -> dict:
@@ -130,8 +133,20 @@ def _open_regular(path: Path | str, what: str, *, dir_fd: int | None = None, sho
     return f
 
 
+class _Meter:
+    """Bytes read so far, told to ``progress(done, total)`` (None: to nobody)."""
+
+    def __init__(self, progress: Progress | None, total: int):
+        self.progress, self.total, self.done = progress, total, 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+
+
 def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
-                   sha256: str | None = None) -> tuple[Any, int]:
+                   sha256: str | None = None, meter: _Meter | None = None) -> tuple[Any, int]:
     """``torch.load`` of the open file ``f`` where it lies (:class:`_Prefix`: each tensor read
     into its own memory, so that the file's bytes and its tensors are not both held), and the
     bytes read: never more than ``max_bytes`` (None: no limit), nor past the size the file had
@@ -139,10 +154,11 @@ def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
     match. A file that changed meanwhile (``fstat``: size, mtime, ctime) is refused, so what was
     hashed and checked is what was loaded. Nothing else would see a file torn by a write during
     the load: ``torch.load`` checks no record's CRC (PyTorch builds miniz with
-    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``; pytorch/pytorch#28858 and #126952)."""
+    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``; pytorch/pytorch#28858 and #126952). ``meter``
+    counts every byte read."""
     opened = os.fstat(f.fileno())
     size = opened.st_size if max_bytes is None else _size_within(opened, max_bytes, shown, what)
-    source = _Prefix(f, size)
+    source = _Prefix(f, size, meter)
     if sha256 is not None:
         digest, chunk = hashlib.sha256(), bytearray(1 << 20)
         try:
@@ -154,7 +170,7 @@ def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
             raise ConfigError(f"{what} {shown.parent}: {shown.name} does not match the sha256 in its {MANIFEST}")
     checkpoint = _torch_load(source, shown, what)
     if _changed(opened, os.fstat(f.fileno())):
-        raise ConfigError(f"{what} {shown}: the file changed while it was read; offer it once it is written")
+        raise ConfigError(f"{what} {shown}: the file changed while it was read; give it once it is written")
     return checkpoint, size
 
 
@@ -178,9 +194,9 @@ class _Prefix(io.RawIOBase):
     memory), never past them: bytes the file gains while it is read are not there, and bytes
     it loses read short, which ``torch.load`` refuses."""
 
-    def __init__(self, f: BinaryIO, size: int):
+    def __init__(self, f: BinaryIO, size: int, meter: _Meter | None = None):
         super().__init__()
-        self._fd, self._size, self._pos = f.fileno(), size, 0
+        self._fd, self._size, self._pos, self._meter = f.fileno(), size, 0, meter or _Meter(None, size)
 
     def readable(self) -> bool:
         return True
@@ -207,6 +223,7 @@ class _Prefix(io.RawIOBase):
                 break
             done += got
         self._pos += done
+        self._meter(done)
         return done
 
 
@@ -242,7 +259,7 @@ def _torch_load(source: BinaryIO, path: Path, what: str) -> Any:
         raise ConfigError(f"{what} {path}: cannot load a trainer checkpoint ({reason})") from None
 
 
-def _load_snapshot(path: Path, max_bytes: int | None, what: str) -> dict:
+def _load_snapshot(path: Path, max_bytes: int | None, what: str, progress: Progress | None = None) -> dict:
     """A gradtap snapshot directory: its manifest, and both files checked against its sha256s."""
     try:
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -261,15 +278,25 @@ def _load_snapshot(path: Path, max_bytes: int | None, what: str) -> dict:
             raise ConfigError(f"{what} {path}: {MANIFEST} is not a {snapshot.FORMAT!r} manifest")
         sha256 = manifest.get("sha256") if isinstance(manifest.get("sha256"), dict) else {}
         state, left = {}, max_bytes
+        meter = _Meter(progress, 2 * sum(_size_of(name, dir_fd) for name in snapshot.FILES))
         for name in snapshot.FILES:
             with _open_regular(name, what, dir_fd=dir_fd, shown=path / name) as f:
-                state[name], size = _load_in_place(f, left, path / name, what, sha256.get(name))
+                state[name], size = _load_in_place(f, left, path / name, what, sha256.get(name), meter)
             if left is not None:
                 left -= size
     finally:
         os.close(dir_fd)
     return _checked({"model": state["model.pt"], "optimizer": state["optimizer.pt"],
                      "iteration": manifest.get("iteration")}, path, what)
+
+
+def _size_of(name: str, dir_fd: int) -> int:
+    """The size of ``name`` in the directory ``dir_fd`` for a progress bar's total (0 when it
+    cannot be read: opening it says why)."""
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_size
+    except OSError:
+        return 0
 
 
 def _checked(checkpoint: Any, path: Path, what: str) -> dict:

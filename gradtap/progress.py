@@ -40,3 +40,12 @@ def records_progress(console: Console, what: str) -> Iterator[Callable[[int, int
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(what, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+@contextmanager
+def bytes_progress(console: Console, what: str) -> Iterator[Callable[[int, int], None]]:
+    """For a checkpoint's load (``load_checkpoint(progress=...)``): bytes read of the total."""
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(what, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)

@@ -48,7 +48,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from rich.console import Console
 
     from gradtap.checkpoints import load_checkpoint, start_checkpoint
-    from gradtap.progress import records_progress, replay_progress
+    from gradtap.progress import bytes_progress, records_progress, replay_progress
     from gradtap.replay import match_streams, run_replay
     from gradtap.start import replica_start
     from gradtap.tables import events_table, iteration_table, rate_line
@@ -77,8 +77,9 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
         with records_progress(console, "replaying the store's gradient log") as progress:
             begin = store_start(job, progress)
     else:    # nothing here keeps the checkpoint: its memory is freed once the replica holds it
-        begin = replica_start(job, start_checkpoint(job, start),
-                              f"--start {start}" if start else f"initial_state of {job_path}")
+        source = f"--start {start}" if start else f"initial_state of {job_path}"
+        with bytes_progress(console, f"loading {source}") as progress:
+            begin = replica_start(job, start_checkpoint(job, start, progress), source)
     with replay_progress(console, streams) as progress:
         result, sink = run_replay(job, streams, out, begin, digests=digests, progress=progress, resync=checkpoints,
                                   resync_handed_over=True, force=force, gradients=gradients, continues=start)

@@ -174,7 +174,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.control_server import ControlServer, ControlSettings
     from gradtap.job_file import open_job
     from gradtap.start import replica_start
-    from gradtap.progress import records_progress
+    from gradtap.progress import bytes_progress, records_progress
     from gradtap.store_tier import store_start, with_store
     from gradtap.status import RateWindow
     from gradtap.tables import status_table
@@ -195,9 +195,12 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
             begin = store_start(job, progress)
     else:
         start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
+        checkpoint = None
+        if start or job.initial_state.checkpoint:
+            with bytes_progress(console, f"loading {start_source}") as progress:
+                checkpoint = start_checkpoint(job, start, progress)
         # Only the start holds the checkpoint: its memory is freed once the replica is built.
-        begin = replica_start(job, start_checkpoint(job, start) if start or job.initial_state.checkpoint else None,
-                              start_source)
+        begin = replica_start(job, checkpoint, start_source)
     appliance = Appliance(job, specs, out, begin, options, group)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if options.rehearse:

@@ -367,6 +367,28 @@ def test_a_checkpoint_larger_than_the_limit_is_not_read(tmp_path, stale):
     assert offer_size_limit(replica.job) > path.stat().st_size
 
 
+def test_a_load_tells_its_progress_in_bytes(tmp_path, stale):
+    """``load_checkpoint(progress=)`` hears the bytes read of the total: a file's size, read
+    once (its zip directory a second time); a snapshot's two files, hashed and then loaded."""
+    from gradtap.store.snapshot import Snapshots
+
+    replica, reference = stale
+    checkpoint = trainer_checkpoint(reference, 5)
+    path = save(tmp_path / "c5.pt", checkpoint)
+    heard = []
+    load_checkpoint(path, progress=lambda done, total: heard.append((done, total)))
+    size = path.stat().st_size
+    assert {t for _, t in heard} == {size} and [d for d, _ in heard] == sorted(d for d, _ in heard)
+    assert size <= heard[-1][0] < 1.05 * size
+    snaps = Snapshots(tmp_path / "snaps", replica.job.name)
+    written = snaps.write(checkpoint, step=5)
+    snaps.close()
+    heard.clear()
+    load_checkpoint(tmp_path / "snaps" / written.name, progress=lambda done, total: heard.append((done, total)))
+    files = 2 * sum((tmp_path / "snaps" / written.name / n).stat().st_size for n in ("model.pt", "optimizer.pt"))
+    assert {t for _, t in heard} == {files} and files <= heard[-1][0] < 1.05 * files
+
+
 def test_an_offered_file_is_loaded_in_place_within_its_opened_size_and_refused_if_it_changes(tmp_path, stale,
                                                                                               monkeypatch):
     """An offered file is loaded where it lies (each tensor read into its own memory): what is
@@ -394,7 +416,7 @@ def test_an_offered_file_is_loaded_in_place_within_its_opened_size_and_refused_i
         return real(source, **kwargs)
 
     monkeypatch.setattr(torch, "load", written_meanwhile)
-    with pytest.raises(ConfigError, match="changed while it was read; offer it once it is written"):
+    with pytest.raises(ConfigError, match="changed while it was read; give it once it is written"):
         load_checkpoint(path, max_bytes=limit)
 
 

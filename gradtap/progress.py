@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
-from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
                            TimeElapsedColumn)
 
 
@@ -33,19 +33,22 @@ def replay_progress(console: Console, pcaps: dict[str, Path]) -> Iterator[Callab
         yield lambda stream, done, total: bar.update(tasks[stream], completed=done)
 
 
-@contextmanager
-def records_progress(console: Console, what: str) -> Iterator[Callable[[int, int], None]]:
-    """For a replay of the gradient log (``rebuild(progress=...)``): records applied of the total."""
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(what, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+def records_progress(console: Console, what: str):
+    """For a replay of the gradient log (``rebuild(progress=...)``): records applied of the total,
+    as a context giving the ``progress(done, total)`` callback."""
+    return _one_bar(console, what, MofNCompleteColumn())
+
+
+def bytes_progress(console: Console, what: str):
+    """For a checkpoint's load (``load_checkpoint(progress=...)``): bytes read of the total, as
+    a context giving the ``progress(done, total)`` callback."""
+    return _one_bar(console, what, DownloadColumn())
 
 
 @contextmanager
-def bytes_progress(console: Console, what: str) -> Iterator[Callable[[int, int], None]]:
-    """For a checkpoint's load (``load_checkpoint(progress=...)``): bytes read of the total."""
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+def _one_bar(console: Console, what: str, count: ProgressColumn) -> Iterator[Callable[[int, int], None]]:
+    """One bar named ``what`` whose total the callback tells with each update, counted by ``count``."""
+    columns = (TextColumn("{task.description}"), BarColumn(), count, TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(what, total=None)
         yield lambda done, total: bar.update(task, completed=done, total=total)

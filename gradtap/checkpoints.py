@@ -73,21 +73,23 @@ def start_checkpoint(job: JobSpec, path: Path | None, progress: Progress | None 
 
 
 def load_checkpoint(path: Path, *, max_bytes: int | None = None, what: str = "checkpoint",
-                    progress: Progress | None = None) -> dict:
+                    progress: Progress | None = None, mapped: bool = False) -> dict:
     """A trainer checkpoint file, or a gradtap snapshot directory, to resynchronise from
     (``ConfigError`` naming the path when it is neither). At most ``max_bytes`` are read
     (``None``: no limit). ``progress(done, total)`` hears the bytes read so far of all it
-    reads (a snapshot's files twice: hashed, then loaded)."""
+    reads (a snapshot's files twice: hashed, then loaded). ``mapped``: the tensors are mapped
+    from the file (``torch.load(mmap=True)``), not read, for a caller that only checks the
+    checkpoint's shape (``gradtap resync``) and should not hold 12 bytes per parameter for it."""
     path = Path(os.path.realpath(path))      # unlike Path.resolve, never raises (on a symlink loop)
     try:
         is_dir = stat.S_ISDIR(os.stat(path).st_mode)
     except (OSError, ValueError):
         is_dir = False        # reported by _open_regular, in the same words as any unreadable file
     if is_dir:
-        return _load_snapshot(path, max_bytes, what, progress)
+        return _load_snapshot(path, max_bytes, what, progress, mapped)
     with _open_regular(path, what) as f:
         meter = _Meter(progress, os.fstat(f.fileno()).st_size)
-        return _checked(_load_in_place(f, max_bytes, path, what, meter=meter)[0], path, what)
+        return _checked(_load_in_place(f, max_bytes, path, what, meter=meter, mapped=mapped)[0], path, what)
 
 
 def offered_checkpoint(path: str, allowed_dirs: Sequence[Path], max_bytes: int) -> dict:
@@ -146,7 +148,7 @@ class _Meter:
 
 
 def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
-                   sha256: str | None = None, meter: _Meter | None = None) -> tuple[Any, int]:
+                   sha256: str | None = None, meter: _Meter | None = None, mapped: bool = False) -> tuple[Any, int]:
     """``torch.load`` of the open file ``f`` where it lies (:class:`_Prefix`: each tensor read
     into its own memory, so that the file's bytes and its tensors are not both held), and the
     bytes read: never more than ``max_bytes`` (None: no limit), nor past the size the file had
@@ -155,7 +157,7 @@ def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
     hashed and checked is what was loaded. Nothing else would see a file torn by a write during
     the load: ``torch.load`` checks no record's CRC (PyTorch builds miniz with
     ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS``; pytorch/pytorch#28858 and #126952). ``meter``
-    counts every byte read."""
+    counts every byte read; ``mapped``: as :func:`load_checkpoint`'s."""
     opened = os.fstat(f.fileno())
     size = opened.st_size if max_bytes is None else _size_within(opened, max_bytes, shown, what)
     source = _Prefix(f, size, meter)
@@ -168,7 +170,7 @@ def _load_in_place(f: BinaryIO, max_bytes: int | None, shown: Path, what: str,
             raise ConfigError(f"{what} {shown}: reading failed ({exc.strerror})") from None
         if digest.hexdigest() != sha256:
             raise ConfigError(f"{what} {shown.parent}: {shown.name} does not match the sha256 in its {MANIFEST}")
-    checkpoint = _torch_load(source, shown, what)
+    checkpoint = _torch_load(source, shown, what, mapped)
     if _changed(opened, os.fstat(f.fileno())):
         raise ConfigError(f"{what} {shown}: the file changed while it was read; give it once it is written")
     return checkpoint, size
@@ -239,9 +241,10 @@ def _read_bounded(f: BinaryIO, max_bytes: int, shown: Path, what: str) -> bytes:
     return data
 
 
-def _torch_load(source: BinaryIO, path: Path, what: str) -> Any:
+def _torch_load(source: BinaryIO, path: Path, what: str, mapped: bool = False) -> Any:
     """``torch.load(weights_only=True)`` of a ``torch.save`` zip archive whose members are stored,
-    so that nothing inflates beyond the bytes read."""
+    so that nothing inflates beyond the bytes read; ``mapped``: of the file at ``path``, its
+    tensors mapped from it (``mmap=True``)."""
     try:
         with zipfile.ZipFile(source) as archive:
             compressed = [m.filename for m in archive.infolist() if m.compress_type != zipfile.ZIP_STORED]
@@ -253,13 +256,14 @@ def _torch_load(source: BinaryIO, path: Path, what: str) -> Any:
                           "uncompressed")
     source.seek(0)
     try:
-        return torch.load(source, weights_only=True)
+        return torch.load(str(path), mmap=True, weights_only=True) if mapped else torch.load(source, weights_only=True)
     except (OSError, RuntimeError, EOFError, ValueError, TypeError, KeyError, pickle.UnpicklingError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{what} {path}: cannot load a trainer checkpoint ({reason})") from None
 
 
-def _load_snapshot(path: Path, max_bytes: int | None, what: str, progress: Progress | None = None) -> dict:
+def _load_snapshot(path: Path, max_bytes: int | None, what: str, progress: Progress | None = None,
+                   mapped: bool = False) -> dict:
     """A gradtap snapshot directory: its manifest, and both files checked against its sha256s."""
     try:
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -281,7 +285,7 @@ def _load_snapshot(path: Path, max_bytes: int | None, what: str, progress: Progr
         meter = _Meter(progress, 2 * sum(_size_of(name, dir_fd) for name in snapshot.FILES))
         for name in snapshot.FILES:
             with _open_regular(name, what, dir_fd=dir_fd, shown=path / name) as f:
-                state[name], size = _load_in_place(f, left, path / name, what, sha256.get(name), meter)
+                state[name], size = _load_in_place(f, left, path / name, what, sha256.get(name), meter, mapped)
             if left is not None:
                 left -= size
     finally:

@@ -26,7 +26,9 @@ def resync_command(checkpoint: Path, appliance: str, token_file: Path) -> None:
     from gradtap.checkpoints import load_checkpoint
     from gradtap.control import request_resync
 
-    load_checkpoint(checkpoint)             # refuse a bad file here rather than in the appliance
+    # A bad file is refused here rather than in the appliance, from a map of it: the tensors are
+    # the appliance's to read (a 10 B-parameter checkpoint would hold 120 GB in this process).
+    load_checkpoint(checkpoint, mapped=True)
     answer = request_resync(appliance, checkpoint, token_file)
     Console(stderr=True).print(f"the appliance takes the checkpoint of iteration {answer['iteration']}: a stale "
                                "replica resynchronises from it when the streams reach that iteration")

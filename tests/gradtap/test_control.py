@@ -580,6 +580,27 @@ def test_the_gradtap_resync_command_offers_a_checkpoint_with_the_token(endpoint,
     assert missing.exit_code == 2 and "--token-file" in missing.output
 
 
+def test_a_checkpoint_checked_for_gradtap_resync_is_mapped_not_read(tmp_path, stale):
+    """``gradtap resync`` checks the checkpoint's shape from a map of the file
+    (``load_checkpoint(mapped=True)``): every tensor lies in a mapping of the file itself
+    (``/proc/self/maps``), none is a copy in this process, and their values are the file's.
+    GPT-2 small's 1.5 GB checkpoint: 1 MB of anonymous memory, not 1425 MB."""
+    _, reference = stale
+    path = save(tmp_path / "c5.pt", trainer_checkpoint(reference, 5))
+    mapped, truth = load_checkpoint(path, mapped=True), torch.load(path, weights_only=True)
+    maps = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        maps.append((lo, hi, fields[5] if len(fields) > 5 else ""))
+    tensors = [*mapped["model"].values(), *(e[m] for e in mapped["optimizer"]["state"].values()
+                                           for m in ("exp_avg", "exp_avg_sq"))]
+    for t in tensors:
+        assert [name for lo, hi, name in maps if lo <= t.data_ptr() < hi] == [str(path.resolve())]
+    assert all(torch.equal(mapped["model"][k], v) for k, v in truth["model"].items())
+    assert mapped["iteration"] == 5
+
+
 def test_settings_are_checked_and_close_frees_the_port(tmp_path, stale):
     replica, _ = stale
     with pytest.raises(ConfigError, match=r"resync directory .*nowhere \(--resync-dir, .*\): not a directory"):

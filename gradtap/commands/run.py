@@ -201,7 +201,9 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                 checkpoint = start_checkpoint(job, start, progress)
         # Only the start holds the checkpoint: its memory is freed once the replica is built.
         begin = replica_start(job, checkpoint, start_source)
-    appliance = Appliance(job, specs, out, begin, options, group)
+    meeting = "" if group is None else f"; meeting the group's other nodes at {group.rendezvous}"
+    with console.status(f"building the replica from {begin.source}{meeting}"):
+        appliance = Appliance(job, specs, out, begin, options, group)
     wait_for_stop(appliance, (signal.SIGINT, signal.SIGTERM))
     if options.rehearse:
         with console.status("rehearsing the pipeline on a simulated miniature of the job before listening "

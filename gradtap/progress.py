@@ -6,7 +6,7 @@ They vanish when done (``transient``) and are not drawn on a console that is not
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -33,13 +33,13 @@ def replay_progress(console: Console, pcaps: dict[str, Path]) -> Iterator[Callab
         yield lambda stream, done, total: bar.update(tasks[stream], completed=done)
 
 
-def records_progress(console: Console, what: str):
+def records_progress(console: Console, what: str) -> AbstractContextManager[Callable[[int, int], None]]:
     """For a replay of the gradient log (``rebuild(progress=...)``): records applied of the total,
     as a context giving the ``progress(done, total)`` callback."""
     return _one_bar(console, what, MofNCompleteColumn())
 
 
-def bytes_progress(console: Console, what: str):
+def bytes_progress(console: Console, what: str) -> AbstractContextManager[Callable[[int, int], None]]:
     """For a checkpoint's load (``load_checkpoint(progress=...)``): bytes read of the total, as
     a context giving the ``progress(done, total)`` callback."""
     return _one_bar(console, what, DownloadColumn())

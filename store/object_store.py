@@ -337,8 +337,8 @@ class SnapshotStore:
         """``torch.load`` of the object at ``path``, which must have ``want``'s size and sha256
         (``GradtapError`` otherwise): hashed as ``torch.load`` reads it (:class:`_HashedRead`),
         so that it crosses the network about once and its bytes are never held whole beside
-        its tensors (that was 20 bytes per parameter at once for a snapshot's optimizer.pt,
-        whose tensors alone are 8). What a failed check loaded is dropped unseen."""
+        its tensors (read whole, a snapshot's bytes and tensors peaked at 20 bytes per
+        parameter, where its tensors are 12). What a failed check loaded is dropped unseen."""
         with self.fs.open(path, "rb") as f:
             reader = _HashedRead(f)
             try:

@@ -149,7 +149,7 @@ def check_ready(sim: Sim, store: SnapshotStore, where: str) -> list[int]:
 
 def appliance(argv: list[str], log: str, pace_s: float, mark: str) -> None:
     """``gradtap ARGV...`` in this (forked) process, its output in ``log``; the capture read over
-    ``pace_s`` seconds (:func:`paced`), the share read so far written to ``mark``."""
+    ``pace_s`` seconds (:func:`paced`), when its last round comes written to ``mark``."""
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -164,8 +164,10 @@ def paced(seconds: float, mark: str) -> None:
     """Make ``gradtap replay`` in this process read its capture over ``seconds``, in rounds of
     256 frames: a live capture comes at the trainer's pace (here a few iterations a second),
     whereas a replay reads as fast as it parses and would be over before the store's client has
-    made its first connection. After each round, the share of a stream's capture read so far is
-    written to ``mark``, whole (:func:`capture_left`)."""
+    made its first connection. A round never comes before its time on that pace (a replay that
+    runs behind it catches up at once), so the last comes no sooner than ``seconds`` after the
+    first: that moment (``time.monotonic()``, one clock for every process) is written to
+    ``mark``, whole, when the replay starts (:func:`capture_left`)."""
     import contextlib
 
     import gradtap.progress
@@ -176,12 +178,12 @@ def paced(seconds: float, mark: str) -> None:
     @contextlib.contextmanager
     def replay_progress(console, pcaps):
         started = time.monotonic()
+        Path(mark + ".tmp").write_text(repr(started + seconds))
+        os.replace(mark + ".tmp", mark)
         with real(console, pcaps) as report:
             def step(stream: str, done: int, total: int) -> None:
                 report(stream, done, total)
                 time.sleep(max(0.0, started + seconds * done / total - time.monotonic()))
-                Path(mark + ".tmp").write_text(repr(done / total))
-                os.replace(mark + ".tmp", mark)
             yield step
 
     gradtap.progress.replay_progress = replay_progress
@@ -220,20 +222,22 @@ def applied(out: Path) -> int:
         return 0
 
 
-def share_read(out: Path) -> Path:
-    """Where the appliance writing ``out`` keeps the share of its capture read so far (:func:`paced`)."""
+def pace_end(out: Path) -> Path:
+    """Where the appliance writing ``out`` keeps when its paced capture's last round comes (:func:`paced`)."""
     return Path(str(out) + ".paced")
 
 
 def capture_left(out: Path) -> float:
     """Seconds at least until the appliance writing ``out`` has been given its whole capture: the
-    pace of the share still to read (:func:`paced`), as it is never read faster; more when the
-    appliance runs behind the pace, as on a loaded machine."""
+    time left until its paced capture's last round (:func:`paced`), none once that has passed.
+    Not the share still to read at the pace: an appliance behind the pace (a loaded machine)
+    reads what it is behind at once, and in one suite run a delay drawn within that share let
+    it finish first in 5 of 10 trials."""
     try:
-        read = float(share_read(out).read_text())
+        end = float(pace_end(out).read_text())
     except FileNotFoundError:
         return PACE_S
-    return PACE_S * (1.0 - read)
+    return max(0.0, end - time.monotonic())
 
 
 def wait_until(what: str, ready, timeout: float = 60) -> None:
@@ -246,7 +250,7 @@ def wait_until(what: str, ready, timeout: float = 60) -> None:
 def start_appliance(ctx, argv: list[str], out: Path):
     """``gradtap ARGV...`` started in a process of the fork server, its log beside ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S, str(share_read(out))))
+    proc = ctx.Process(target=appliance, args=(argv, str(out) + ".log", PACE_S, str(pace_end(out))))
     proc.start()
     return proc
 
@@ -286,12 +290,12 @@ def run_and_kill(ctx, argv: list[str], out: Path, moment: dict, timeout: float =
     has reported ``iteration`` iterations, after a delay of ``fraction`` of the upload
     ``window`` or, if less, of half the capture still to come then. (Killed while the capture
     still comes: after the last iteration the appliance closes at once, whatever the delay.
-    The capture left is the share still to read when the moment comes (:func:`capture_left`).
-    Drawn for ``iteration``, a delay let the appliance finish first in 5 of 10 trials of one
-    run, whose slow store completed the first upload iterations later; drawn from the
-    iterations the replica had reported when the moment came, in 3 of 10 of a loaded run,
-    whose replica reported iterations behind the capture.) What was seen: whether it was
-    killed (rather than finished first), whether an upload was under way then, and the delay."""
+    The capture left is the time until its paced last round (:func:`capture_left`). Drawn for
+    ``iteration``, a delay let the appliance finish first in 5 of 10 trials of one run, whose
+    slow store completed the first upload iterations later; drawn from the iterations the
+    replica had reported when the moment came, in 3 of 10 of a loaded run, whose replica
+    reported iterations behind the capture.) What was seen: whether it was killed (rather than
+    finished first), whether an upload was under way then, and the delay."""
     proc = start_appliance(ctx, argv, out)
 
     def due() -> bool:

@@ -70,9 +70,13 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
         console.print(f"[yellow]warning:[/] {len(streams)} mirror stream(s): FlowCheck's analysis needs 3 to "
                       "survive single mirror-link losses; expect unrecoverable iterations "
                       "(see `gradtap netconfig plan` for the probability)")
-    # Loaded one at a time as the replica takes them, each handed over: it gives its tensors up
-    # as its offer copies them, so that no two are held whole beside the offers.
-    checkpoints = (load_checkpoint(path) for path in resync)
+    # Each checked now from a map of its file (no tensor read), so that a bad one is refused
+    # before the replay touches --out; then loaded one at a time as the replica takes them, each
+    # handed over: it gives its tensors up as its offer copies them, so that no two are held
+    # whole beside the offers.
+    for path in resync:
+        load_checkpoint(path, what="--resync", mapped=True)
+    checkpoints = (load_checkpoint(path, what="--resync") for path in resync)
     if start_from_store:
         with records_progress(console, "replaying the store's gradient log") as progress:
             begin = store_start(job, progress)

@@ -315,6 +315,16 @@ def test_unrecoverable_iteration_falls_back_marks_stale_and_resync_restores_exac
                                         "--resync", str(tmp_path / "iter4.pt")])
         assert done.exit_code == 0, done.output
         assert "replica current at iteration 6" in done.output
+        # A file that is no checkpoint is refused before the replay touches --out.
+        (tmp_path / "bad.pt").write_text("not a checkpoint")
+        kept = (tmp_path / "replay" / "iterations.jsonl").read_text()
+        bad = CliRunner().invoke(app, ["replay", str(tmp_path / "job.yaml"),
+                                       *(f"{n}={p}" for n, p in streams_of(tmp_path / "sim", job).items()),
+                                       "--out", str(tmp_path / "replay"), "--start",
+                                       str(tmp_path / "sim" / "truth" / "start.pt"),
+                                       "--resync", str(tmp_path / "bad.pt")])
+        assert bad.exit_code != 0 and "not a torch.save archive" in str(bad.exception), bad.output
+        assert (tmp_path / "replay" / "iterations.jsonl").read_text() == kept
         missing = CliRunner().invoke(app, ["replay", str(tmp_path / "job.yaml"), "x.pcap", "--out",
                                            str(tmp_path / "r2"), "--resync", str(tmp_path / "absent.pt")])
         assert missing.exit_code == 2 and "absent.pt' does not exist" in missing.output      # before any work

@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import weakref
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -501,19 +502,21 @@ def test_forty_offers_keep_one_pending_and_memory_bounded(tmp_path):
         def rss() -> int:
             return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
-        previous, memory = None, []
+        previous, held, memory = None, None, []
         for n in range(40):
             code, answer = endpoint.offer(paths[n % len(paths)])
             assert code == 202, answer
             assert answer["replaced"] == ([] if previous is None else [previous])
             assert list(replica.offers) == [answer["iteration"]]
-            previous = answer["iteration"]
+            assert held is None or held() is None, "the replaced offer's state is still alive"
+            previous, held = answer["iteration"], weakref.ref(replica.offers[answer["iteration"]].state.param)
             memory.append(rss())
-        # Allocator arenas settle within the first offers; after that nothing accumulates. A
-        # replaced offer kept alive would add one checkpoint per offer (20 in the second half);
-        # the allocator's per-thread arenas may still add one more (a loaded CI run: 16 MB).
-        assert memory[-1] - memory[0] < 4 * size + (16 << 20), [m >> 20 for m in memory]
-        assert memory[-1] - memory[19] < 2 * size, [m >> 20 for m in memory]
+        # The replaced offers are gone (above); nothing else a request makes may accumulate either:
+        # a loaded checkpoint kept per request would add 20 of them in the second half. The
+        # allocator's arenas settle within the first offers, but the process's RSS still swings by
+        # two checkpoints from one offer to the next on a loaded CI run (933, 957, 933 MB...).
+        assert memory[-1] - memory[0] < 5 * size + (16 << 20), [m >> 20 for m in memory]
+        assert max(memory[30:]) - max(memory[10:20]) < 5 * size, [m >> 20 for m in memory]
 
 
 # -- resynchronisation --------------------------------------------------------------------------------

@@ -8,7 +8,15 @@ that made 9.5-11 GB/s per core, and it was the largest single part of a replay's
 one instruction at the same rate, so :func:`fold_crc32` folds four ``ymm`` registers (eight
 lanes, 128 bytes) per step: 22.4 GB/s against ISA-L's 11.9 on one Zen 3 core, 4 KiB payloads
 in cache. From memory both run at what one core can read (9-10 GB/s); there the fold asks
-for the lines 1 KiB ahead (``llvm.prefetch``), without which it ran 5% behind ISA-L.
+for the lines 4 KiB ahead (``llvm.prefetch``), without which it ran 5% behind ISA-L. 4 KiB is
+a frame of a 4096-byte path MTU: the parser checks a frame's ICRC and then places it, and
+while it places one frame the next is already on its way, past the page boundary where the
+hardware's prefetchers stop (a prefetch past the end of the data is a hint, and never
+faults). Against 1 KiB ahead (AMD EPYC Zen 3, KVM; alternated): the 3 streams of
+``benchmarks.replay`` parsed on one thread from memory (5.3 GB) in 0.74-1.10 s against
+1.15-1.22, best of 5; ``benchmarks.replay`` 1.10-1.44 s (median 1.26) against 1.23-1.55
+(median 1.33) over 11 replays each, its parse 0.53-0.63 thread-s per iteration against
+0.61-0.66.
 
 The method is the folding of Intel's white paper "Fast CRC Computation for Generic Polynomials
 Using PCLMULQDQ Instruction" (Gopal et al., 2009) for a bit-reflected CRC, as the Linux kernel
@@ -43,7 +51,7 @@ from gradtap.core.memory import CACHE_LINE
 
 BLOCK = 128                 # bytes folded per step: four 256-bit registers
 MIN_BLOCKS = 2              # the fewest crc32_update folds (one block is correct too)
-PREFETCH = 1024             # bytes ahead of the block being folded that each step asks for
+PREFETCH = 4096             # bytes ahead of the block being folded that each step asks for
 POLY = 0x104C11DB7          # zlib's CRC-32 polynomial, x^32 included (not reflected)
 
 

@@ -6,7 +6,7 @@ They vanish when done (``transient``) and are not drawn on a console that is not
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -33,22 +33,41 @@ def replay_progress(console: Console, pcaps: dict[str, Path]) -> Iterator[Callab
         yield lambda stream, done, total: bar.update(tasks[stream], completed=done)
 
 
-def records_progress(console: Console, what: str) -> AbstractContextManager[Callable[[int, int], None]]:
-    """For a replay of the gradient log (``rebuild(progress=...)``): records applied of the total,
-    as a context giving the ``progress(done, total)`` callback."""
-    return _one_bar(console, what, MofNCompleteColumn())
-
-
-def bytes_progress(console: Console, what: str) -> AbstractContextManager[Callable[[int, int], None]]:
+@contextmanager
+def bytes_progress(console: Console, what: str) -> Iterator[Callable[[int, int], None]]:
     """For a checkpoint's load (``load_checkpoint(progress=...)``): bytes read of the total, as
     a context giving the ``progress(done, total)`` callback."""
-    return _one_bar(console, what, DownloadColumn())
+    with _bars(console, [(what, False)]) as (update,):
+        yield update
 
 
 @contextmanager
-def _one_bar(console: Console, what: str, count: ProgressColumn) -> Iterator[Callable[[int, int], None]]:
-    """One bar named ``what`` whose total the callback tells with each update, counted by ``count``."""
-    columns = (TextColumn("{task.description}"), BarColumn(), count, TimeElapsedColumn())
+def rebuild_progress(console: Console, what: str) -> Iterator[tuple[Callable[[int, int], None],
+                                                                   Callable[[int, int], None]]]:
+    """For a rebuild from the store (``rebuild(progress=..., loading=...)``): the snapshot's
+    bytes read, then the gradient log's records applied (``what``), each bar shown from its
+    first update; a context giving the ``(loading, progress)`` callbacks."""
+    with _bars(console, [("reading the store's snapshot", False), (what, True)]) as (loading, records):
+        yield loading, records
+
+
+class _Count(ProgressColumn):
+    """A task's count: records done of the total (``records`` field), or bytes read of them."""
+
+    def __init__(self):
+        super().__init__()
+        self._records, self._bytes = MofNCompleteColumn(), DownloadColumn()
+
+    def render(self, task):
+        return (self._records if task.fields["records"] else self._bytes).render(task)
+
+
+@contextmanager
+def _bars(console: Console, bars: list[tuple[str, bool]]) -> Iterator[list[Callable[[int, int], None]]]:
+    """A bar for each ``(what, records)`` of ``bars`` in one display (of several, each shown from
+    its first update); the ``progress(done, total)`` callback of each."""
+    columns = (TextColumn("{task.description}"), BarColumn(), _Count(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task(what, total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+        tasks = [bar.add_task(what, total=None, visible=len(bars) == 1, records=records) for what, records in bars]
+        yield [lambda done, total, task=task: bar.update(task, completed=done, total=total, visible=True)
+               for task in tasks]

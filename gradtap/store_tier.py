@@ -56,15 +56,16 @@ def gradient_log_for(job: JobSpec, replica: Replica, origin: ReplicaOrigin | Non
                                    retry_max_s=spec.retry_max_s)
 
 
-def store_checkpoint(job: JobSpec, progress: Progress | None = None) -> dict:
+def store_checkpoint(job: JobSpec, progress: Progress | None = None, loading: Progress | None = None) -> dict:
     """The newest state of ``job`` its store holds, as a trainer checkpoint (declared: its
     iteration is the captures' first, as ``--start`` with a file says): the newest READY
-    snapshot that verifies, and the gradient log replayed after it as far as it goes."""
+    snapshot that verifies, and the gradient log replayed after it as far as it goes
+    (``progress`` and ``loading``: as ``rebuild``'s)."""
     spec = job.appliance.store
     if spec is None:
         raise ConfigError("--start-from-store: the job configures no store (appliance.store) and no --store "
                           "URL is given")
-    rebuilt = rebuild(job, SnapshotStore.of_spec(spec, job.name), progress=progress)
+    rebuilt = rebuild(job, SnapshotStore.of_spec(spec, job.name), progress=progress, loading=loading)
     if rebuilt.replayed:
         log.info("%s: snapshot of iteration %d, then the gradient log to iteration %d", spec.url, rebuilt.snapshot,
                  rebuilt.replayed[-1])
@@ -74,13 +75,14 @@ def store_checkpoint(job: JobSpec, progress: Progress | None = None) -> dict:
     return rebuilt.checkpoint
 
 
-def store_start(job: JobSpec, progress: Progress | None = None) -> ReplicaStart:
+def store_start(job: JobSpec, progress: Progress | None = None, loading: Progress | None = None) -> ReplicaStart:
     """How a replica restarted from the store starts (``--start-from-store``): from
-    :func:`store_checkpoint`; or, when the store holds nothing usable, waiting for the
-    trainer's checkpoint with a ``fallback`` that asks for it, never from a state it lacks."""
+    :func:`store_checkpoint` (``progress`` and ``loading``: as its); or, when the store holds
+    nothing usable, waiting for the trainer's checkpoint with a ``fallback`` that asks for it,
+    never from a state it lacks."""
     url = job.appliance.store.url if job.appliance.store is not None else None
     try:
-        return replica_start(job, store_checkpoint(job, progress), f"the store {url}")
+        return replica_start(job, store_checkpoint(job, progress, loading), f"the store {url}")
     except ConfigError:
         raise
     except (GradtapError, OSError) as exc:       # nothing READY, nothing that verifies, the store unreachable

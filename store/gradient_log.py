@@ -498,13 +498,15 @@ class Rebuilt:
 
 
 def rebuild(job: JobSpec, store: SnapshotStore, at: int | None = None,
-            progress: Progress | None = None) -> Rebuilt:
+            progress: Progress | None = None, loading: Progress | None = None) -> Rebuilt:
     """The state ready for iteration ``at`` (the snapshot convention: after iterations
     ``0 .. at - 1``): the newest READY snapshot at or before ``at`` that verifies, then the
     log's records from it to ``at - 1`` through ``Replica.apply``. A refusal names why:
     ``at`` before the oldest snapshot, past the newest logged iteration, across a gap, or a
     record that fails its checks. ``at`` None: as far as the newest snapshot and the log go
-    (stopping, and saying why in :attr:`Rebuilt.stopped`, at the first gap or bad record)."""
+    (stopping, and saying why in :attr:`Rebuilt.stopped`, at the first gap or bad record).
+    ``progress``: the records replayed; ``loading``: the bytes of the snapshot read
+    (``SnapshotStore.load``), begun again for an older one when a newer fails."""
     ready = store.ready()
     if not ready:
         raise GradtapError(f"{store.url}: no READY snapshot of job {job.name!r}; the gradient log replays from one")
@@ -517,7 +519,7 @@ def rebuild(job: JobSpec, store: SnapshotStore, at: int | None = None,
     tried = []
     for k in reversed(candidates):
         try:
-            checkpoint = store.load(k)
+            checkpoint = store.load(k, loading)
         except GradtapError as exc:
             log.warning("%s", exc)
             tried.append(str(exc))

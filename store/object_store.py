@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -97,11 +97,18 @@ class _HashedRead(io.RawIOBase):
 
     GAP = 1 << 20       # a skip no longer than this is read for the hash at once
 
-    def __init__(self, f):
+    def __init__(self, f, on_hashed: Callable[[int], None] | None = None):
         self._f = f
         self._at = 0                    # where the next read starts
         self._hash = hashlib.sha256()
         self._hashed = 0                # bytes [0, _hashed) are in the hash
+        self._on_hashed = on_hashed     # told how far the hash has come, as it moves on
+
+    def _update(self, data) -> None:
+        self._hash.update(data)
+        self._hashed += len(data)
+        if self._on_hashed is not None:
+            self._on_hashed(self._hashed)
 
     def readable(self) -> bool:
         return True
@@ -119,14 +126,11 @@ class _HashedRead(io.RawIOBase):
     def readinto(self, buffer) -> int:
         if self._hashed < self._at <= self._hashed + self.GAP:
             self._f.seek(self._hashed)
-            gap = self._f.read(self._at - self._hashed)
-            self._hash.update(gap)
-            self._hashed += len(gap)
+            self._update(self._f.read(self._at - self._hashed))
             self._f.seek(self._at)
         n = self._f.readinto(buffer)
         if n and self._at <= self._hashed < self._at + n:
-            self._hash.update(memoryview(buffer).cast("B")[self._hashed - self._at:n])
-            self._hashed = self._at + n
+            self._update(memoryview(buffer).cast("B")[self._hashed - self._at:n])
         self._at += n
         return n
 
@@ -134,8 +138,7 @@ class _HashedRead(io.RawIOBase):
         """The object's sha256 and size, once the rest of it is read."""
         self._f.seek(self._hashed)
         while chunk := self._f.read(CHUNK):
-            self._hash.update(chunk)
-            self._hashed += len(chunk)
+            self._update(chunk)
         return self._hash.hexdigest(), self._hashed
 
 
@@ -313,34 +316,39 @@ class SnapshotStore:
             return None
         return manifest
 
-    def load(self, iteration: int) -> dict[str, Any]:
+    def load(self, iteration: int, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """``{"model", "optimizer", "iteration"}`` of the READY snapshot ``iteration``, every
-        object's size and sha256 checked (``GradtapError`` when one fails or is missing)."""
+        object's size and sha256 checked (``GradtapError`` when one fails or is missing).
+        ``progress(done, total)``: bytes read of all the snapshot's objects, as they are read."""
         where = f"{self.url}/{manifest_key(iteration)}"
         manifest = self.manifest(iteration)
         if manifest is None:
             raise GradtapError(f"{where}: no READY manifest")
         if manifest.get("job") != self.job:
             raise GradtapError(f"{where}: a snapshot of job {manifest.get('job')!r}, not {self.job!r}")
-        parts = {}
-        for name in snapshot.FILES:
-            want = manifest["objects"].get(name, {})
+        wanted = [manifest["objects"].get(name, {}) for name in snapshot.FILES]
+        sizes = [w.get("size") if isinstance(w.get("size"), int) else 0 for w in wanted]
+        total, parts, before = sum(sizes), {}, 0
+        for name, want, size in zip(snapshot.FILES, wanted, sizes):
+            read = None if progress is None else lambda n, before=before: progress(min(before + n, total), total)
             try:
                 parts[name] = self._load_object(self._path(object_key(str(want.get("sha256")))), want,
-                                                f"{where}: {name}")
+                                                f"{where}: {name}", read)
             except FileNotFoundError:
                 raise GradtapError(f"{where}: the object of {name} is missing") from None
+            before += size
         return {"model": parts["model.pt"], "optimizer": parts["optimizer.pt"],
                 "iteration": int(manifest["iteration"])}
 
-    def _load_object(self, path: str, want: dict, what: str) -> Any:
+    def _load_object(self, path: str, want: dict, what: str, read: Callable[[int], None] | None = None) -> Any:
         """``torch.load`` of the object at ``path``, which must have ``want``'s size and sha256
         (``GradtapError`` otherwise): hashed as ``torch.load`` reads it (:class:`_HashedRead`),
         so that it crosses the network about once and its bytes are never held whole beside
         its tensors (read whole, a snapshot's bytes and tensors peaked at 20 bytes per
-        parameter, where its tensors are 12). What a failed check loaded is dropped unseen."""
+        parameter, where its tensors are 12). What a failed check loaded is dropped unseen.
+        ``read(n)``: the first ``n`` bytes of the object are read, as that grows."""
         with self.fs.open(path, "rb") as f:
-            reader = _HashedRead(f)
+            reader = _HashedRead(f, read)
             try:
                 loaded = torch.load(reader, weights_only=True)
             except Exception as exc:         # a torn or corrupt object fails here, or in the check

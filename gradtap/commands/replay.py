@@ -48,7 +48,7 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
     from rich.console import Console
 
     from gradtap.checkpoints import load_checkpoint, start_checkpoint
-    from gradtap.progress import bytes_progress, records_progress, replay_progress
+    from gradtap.progress import bytes_progress, rebuild_progress, replay_progress
     from gradtap.replay import match_streams, run_replay
     from gradtap.start import replica_start
     from gradtap.tables import events_table, iteration_table, rate_line
@@ -78,8 +78,8 @@ def replay_command(job_path: Path, pcaps: tuple[str, ...], out: Path, start: Pat
         load_checkpoint(path, what="--resync", mapped=True)
     checkpoints = (load_checkpoint(path, what="--resync") for path in resync)
     if start_from_store:
-        with records_progress(console, "replaying the store's gradient log") as progress:
-            begin = store_start(job, progress)
+        with rebuild_progress(console, "replaying the store's gradient log") as (loading, progress):
+            begin = store_start(job, progress, loading)
     else:    # nothing here keeps the checkpoint: its memory is freed once the replica holds it
         source = f"--start {start}" if start else f"initial_state of {job_path}"
         with bytes_progress(console, f"loading {source}") as progress:

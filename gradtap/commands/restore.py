@@ -28,7 +28,7 @@ def restore_command(at: int, url: str, job_path: Path, out: Path, force: bool) -
 
     from gradtap.job_file import open_job
     from gradtap.out_dir import published, refuse_existing
-    from gradtap.progress import records_progress
+    from gradtap.progress import rebuild_progress
     from gradtap.store.gradient_log import rebuild
     from gradtap.store.object_store import SnapshotStore
     from gradtap.store.snapshot import Snapshots
@@ -40,8 +40,8 @@ def restore_command(at: int, url: str, job_path: Path, out: Path, force: bool) -
     job = with_store(open_job(job_path), url)
     store = SnapshotStore.of_spec(job.appliance.store, job.name)
     console = Console(stderr=True)
-    with records_progress(console, f"replaying the gradient log to iteration {at}") as progress:
-        rebuilt = rebuild(job, store, at, progress)
+    with rebuild_progress(console, f"replaying the gradient log to iteration {at}") as (loading, progress):
+        rebuilt = rebuild(job, store, at, progress, loading)
     with published(out, force=force) as tmp:
         snapshots = Snapshots(tmp, job.name, keep=1)
         try:

@@ -174,7 +174,7 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
     from gradtap.control_server import ControlServer, ControlSettings
     from gradtap.job_file import open_job
     from gradtap.start import replica_start
-    from gradtap.progress import bytes_progress, records_progress
+    from gradtap.progress import bytes_progress, rebuild_progress
     from gradtap.store_tier import store_start, with_store
     from gradtap.status import RateWindow
     from gradtap.tables import status_table
@@ -191,8 +191,8 @@ def run_command(job_path: Path, stream: tuple[str, ...], out: Path, source: str,
                          force=force, start=start, control_token_file=control_token_file, rehearse=not no_rehearsal)
     # A seed is no start state for a live job: it may be running already (gradtap/start.py).
     if start_from_store:
-        with records_progress(console, "replaying the store's gradient log") as progress:
-            begin = store_start(job, progress)
+        with rebuild_progress(console, "replaying the store's gradient log") as (loading, progress):
+            begin = store_start(job, progress, loading)
     else:
         start_source = f"--start {start}" if start else f"initial_state.checkpoint {job.initial_state.checkpoint}"
         checkpoint = None

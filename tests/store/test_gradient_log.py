@@ -126,8 +126,12 @@ def test_restore_at_every_iteration_between_snapshots_equals_the_truth(sim, tmp_
         rebuilt = rebuild(job, store, at)
         assert rebuilt.snapshot == (6 if at >= 6 else 3) and rebuilt.replayed == list(range(rebuilt.snapshot, at))
         assert_truth(job, truth, rebuilt.checkpoint, at)
-    newest = rebuild(job, store)                 # as far as it goes: a restarted appliance's start
+    records, loaded = [], []                     # as far as it goes: a restarted appliance's start
+    newest = rebuild(job, store, progress=lambda *a: records.append(a), loading=lambda *a: loaded.append(a))
     assert newest.stopped is None and newest.checkpoint["iteration"] == ITERATIONS + 1
+    size = sum(o["size"] for o in store.manifest(6)["objects"].values())
+    assert loaded[-1] == (size, size) and loaded == sorted(loaded), loaded     # the snapshot's bytes, then
+    assert records == [(k, ITERATIONS + 1 - 6) for k in range(1, ITERATIONS + 2 - 6)]   # each record
     with pytest.raises(GradtapError, match=r"--at 2: before the oldest READY snapshot .* \(iteration 3\)"):
         rebuild(job, store, 2)
     with pytest.raises(GradtapError, match=r"--at 10: past the newest logged iteration \(7 .* up to --at 8"):

@@ -179,6 +179,19 @@ def test_an_object_is_hashed_as_it_loads_and_read_about_once(tmp_path, kind, req
     assert len(data) <= counted.bytes < 1.05 * len(data), (counted.bytes, len(data))
 
 
+def test_a_load_tells_the_bytes_read_of_the_snapshots_objects(tmp_path):
+    store = file_store(tmp_path, "replica-test")
+    _, snaps, _ = write_and_upload(tmp_path, store, 1)
+    snaps.close()
+    heard = []
+    loaded = store.load(1, lambda done, total: heard.append((done, total)))
+    objects = store.manifest(1)["objects"]
+    total = sum(o["size"] for o in objects.values())
+    assert loaded["iteration"] == 1 and {t for _, t in heard} == {total}
+    done = [d for d, _ in heard]
+    assert done == sorted(done) and done[-1] == total and objects[snapshot.FILES[0]]["size"] in done   # the first, then all
+
+
 def test_a_truncated_object_is_refused_by_its_size(tmp_path):
     store = file_store(tmp_path, "replica-test")
     _, snaps, _ = write_and_upload(tmp_path, store, 1)

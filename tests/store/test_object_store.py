@@ -189,7 +189,8 @@ def test_a_load_tells_the_bytes_read_of_the_snapshots_objects(tmp_path):
     total = sum(o["size"] for o in objects.values())
     assert loaded["iteration"] == 1 and {t for _, t in heard} == {total}
     done = [d for d, _ in heard]
-    assert done == sorted(done) and done[-1] == total and objects[snapshot.FILES[0]]["size"] in done   # the first, then all
+    first = objects[snapshot.FILES[0]]["size"]
+    assert done == sorted(done) and first in done and done[-1] == total        # the first object, then all
 
 
 def test_a_truncated_object_is_refused_by_its_size(tmp_path):

@@ -468,8 +468,9 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
               f"({'keeps up' if per_iteration < seconds else 'falls behind'} in real time)")
     if after_first:
         ratio, seconds = (statistics.median(v) for v in zip(*after_first))
-        print(f"\nmedian of the {len(after_first)} replay(s) after the first: {seconds:.2f} s per iteration = {ratio:.2f} x "
-              f"the memory-bound minimum, {seconds / REALISTIC_ITERATION_S:.2f} x the realistic GPU iteration")
+        print(f"\nmedian of the {len(after_first)} replay(s) after the first: {seconds:.2f} s per iteration = "
+              f"{ratio:.2f} x the memory-bound minimum, {seconds / REALISTIC_ITERATION_S:.2f} x the realistic GPU "
+              "iteration")
 
 
 @dataclass

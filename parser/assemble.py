@@ -49,6 +49,7 @@ from gradtap.parser.decode import settle_icrc
 from gradtap.parser.flow_match import find_flow
 from gradtap.parser.payload import Deferred, defer_payload, pending_differs, store_payload
 from gradtap.wire import events as ev
+from gradtap.wire.crc_fold import FOLDS
 from gradtap.wire.frame_record import ICRC_DEFERRED
 from gradtap.wire.headers.aeth import AETH_SYNDROME_MASK, AETH_SYNDROME_SHIFT, AETH_SYNDROME_TYPE_MASK, \
     AETH_SYNDROME_TYPE_SHIFT, SYNDROME_NAK
@@ -75,8 +76,13 @@ WRITE_POLLS = 1 << 14
 # memory first; the hardware's stream prefetchers stop at every 4 KiB page, so each frame
 # began with a full memory latency. GPT-2 small, 3 streams on 2 cores (benchmarks.replay,
 # alternated 4 times, 5 replays each): parse 0.629 thread-s (mean of medians) without, 0.580
-# two records ahead, 0.593 three.
-AHEAD = 2
+# two records ahead, 0.593 three. Where the ICRC runs in gradtap's own fold (``wire/crc_fold.py``:
+# AVX2 hosts with vpclmulqdq), the fold asks for the lines 4 KiB ahead as it goes, the next frame
+# included, and these 64 requests at once only crowd them: the same replay alternated 3 times, 4
+# replays each (AMD EPYC Zen 3), 1.14-1.46 s (median 1.36) asking only for the frame at hand
+# against 1.24-2.77 (median 1.48) two ahead, parse 0.52-0.68 thread-s per iteration against
+# 0.60-0.72; asking for none, 1.18-1.26 s in a later run.
+AHEAD = 0 if FOLDS else 2
 
 DONE, NEED_ADVANCE = 0, 1
 MAX_SKIP = 64            # iterations a stream may jump ahead (e.g. after an outage) before a PSN is absurd
@@ -430,7 +436,7 @@ def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
     msgs = t.messages
     for i in range(start, recs.shape[0]):
         rec = recs[i]
-        if i + AHEAD < recs.shape[0]:
+        if AHEAD and i + AHEAD < recs.shape[0]:
             ahead = recs[i + AHEAD]
             if ahead["event"] == ev.DECODE_OK and ahead["icrc"] == ICRC_DEFERRED:
                 prefetch_bytes(data, ahead["l3_off"], ahead["payload_off"] + ahead["payload_len"])

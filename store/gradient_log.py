@@ -69,7 +69,7 @@ MAX_ENTRY_BYTES = 64 << 10         # an entry is a few hundred bytes; anything l
 RETAIN_EVERY = 16                  # records written between retention passes
 
 EventSink = Callable[..., object]
-Progress = Callable[[int, int], None]        # (records replayed, records to replay)
+Progress = Callable[[int, int], None]        # (done, of the total): records replayed, or bytes of a snapshot read
 
 
 def entry_key(iteration: int) -> str:

@@ -16,7 +16,7 @@ for the 5.3 GB, a quarter of the replay's CPU in ``perf``; refilled, 0.03 CPU-s.
 best of ``--repeats``:
 ``gradtap.replay.run_replay`` (``PcapReader`` → ``StreamParser`` per stream, on one
 thread per core → ``Merger`` → ``ReplicaSink`` → ``Replica``), reading ``--batch-frames`` frames
-per stream at a time (8192 by default, as ``gradtap run`` reads its rings), without
+per stream at a time (by default as ``gradtap run`` reads its rings: ``RunOptions.round_frames``), without
 per-iteration digests or periodic snapshots (hashing and disk writes, not processing). The first run's final
 snapshot is checked against the simulator's ground truth (``gradtap.verify``), so the
 figures are those of a replica that is right bit for bit.
@@ -144,6 +144,7 @@ import numba
 import torch
 
 from benchmarks._bandwidth import around
+from gradtap.appliance import RunOptions
 from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES
 from gradtap.replay import ReplayResult, run_replay
 from gradtap.start import replica_start
@@ -549,7 +550,8 @@ def scaling(cache: Path, iterations: int, config: Path, batch_frames: int, repea
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2)
-    parser.add_argument("--batch-frames", type=int, default=8192, help="frames per stream per read (as `gradtap run`)")
+    parser.add_argument("--batch-frames", type=int, default=RunOptions().round_frames,
+                        help="frames per stream per read (default: as `gradtap run` reads its rings)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "gradtap-bench")
     parser.add_argument("--config", type=Path, default=CONFIG,

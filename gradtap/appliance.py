@@ -56,13 +56,27 @@ class RunOptions:
     capture_cpus: dict[str, int] = field(default_factory=dict)   # stream -> core
     parse_cpus: list[int] = field(default_factory=list)          # cores for the parser threads
     update_cpus: list[int] = field(default_factory=list)         # cores for the update thread (pipeline_cores)
-    batch_frames: int = 8192
+    batch_frames: int | None = None       # frames a round takes per stream at most (None: round_frames)
     poll_s: float = 0.05
     digests: bool = False                 # a state digest per iteration, for `gradtap verify`
     force: bool = False                   # clear an --out holding another replica's snapshots
     start: Path | None = None             # --start: from one of --out's own snapshots, the run continues its replica
     control_token_file: Path | None = None  # --control-token-file (default: the job's, else OUT/control.token)
     rehearse: bool = True                 # run the pipeline on a miniature of the job before listening (--no-rehearsal)
+
+    @property
+    def round_frames(self) -> int:
+        """The frames a round reads from each stream's ring at most: ``batch_frames``, else a
+        quarter of the ring (16384 of the default 65536 slots). A round reads only what has
+        arrived, so this bounds the rounds of an appliance that has fallen behind: larger
+        rounds share each round's fixed costs (waking the parser threads, the merge on one
+        core, the threads that finish first waiting for the last) among more frames. A round
+        holds its slots until the next one, so the capture keeps three quarters of the ring
+        to write into meanwhile. ``benchmarks.replay`` (GPT-2 small, 3 streams, 2 cores;
+        alternated twice, runs 2-4 of 4 replays each): 1.24-1.32 s per 2 iterations (median
+        1.28) in rounds of 8192 frames, 1.15-1.31 (1.20) of 16384, 1.11-1.27 (1.14) of 32768,
+        which leaves the capture only half the ring."""
+        return self.batch_frames or max(1, self.ring_slots // 4)
 
 
 def pipeline_cores(options: RunOptions) -> Cores:
@@ -236,7 +250,7 @@ class Appliance:
                     if dead:
                         reason, code = self._crashed(dead[0]), 3
                         break
-                    batches = {n: ring.read(self.options.batch_frames, self.options.poll_s, self.stopping)
+                    batches = {n: ring.read(self.options.round_frames, self.options.poll_s, self.stopping)
                                for n, ring in self.rings.items()}
                     # A live capture's clock runs on while its ports are quiet; a file's is its frames'.
                     now = -1 if files else time.time_ns()
@@ -271,7 +285,7 @@ class Appliance:
         show it. Raises :class:`~gradtap.rehearsal.RehearsalFailed` when not exact."""
         if self.rehearsal is None and self.options.rehearse:
             log.info("rehearsing the pipeline on a miniature of job %s before the capture starts", self.job.name)
-            self.rehearsal = rehearse(self.job, self.options.batch_frames, self.options.slot_size,
+            self.rehearsal = rehearse(self.job, self.options.round_frames, self.options.slot_size,
                                       digests=self.options.digests)
             log.info("rehearsal: %d iterations exact in %.1f s", self.rehearsal.iterations, self.rehearsal.seconds)
         return self.rehearsal

@@ -45,7 +45,7 @@ def compiled():
 def main():
     sim, job = Path(sys.argv[1]), make_job(3, "LL", 2, "fp32")
     options = RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True, rehearse=False)
-    rehearse(job, options.batch_frames, options.slot_size, digests=options.digests)
+    rehearse(job, options.round_frames, options.slot_size, digests=options.digests)
     before = compiled()
     # Called from Python only when a stream kept a unit aside, which the live run may not do.
     aside = {f.__name__: len(f.signatures) for f in (aside_free, _lay_over)}

@@ -18,6 +18,7 @@ import torch
 
 from gradtap import metrics
 from gradtap.appliance import Appliance, RunOptions, pipeline_cores
+from gradtap.capture.ring import FrameRing
 from gradtap.capture.worker import SourceSpec
 from gradtap.pipeline import Cores
 from gradtap.store import snapshot
@@ -86,10 +87,20 @@ def test_run_over_pcap_sources_serves_metrics_and_ends_cleanly(tmp_path):
     assert f"gradtap_gradients_made_late_total {float(pool.fresh)}" in body
 
 
+def test_a_round_reads_a_quarter_of_the_ring_unless_told():
+    """The rounds' size follows the ring (what the capture keeps to write into while a round
+    holds its slots), and an explicit ``batch_frames`` wins."""
+    assert RunOptions().round_frames == RunOptions().ring_slots // 4 == 16384
+    assert RunOptions(ring_slots=4096).round_frames == 1024
+    assert RunOptions(ring_slots=2).round_frames == 1
+    assert RunOptions(ring_slots=4096, batch_frames=300).round_frames == 300
+
+
 @pytest.mark.slow
-def test_the_update_thread_runs_on_its_own_cores_and_the_replica_is_exact(tmp_path):
+def test_the_update_thread_runs_on_its_own_cores_and_the_replica_is_exact(tmp_path, monkeypatch):
     """``--parse-cpus`` on one core: the update thread takes the others (``pipeline_cores``),
-    beside the parsers, pinned there, and the replica is the trainer's."""
+    beside the parsers, pinned there, and the replica is the trainer's. Every round reads at
+    most ``round_frames`` of each ring."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip(f"this process may run on one core ({cores}): no core for an update thread beside the parser")
@@ -100,6 +111,14 @@ def test_the_update_thread_runs_on_its_own_cores_and_the_replica_is_exact(tmp_pa
     start = torch.load(tmp_path / "sim" / "truth" / "start.pt", weights_only=True)
     options = RunOptions(ring_slots=4096, slot_size=4352, hugepages="off", digests=True, parse_cpus=cores[:1])
     assert pipeline_cores(options) == Cores(frozenset(cores[:1]), frozenset(cores[1:]))
+    asked = []
+    read = FrameRing.read
+
+    def reading(ring, max_frames, *args, **kwargs):
+        asked.append((ring, max_frames))
+        return read(ring, max_frames, *args, **kwargs)
+
+    monkeypatch.setattr(FrameRing, "read", reading)
     appliance = Appliance(job, streams, tmp_path / "run", start, options)
     assert appliance.pipeline.update is not None, "no update thread beside a parser pinned to one core"
     seen = set()
@@ -118,6 +137,7 @@ def test_the_update_thread_runs_on_its_own_cores_and_the_replica_is_exact(tmp_pa
         os.sched_setaffinity(0, cores)      # run() pinned this thread to the parse core
         numba.set_num_threads(threads)
     assert result.exit_code == 0 and result.unrecoverable == 0, result
+    assert {n for ring, n in asked if ring in appliance.rings.values()} == {options.round_frames} == {1024}
     assert seen == {("gradtap-update", frozenset(cores[1:]), min(len(cores) - 1, numba.config.NUMBA_NUM_THREADS))}
     assert appliance.status().update_backlog == 0
     assert parse_threads == 1, "the thread that parses on one core would run its kernels on more threads"

@@ -29,7 +29,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradtap.checkpoints import _Prefix, load_checkpoint, offer_size_limit
+from gradtap import control_server
+from gradtap.checkpoints import _Prefix, load_checkpoint, offer_size_limit, offered_checkpoint
 from gradtap.control import request_resync
 from gradtap.control_server import ControlServer, ControlSettings
 from gradtap.control_token import MIN_TOKEN_BYTES, ensure_token, read_token
@@ -480,13 +481,26 @@ def test_one_checkpoint_is_read_at_a_time_and_requests_are_bounded(tmp_path, sta
         assert list(replica.offers) == [5]
 
 
-def test_a_checkpoint_not_read_in_time_is_never_offered(tmp_path, stale):
+def test_a_checkpoint_not_read_in_time_is_never_offered(tmp_path, stale, monkeypatch):
+    """The read is held until the answer is in, so no host reads the checkpoint in time (a
+    32 MiB checkpoint was once the delay, and a fast host read it within the 1 ms)."""
     replica, reference = stale
+    answered, finished = threading.Event(), threading.Event()
+
+    def held_read(*args):
+        try:
+            assert answered.wait(30)
+            return offered_checkpoint(*args)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(control_server, "offered_checkpoint", held_read)
     with serving(tmp_path, lambda c, source: replica.offer(c, only=True), checkpoint_timeout_s=1e-3) as endpoint:
-        padded = {**trainer_checkpoint(reference, 5), "padding": torch.zeros(8 << 20)}    # 32 MiB: more than 1 ms
-        code, answer = endpoint.offer(save(endpoint.offers / "c5.pt", padded))
+        code, answer = endpoint.offer(save(endpoint.offers / "c5.pt", trainer_checkpoint(reference, 5)))
+        answered.set()
         assert code == 503 and "not read within 0.001 s; nothing was offered" in answer["error"], answer
-        time.sleep(2)                               # the read finishes in its thread, and is dropped
+        assert finished.wait(30)                    # the read finishes in its thread, and is dropped:
+        time.sleep(0.2)                             # nothing offers it afterwards either
         assert not replica.offers
 
 

@@ -598,7 +598,9 @@ def main() -> None:
                 late_buffers = result.late_buffers
             ratio = result.wall_s / len(result.reports) / memory_bound_s(result, grad_bytes, nparams, by_crc, memcpy)
             print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot {setup:.1f} s); "
-                  f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x")
+                  f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x; peak "
+                  f"RssAnon {memory[k].peak / nparams:.1f} B per parameter, {result.late_buffers} gradient buffer(s) "
+                  "made late")
             runs.append((ratio, result.wall_s / len(result.reports)))
             if best is None or ratio < best[0]:
                 best = ratio, result, memcpy

@@ -46,7 +46,8 @@ EVENTS: tuple[tuple[str, str], ...] = (
     ("other.read_atomic", "RDMA READ or ATOMIC request/response"),
     ("other.send_ud", "SEND or UD datagram"),
     ("other.cts", "NCCL clear-to-send write of the job"),
-    ("other.reduce_scatter", "reduce-scatter data of the job (partial sums; not needed)"),
+    ("other.reduce_scatter", "reduce-scatter data of the job (partial sums; not needed: a frame in sequence "
+                             "is not ICRC-checked in stage 2)"),
     ("data.before_lock", "job data before the stream locked on to an iteration boundary"),
     ("data.duplicate", "a PSN already received (retransmission or mirror duplicate)"),
     ("data.out_of_window", "a PSN outside the iterations being assembled"),

@@ -29,7 +29,9 @@ Figures:
 - **memory-bound minimum**: the bytes an iteration must touch at least, over the memory
   traffic rate measured in the same run. Bytes, for the design the parser now has (issue
   12: every stream parses into one shared gradient per iteration): every captured frame read
-  once; the first copy of each unit written once into the shared gradient; every later copy
+  once, but the payload of Simple reduce-scatter data where stage 2 checks the ICRCs (and
+  takes that data, in sequence, without its ICRC: ``parser/assemble.py``) or none are
+  checked, since it is then never read (``unread_per_iteration``); the first copy of each unit written once into the shared gradient; every later copy
   (another stream's, or another hop's) compared by its payload's CRC, reading nothing more,
   where the job checks ICRCs and its allgather is Simple (``docs/parser.md``; the last
   packet of a message shorter than the MTU, compared by its bytes, is left out: 0.3% of
@@ -141,11 +143,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba
+import numpy as np
 import torch
 
 from benchmarks._bandwidth import around
 from gradtap.appliance import RunOptions
 from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES
+from gradtap.pipeline import icrc_in_stage2
 from gradtap.replay import ReplayResult, run_replay
 from gradtap.start import replica_start
 from gradtap.store.snapshot_writer import BUFFERS
@@ -154,7 +158,7 @@ from gradtap.wire.protocol import Protocol
 from gradtap.workload.layout import job_params, job_plan
 from gradtap.workload.models import resolve
 from gradtap.workload.spec import JobSpec, load_job
-from gradtap.workload.wire_plan import PHASE_AG, WirePlan
+from gradtap.workload.wire_plan import DATA, PHASE_AG, PHASE_RS, WirePlan
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gpt2-small.yaml"
@@ -374,20 +378,37 @@ def copies_bytes(result: ReplayResult, grad_bytes: int) -> float:
     return sum(cov for r in result.reports for cov in r.coverage.values()) * grad_bytes
 
 
-def bytes_touched(result: ReplayResult, grad_bytes: int, nparams: int,
-                  by_crc: bool) -> tuple[float, float, float, float]:
-    """The bytes the replay had to touch at least, in four parts: every frame read once; each
-    unit of the shared gradient written once (no merged copy); every other copy compared (read
-    once more, unless ``by_crc``: :func:`compared_by_crc`); the Adam steps."""
-    written = len(result.reports) * grad_bytes
+def unread_per_iteration(job: JobSpec, plan: WirePlan, cores: int) -> int:
+    """The frame bytes per iteration the parsers never read: the payload of every Simple
+    reduce-scatter packet of the flows each stream mirrors, where no ICRC is checked, or stage 2
+    checks it (``gradtap.pipeline.icrc_in_stage2``) and takes reduce-scatter data in sequence
+    without it (``parser/assemble.py``); none where stage 1 checks every frame's ICRC."""
+    if job.appliance.verify_icrc and not icrc_in_stage2(len(job.mirrors), cores):
+        return 0
+    m = plan.messages
+    rs = m[(m["kind"] == DATA) & (m["phase"] == PHASE_RS) & (m["protocol"] == Protocol.SIMPLE)]
+    per_flow = np.bincount(rs["flow"], weights=rs["wire_bytes"], minlength=len(plan.flows))
+    return int(sum(per_flow[plan.flows_of(mirror.rank, mirror.direction)].sum() for mirror in job.mirrors))
+
+
+def bytes_touched(result: ReplayResult, grad_bytes: int, nparams: int, by_crc: bool,
+                  unread: int) -> tuple[float, float, float, float]:
+    """The bytes the replay had to touch at least, in four parts: every frame read once, but
+    the ``unread`` bytes of each iteration (:func:`unread_per_iteration`); each unit of the
+    shared gradient written once (no merged copy); every other copy compared (read once more,
+    unless ``by_crc``: :func:`compared_by_crc`); the Adam steps."""
+    iterations = len(result.reports)
+    written = iterations * grad_bytes
     compared = 0.0 if by_crc else max(copies_bytes(result, grad_bytes) - written, 0.0)
-    return sum(result.bytes.values()), written, compared, len(result.reports) * ADAM_BYTES_PER_PARAM * nparams
+    frames = sum(result.bytes.values()) - iterations * unread
+    return frames, written, compared, iterations * ADAM_BYTES_PER_PARAM * nparams
 
 
-def memory_bound_s(result: ReplayResult, grad_bytes: int, nparams: int, by_crc: bool, memcpy: float) -> float:
+def memory_bound_s(result: ReplayResult, grad_bytes: int, nparams: int, by_crc: bool, unread: int,
+                   memcpy: float) -> float:
     """The memory-bound minimum per iteration: the bytes touched at least over the traffic rate,
     twice the 2-thread memcpy rate ``memcpy`` (GB/s; memcpy reads and writes every byte)."""
-    return sum(bytes_touched(result, grad_bytes, nparams, by_crc)) / len(result.reports) / (2 * memcpy * 1e9)
+    return sum(bytes_touched(result, grad_bytes, nparams, by_crc, unread)) / len(result.reports) / (2 * memcpy * 1e9)
 
 
 def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: list[AnonPeak],
@@ -399,15 +420,16 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
     grad_bytes = plan.grad_bytes
     nparams = sum(p.numel for p in params)
     iterations = len(result.reports)
-    by_crc = compared_by_crc(job, plan)
-    frame_bytes, written, compared, adam = bytes_touched(result, grad_bytes, nparams, by_crc)
-    touched = frame_bytes + written + compared + adam
-    # Before: every stream's share written and compared again, the merged gradient written once.
+    by_crc, unread = compared_by_crc(job, plan), unread_per_iteration(job, plan, result.cores)
+    frames_read, written, compared, adam = bytes_touched(result, grad_bytes, nparams, by_crc, unread)
+    frame_bytes = sum(result.bytes.values())
+    touched = frames_read + written + compared + adam
+    # Before: every frame read, every stream's share written and compared again, the merged gradient written once.
     shares = copies_bytes(result, grad_bytes)
     touched_before = frame_bytes + 2 * shares + iterations * grad_bytes + adam
     traffic = 2 * memcpy * 1e9
     per_iteration = result.wall_s / iterations
-    minimum = memory_bound_s(result, grad_bytes, nparams, by_crc, memcpy)
+    minimum = memory_bound_s(result, grad_bytes, nparams, by_crc, unread, memcpy)
     minimum_before = touched_before / iterations / traffic
     cores = result.cores
     spans = json.loads((sim / "truth" / "manifest.json").read_text())["span_ns"]
@@ -422,7 +444,8 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
           f"({len(result.bytes)} streams on {cores} cores: gradtap.pipeline.overlapping)")
     print(f"\nprocessing time per iteration      {per_iteration:8.2f} s   (replay wall {result.wall_s:.2f} s)")
     print(f"bytes touched per iteration (min)  {touched / iterations / 1e9:8.2f} GB  (frames "
-          f"{frame_bytes / iterations / 1e9:.2f}, shared gradient written once {written / iterations / 1e9:.2f}, "
+          f"{frames_read / iterations / 1e9:.2f} of {frame_bytes / iterations / 1e9:.2f}: reduce-scatter payload "
+          f"left unread {unread / 1e9:.2f}, shared gradient written once {written / iterations / 1e9:.2f}, "
           f"other copies compared {compared / iterations / 1e9:.2f}{' (by their CRCs)' if by_crc else ''}, "
           f"Adam {ADAM_BYTES_PER_PARAM * nparams / 1e9:.2f})")
     print(f"  the definition before issue 12   {touched_before / iterations / 1e9:8.2f} GB  (stream copies written + "
@@ -596,7 +619,9 @@ def main() -> None:
             (result, setup), memcpy = around(timed)
             if k == 0:
                 late_buffers = result.late_buffers
-            ratio = result.wall_s / len(result.reports) / memory_bound_s(result, grad_bytes, nparams, by_crc, memcpy)
+            unread = unread_per_iteration(job, plan, result.cores)
+            ratio = result.wall_s / len(result.reports) / memory_bound_s(result, grad_bytes, nparams, by_crc, unread,
+                                                                          memcpy)
             print(f"run {k + 1}: replay {result.wall_s:.2f} s (with set-up and the final snapshot {setup:.1f} s); "
                   f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x; peak "
                   f"RssAnon {memory[k].peak / nparams:.1f} B per parameter, {result.late_buffers} gradient buffer(s) "

@@ -120,6 +120,15 @@ def overlapping(parse_threads: int, cores: frozenset[int]) -> bool:
     return len(cores) > parse_threads
 
 
+def icrc_in_stage2(streams: int, cores: int) -> bool:
+    """Whether the parsers of ``streams`` streams on ``cores`` cores check the ICRC in stage 2,
+    frame by frame (``StreamParser(defer_icrc=True)``), rather than in stage 1 on every thread:
+    with at least as many streams as threads, a parser has at most one core. (One stream of
+    GPT-2 small from memory, ICRC deferred against not: 9.7 against 8.6 GB/s of payload on 1
+    thread, 10.5 against 11.4 on 2.)"""
+    return streams >= min(numba.get_num_threads(), cores)
+
+
 class Pipeline:
     """Every stream's parser, the merger and the sink of ``job``, advanced one round at a time:
     each stream's new frames are parsed, then the merger learns what each stream retired and
@@ -185,11 +194,7 @@ class Pipeline:
         # One gradient per iteration for every stream: the window's (DEFAULT_SLOTS), and one
         # for the iteration the merger still holds when the streams move on.
         self.pool = GradientPool(plan.grad_bytes, len(plan.blocks), DEFAULT_SLOTS + DEFAULT_SPARES)
-        # With at least as many streams as threads, a parser has at most one core, and the
-        # ICRC is best checked frame by frame in stage 2. (One stream of GPT-2 small from
-        # memory, ICRC deferred against not: 9.7 against 8.6 GB/s of payload on 1 thread,
-        # 10.5 against 11.4 on 2.)
-        defer = len(self.streams) >= min(numba.get_num_threads(), len(self._cores))
+        defer = icrc_in_stage2(len(self.streams), len(self._cores))
         # One stream writes the pool's gradients alone: its payload copies are made after its
         # kernel, with every thread (parser/payload.py).
         self.parsers = {name: StreamParser(job, plan, name, gap_ns=self.gap_ns, pool=self.pool, defer_icrc=defer,

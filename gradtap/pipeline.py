@@ -116,7 +116,10 @@ def overlapping(parse_threads: int, cores: frozenset[int]) -> bool:
     take every core, a sink beside them only shares those cores, and the replica lag grows
     by what it shares. Measured with ``benchmarks.replay`` (GPT-2 small, 3 streams parsed on
     2 threads, 2 cores, alternated 8 times): replay wall median 0.543 s between rounds,
-    0.567 s beside them; the worse iteration's lag 0.081 s against 0.143 s."""
+    0.567 s beside them; the worse iteration's lag 0.081 s against 0.143 s. On a Xeon with
+    AVX-512 (2 vCPUs, KVM; 5 alternations of 4-5 replays) beside them was a little faster,
+    0.553-0.601 s against 0.574-0.626, but the lag doubled, 0.17-0.22 s against 0.111-0.116:
+    between rounds it stays."""
     return len(cores) > parse_threads
 
 

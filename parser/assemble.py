@@ -504,7 +504,7 @@ def assemble(recs, start, data, t, state, slots, aside, slot0, counters):
             continue
         psn = np.int64(rec["psn"])
         prev = state.prev_psn[f]
-        follows = psn == psn_add(prev, 1)
+        follows = prev >= 0 and psn == psn_add(prev, 1)
         if not follows and not _sound(data, rec, state, f, prev):
             counters[ev.DECODE_ICRC_BAD] += 1
             continue

@@ -43,7 +43,9 @@ is never read, and what it teaches (the next PSN of its flow seen, the slot's ti
 the sound frame would. That saves reading half of the frames' bytes: GPT-2 small, 3 streams
 on 2 cores (``benchmarks.replay``, Xeon with AVX-512, alternated 3 times), replay 0.69-0.86 s
 (median 0.80) per 2 iterations checking every frame, against 0.59-0.70 (median 0.67); parse
-0.76-0.88 thread-s against 0.55-0.64. The frame two ahead (``AHEAD``) is fetched whole only
+0.76-0.88 thread-s against 0.55-0.64; playing an AVX2 host there (``benchmarks._hosts``: the
+fold of ``wire/crc_fold.py``, ``AHEAD`` 0; alternated 4 times), median 0.92 s against 0.76,
+parse 0.87-1.14 thread-s against 0.62-0.90. The frame two ahead (``AHEAD``) is fetched whole only
 after allgather data, else its headers alone: a frame is mostly of the last one's phase.
 Damage on a mirror link strikes frames of both phases alike, so ``decode.icrc_bad`` still
 measures the link, on the allgather frames and the irregular ones.

@@ -31,11 +31,12 @@ Figures:
   12: every stream parses into one shared gradient per iteration): every captured frame read
   once, but the payload of Simple reduce-scatter data where stage 2 checks the ICRCs (and
   takes that data, in sequence, without its ICRC: ``parser/assemble.py``) or none are
-  checked, since it is then never read (``unread_per_iteration``); the first copy of each unit written once into the shared gradient; every later copy
-  (another stream's, or another hop's) compared by its payload's CRC, reading nothing more,
-  where the job checks ICRCs and its allgather is Simple (``docs/parser.md``; the last
-  packet of a message shorter than the MTU, compared by its bytes, is left out: 0.3% of
-  GPT-2 small's allgather packets), else compared in place, reading the unit once more; no
+  checked, since it is then never read (``unread_per_iteration``); the first copy of each
+  unit written once into the shared gradient; every later copy (another stream's, or
+  another hop's) compared by its payload's CRC, reading nothing more, where the job checks
+  ICRCs and its allgather is Simple (``docs/parser.md``; the last packet of a message
+  shorter than the MTU, compared by its bytes, is left out: 0.3% of GPT-2 small's
+  allgather packets), else compared in place, reading the unit once more; no
   merged copy (buckets go to the updater as views of the shared gradient); 28 B per
   parameter for the Adam step (read parameter, gradient and both moments, write three back;
   the widening and norm that clipping adds are not counted). The definition before it (each

@@ -1,8 +1,9 @@
 """Slow twin of the stream parser's coverage: which allgather units a capture delivers.
 
-Frames are decoded by ``tests/naive.py``; a data packet that passes its ICRC is placed by its
-PSN relative to its flow's first PSN (given) and the plan's ``psn_offset``, exactly as the
-wire plan defines positions, and marks the units of the coverage block it carries.
+Frames are decoded by ``tests/naive.py`` and placed by their PSN relative to their flow's
+first PSN (given) and the plan's ``psn_offset``, exactly as the wire plan defines positions
+(:func:`positions`); a data packet that passes its ICRC marks the units of the coverage block
+it carries (:func:`coverage`). :func:`bad_icrcs` splits the frames whose ICRC fails by phase.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Copies that agree, all but a corrupted or misplaced few, are never stored twice.
 A copy is also kept when the claiming stream had not yet written the unit (``pending``: two
 streams placed the same unit at the same moment). The pipeline compares pending copies
 once its parser threads are idle (:func:`reconcile`): one that agrees is dropped and the
-stream covers the unit; one that differs stays.
+stream covers the unit; one that differs stays. That includes the copies of an iteration the
+stream retired in the same round (:meth:`AsideCopies.reconciled`): left pending, each would
+make the merger lay the stream's copy over a copy of its whole bucket, twice.
 
 The area holds ``capacity`` units of at most ``stride`` wire bytes each. A differing copy
 that finds it full cannot be kept: the unit is then marked *disputed* in the shared
@@ -169,12 +171,32 @@ class AsideCopies:
             return grad[lo:hi], got
         keep = np.flatnonzero(inside)
         rec = rec[keep]
-        data = np.concatenate([self.data[e * self.stride:(e + 1) * self.stride] for e in keep])
+        data = self.data.reshape(-1, self.stride)[keep].ravel()
         out = grad[lo:hi].copy()
         _lay_over(rec, data, self.stride, out, lo)
         got = got.copy()
         np.bitwise_or.at(got, rec["block"], rec["bits"].astype(got.dtype))
         return out, got
+
+
+    def reconciled(self, grad: np.ndarray, written: np.ndarray, got: np.ndarray) -> tuple[AsideCopies, int]:
+        """:func:`reconcile` for an iteration already retired, whose pending copies were copied
+        out with it before the claiming streams had written their units: those copies compared
+        with ``grad`` where ``written`` says the unit is written, ``got`` marked (in place) for
+        each that agrees. The copies left, and how many frames counted as ``data.written``
+        hold a unit that differs."""
+        if not self.rec["pending"].any():
+            return self, 0
+        rec = self.rec.copy()
+        rec["slot"] = 0
+        area = Aside(rec, self.data, np.array([len(rec)], np.int64))
+        differing = reconcile(area, (grad,), (written,), got.reshape(1, -1))
+        left = np.flatnonzero(rec["slot"] >= 0)
+        if len(left) == 0:
+            return NOTHING_ASIDE, differing
+        rec = rec[left]
+        rec["slot"] = self.rec["slot"][left]
+        return AsideCopies(rec, self.data.reshape(-1, self.stride)[left].ravel(), self.stride), differing
 
 
 NOTHING_ASIDE = AsideCopies(np.zeros(0, ASIDE_DTYPE), np.zeros(0, np.uint8), 1)
@@ -189,7 +211,7 @@ def kept(aside: Aside, slot: int, free: bool) -> AsideCopies:
     if len(mine) == 0:
         return NOTHING_ASIDE
     rec = aside.rec[mine].copy()
-    data = np.concatenate([aside.data[e * stride:(e + 1) * stride] for e in mine])
+    data = aside.data.reshape(-1, stride)[mine].ravel()
     if free:
         aside_free(aside, slot, -1)
     return AsideCopies(rec, data, stride)

@@ -179,6 +179,7 @@ class StreamParser:
                            pending=Deferred.room(0, slots, blocks) if self.alone else Deferred.room(0))
         self._bind()
         self.aside = new_aside(t.mtu)
+        self._unsettled: list[AssembledIteration] = []   # retired since reconcile() with copies pending
         self._origins()
         self.slot0 = 0
         self.iteration = 0            # iteration held by slot0
@@ -402,9 +403,15 @@ class StreamParser:
 
     def reconcile(self) -> None:
         """Compare the copies kept aside while the stream that claimed their units was still
-        writing them (``parser/aside.py``). Call it while no parser of the pool runs."""
+        writing them (``parser/aside.py``), of the iterations held and of those retired since
+        the last call. Call it while no parser of the pool runs."""
         slots = self.slots
         differing = reconcile(self.aside, slots.grads, slots.written, slots.got)
+        for a in self._unsettled:
+            if a.shared.ordinal == a.index:     # else the buffer serves a later iteration now
+                a.aside, moved = a.aside.reconciled(a.grad, a.shared.written, a.got)
+                differing += moved
+        self._unsettled.clear()
         self.counters[ev.DATA_WRITTEN] -= differing
         self.counters[ev.DATA_SET_ASIDE] += differing
 
@@ -475,6 +482,8 @@ class StreamParser:
     def _retire(self) -> AssembledIteration:
         s = self.slot0
         out = self._assembled(s, 0, self.slots.got[s].copy(), kept(self.aside, s, free=True))
+        if out.aside.rec["pending"].any():
+            self._unsettled.append(out)
         if out.start_ns >= 0:
             self.lockon.began(out.index, out.start_ns)
         self._advance()

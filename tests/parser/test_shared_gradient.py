@@ -263,6 +263,36 @@ def test_a_copy_placed_while_the_claimant_writes_is_compared_once_idle(shared, e
         assert differing == 1 and b.got[0, 6] == 0 and ab.used[0] == 1 and ab.rec[0]["pending"] == 0
 
 
+def test_pending_copies_of_a_retired_iteration_are_compared_like_those_held(shared):
+    """Copied out with their iteration (``kept``), pending copies are compared by
+    ``AsideCopies.reconciled`` as ``reconcile`` compares them in the stream's area: one equal to
+    the written unit is dropped and covered, one that differs stays (compared), one whose unit
+    is not written yet stays pending; the copies left keep their own bytes."""
+    b = stream_slots(shared)
+    ab = new_aside(PACKET)
+    shared.claim[[2, 7, 9]] = 1            # another stream claimed blocks 2, 7 and 9 and is writing them
+    for k, value in ((2, 4), (7, 5), (9, 6)):
+        assert place(b, ab, k, packet(k, value)) == ev.DATA_WRITTEN
+    copies = kept(ab, 0, free=True)
+    assert len(copies) == 3 and copies.rec["pending"].all() and ab.used[0] == 0
+    got = b.got[0].copy()
+    shared.grad[2 * PACKET:3 * PACKET] = 4     # equal to b's copy
+    shared.grad[7 * PACKET:8 * PACKET] = 8     # not b's
+    shared.written[[2, 7]] = 1                 # block 9 is not written yet
+    left, differing = copies.reconciled(shared.grad, shared.written, got)
+    assert differing == 1 and got[2] == 1 and got[7] == got[9] == 0
+    assert left.rec["block"].tolist() == [7, 9] and left.rec["pending"].tolist() == [0, 1]
+    assert left.rec["slot"].tolist() == [0, 0]
+    need = np.ones(BLOCKS, np.int32)
+    view = AssembledIteration("b", 0, 0, shared.grad, got, need, aside=left, disputed=shared.disputed)
+    data, covered = view.bucket(0, NBYTES, np.arange(BLOCKS), need)
+    assert (data[7 * PACKET:8 * PACKET] == 5).all() and (data[9 * PACKET:10 * PACKET] == 6).all()
+    assert np.flatnonzero(covered).tolist() == [2, 7, 9]
+    assert copies.reconciled(shared.grad, shared.written, got)[1] == 1, "the original copies are unchanged"
+    none_pending, moved = left.reconciled(shared.grad, np.zeros_like(shared.written), got)
+    assert none_pending.rec["block"].tolist() == [7, 9] and moved == 0
+
+
 def test_a_second_copy_is_compared_with_the_streams_own_first(shared):
     a, c = stream_slots(shared), stream_slots(shared)
     ac = new_aside(PACKET)

@@ -23,6 +23,7 @@ from gradtap.wire import events as ev
 from gradtap.wire.icrc import ICRC_LEN
 from gradtap.wire.headers.opcodes import KIND_WRITE, OPCODE_KIND
 from gradtap.parser.decode import decode_batch
+from gradtap.parser.shared_gradient import GradientPool
 from gradtap.parser.stream import StreamParser
 from tests import naive
 from tests.parser import naive_coverage
@@ -305,6 +306,57 @@ def test_a_late_copy_of_a_retired_iteration_moves_nothing(tmp_path):
     assert late_counted == len(late) == 5
     assert clean.counters[ev.DATA_OUT_OF_WINDOW] == clean.counters[ev.DATA_IMPLAUSIBLE_PSN] == 0
     assert parser.counters.sum() == clean.counters.sum() + len(late)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agrees", [True, False], ids=["claimer-agrees", "claimer-differs"])
+def test_copies_pending_in_an_iteration_retired_mid_round_are_compared_with_the_round(tmp_path, agrees):
+    """Another stream has claimed every unit of iteration 1 this stream holds and writes them
+    only after this stream has placed its copies (kept pending) and retired the iteration, in
+    the same round. reconcile() at the end of the round compares them too: copies that agree
+    are dropped and covered, so the stream's bucket is the shared bytes themselves (a view,
+    not a copy of the bucket with its copies laid over); one that differs stays for the vote,
+    counted as set aside instead of written."""
+    job = make_job(3, "Simple", 2, "fp32")
+    simulate(tmp_path, job, iterations=3)
+    plan = job_plan(job)
+    name = "m-both"
+    frames = read_pcap(tmp_path / "streams" / f"{name}.pcap")
+    clean = StreamParser(job, plan, name)
+    clean_its = clean.feed(frames) + clean.flush()
+    pool = GradientPool(plan.grad_bytes, len(plan.blocks), 3)
+    claimed = pool.enter(1)                  # the other stream's hold on iteration 1
+    mine = clean_its[1].got
+    claimed.claim[:] = mine
+    parser = StreamParser(job, plan, name, pool=pool)
+    its = parser.feed(frames)
+    assert [it.index for it in its] == [0, 1]
+    held = its[1].aside
+    assert len(held) == np.count_nonzero(mine) and held.rec["pending"].all()
+    assert parser.counters[ev.DATA_WRITTEN] == clean.counters[ev.DATA_WRITTEN]
+
+    claimed.grad[:] = clean_its[1].grad      # the other stream writes its copies, equal to this one's
+    wrong = int(np.flatnonzero(mine)[0])
+    lo = int(plan.blocks["elem"][wrong]) * plan.elem_size
+    if not agrees:
+        claimed.grad[lo] ^= 1
+    claimed.written[:] = mine
+    parser.reconcile()
+
+    whole = np.arange(len(plan.blocks))
+    data, covered = its[1].bucket(0, plan.grad_bytes, whole, its[1].need)
+    if agrees:
+        assert len(its[1].aside) == 0 and np.array_equal(its[1].got, mine)
+        assert np.shares_memory(data, claimed.grad), "nothing aside: the bucket is the shared bytes"
+        assert np.array_equal(parser.counters, clean.counters)
+    else:
+        assert len(its[1].aside) == 1 and not its[1].aside.rec["pending"].any()
+        assert its[1].got[wrong] == 0 and np.array_equal(np.delete(its[1].got, wrong), np.delete(mine, wrong))
+        assert data[lo] == clean_its[1].grad[lo] != claimed.grad[lo], "the stream's own copy, for the vote"
+        assert parser.counters[ev.DATA_WRITTEN] == clean.counters[ev.DATA_WRITTEN] - 1
+        assert parser.counters[ev.DATA_SET_ASIDE] == clean.counters[ev.DATA_SET_ASIDE] + 1
+    assert covered.tolist() == clean_its[1].covered.tolist()
+    assert_exact([its[1]], tmp_path, plan)
 
 
 @pytest.mark.slow

@@ -189,6 +189,7 @@ def _kept_aside() -> bool:
     shared, unit, got = np.zeros(64, np.uint8), np.arange(1, 17, dtype=np.uint8), np.zeros(4, np.int32)
     aside = new_aside(len(unit), capacity=2)
     aside_put(aside, 0, 1, 1, 0, 0, int(Protocol.SIMPLE), 0, 16, len(unit), unit, 0, len(unit))
-    view, got = kept(aside, 0, free=True).overlay(shared, 0, len(shared), got, np.arange(4, dtype=np.int64))
+    copies, blocks = kept(aside, 0, free=True), np.arange(4, dtype=np.int64)
+    view, got = copies.overlay(shared, 0, len(shared), blocks), copies.units(got, 0, len(shared), blocks)
     return (aside.used[0] == 0 and np.array_equal(view[16:32], unit) and not view[:16].any()
             and not view[32:].any() and got.tolist() == [0, 1, 0, 0] and not shared.any())

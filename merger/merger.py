@@ -80,6 +80,7 @@ class _Iteration:
     retired: dict[str, AssembledIteration] = field(default_factory=dict)
     report: IterationReport | None = None
     cover: dict[int, list[tuple[str, np.ndarray]]] = field(default_factory=dict)   # bucket -> covered when handed
+    tried: dict[int, tuple] = field(default_factory=dict)   # bucket -> coverage when merged and left incomplete
 
 
 class Merger:
@@ -172,21 +173,39 @@ class Merger:
 
     def _incomplete(self, g: int, b: int) -> bool:
         """Whether bucket b of iteration g is surely incomplete, told from a few of its blocks
-        (``_probes``) without building any stream's copy: one of them no stream covers. A
-        stream that kept units aside (its copy may cover more than its bitmap says) makes the
-        answer False, as does a bucket all of whose probes are covered: only
-        :func:`~gradtap.merger.union.union` then says whether it is complete."""
+        (``_probes``) without building any stream's copy: one of them no stream covers, with
+        the units it kept aside. A bucket all of whose probes are covered may still be
+        incomplete: only :func:`~gradtap.merger.union.union` says."""
         probe = self._probes[b]
         index, need = self.buckets[b].index[probe], self._need[b][probe]
+        lo, hi = self.byte_range[b]
         covered = np.zeros(len(probe), bool)
         for s in self.streams:
             a = self._held(s, g)
-            if a is None:
-                continue
-            if len(a.aside):
-                return False
-            covered |= (a.got[index] & need) == need
+            if a is not None:
+                covered |= a.covers(lo, hi, index, need)
         return not covered.all()
+
+    def _may_complete(self, g: int, b: int) -> bool:
+        """Whether bucket b of iteration g may be complete, told without building any stream's
+        copy. Where a stream kept units of the iteration aside, its copy of a bucket is a copy
+        of the whole bucket with them laid over, which the vote compares whole: it is built
+        only when every block is covered, and not again while the coverage stays as it was
+        at an attempt that left the bucket incomplete (a tie; :meth:`_finish` decides)."""
+        if self._incomplete(g, b):
+            return False
+        held = [(s, a) for s in self.streams if (a := self._held(s, g)) is not None]
+        if not any(len(a.aside) for _, a in held):
+            return True         # every copy is the shared gradient: the union costs nothing
+        (lo, hi), idx, need = self.byte_range[b], self.buckets[b].index, self._need[b]
+        covered = [a.covers(lo, hi, idx, need) for _, a in held]
+        if not np.logical_or.reduce(covered).all():
+            return False
+        state = (tuple(s for s, _ in held), tuple(len(a.aside) for _, a in held), b"".join(c.tobytes() for c in covered))
+        if self.iterations[g].tried.get(b) == state:
+            return False
+        self.iterations[g].tried[b] = state
+        return True
 
     def _stream_coverage(self, g: int) -> dict[str, float]:
         """Per stream holding iteration g, the fraction of its blocks the stream covers."""
@@ -217,7 +236,7 @@ class Merger:
                 continue
             it = self.iterations[g]
             for b in np.flatnonzero(~it.handed):
-                if self._incomplete(g, b):
+                if not self._may_complete(g, b):
                     continue
                 copies = self._copies(g, b)
                 u = union(self.buckets[b], copies, self.byte_range[b][1] - self.byte_range[b][0], self._scratch)
@@ -253,7 +272,8 @@ class Merger:
         was handed and covers no longer (a later copy contradicted its own)."""
         out = {}
         for b, then in self.iterations[g].cover.items():
-            now = {s: covered for s, _, covered in self._copies(g, b)}
+            (lo, hi), idx, need = self.byte_range[b], self.buckets[b].index, self._need[b]
+            now = {s: a.covers(lo, hi, idx, need) for s in self.streams if (a := self._held(s, g)) is not None}
             lost = sum(int((covered & ~now[s]).sum()) for s, covered in then if s in now)
             if lost:
                 out[b] = lost

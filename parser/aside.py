@@ -156,28 +156,35 @@ class AsideCopies:
     def __len__(self) -> int:
         return len(self.rec)
 
-    def overlay(self, grad: np.ndarray, lo: int, hi: int, got: np.ndarray,
-                index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The stream's own view of ``grad[lo:hi]``, whose coverage blocks are ``index``, and
-        its bitmap: ``(grad[lo:hi], got)`` as they are when it kept nothing of them aside;
-        else a copy with its units laid over, and ``got`` with their bits. (A unit whose
-        message reaches outside ``[lo, hi)``, which no wire plan has, is left out: the
-        stream does not cover it there.)"""
+    def _inside(self, lo: int, hi: int, index: np.ndarray) -> np.ndarray:
+        """The records of units of the blocks ``index`` whose message lies within ``[lo, hi)``
+        (one reaching outside, which no wire plan has, is left out: the stream does not cover
+        it there)."""
         rec = self.rec
-        if len(rec) == 0:
-            return grad[lo:hi], got
-        inside = np.isin(rec["block"], index) & (rec["dest"] >= lo) & (rec["dest"] + rec["nbytes"] <= hi)
-        if not inside.any():
-            return grad[lo:hi], got
-        keep = np.flatnonzero(inside)
-        rec = rec[keep]
-        data = self.data.reshape(-1, self.stride)[keep].ravel()
-        out = grad[lo:hi].copy()
-        _lay_over(rec, data, self.stride, out, lo)
-        got = got.copy()
-        np.bitwise_or.at(got, rec["block"], rec["bits"].astype(got.dtype))
-        return out, got
+        return np.flatnonzero(np.isin(rec["block"], index) & (rec["dest"] >= lo) & (rec["dest"] + rec["nbytes"] <= hi))
 
+    def overlay(self, grad: np.ndarray, lo: int, hi: int, index: np.ndarray) -> np.ndarray:
+        """The stream's own view of ``grad[lo:hi]``, whose coverage blocks are ``index``:
+        ``grad[lo:hi]`` itself when it kept nothing of them aside, else a copy with its units
+        laid over."""
+        keep = self._inside(lo, hi, index) if len(self.rec) else ()
+        if len(keep) == 0:
+            return grad[lo:hi]
+        out = grad[lo:hi].copy()
+        _lay_over(self.rec[keep], self.data.reshape(-1, self.stride)[keep].ravel(), self.stride, out, lo)
+        return out
+
+    def units(self, got: np.ndarray, lo: int, hi: int, index: np.ndarray) -> np.ndarray:
+        """The units the stream holds of each block of ``index`` in its view of ``[lo, hi)``
+        (:meth:`overlay`): ``got[index]`` with the bits of the units it kept aside. Reads no
+        gradient byte."""
+        out = got[index]
+        keep = self._inside(lo, hi, index) if len(self.rec) else ()
+        if len(keep):
+            order = np.argsort(index)
+            at = order[np.searchsorted(index, self.rec["block"][keep], sorter=order)]
+            np.bitwise_or.at(out, at, self.rec["bits"][keep].astype(out.dtype))
+        return out
 
     def reconciled(self, grad: np.ndarray, written: np.ndarray, got: np.ndarray) -> tuple[AsideCopies, int]:
         """:func:`reconcile` for an iteration already retired, whose pending copies were copied

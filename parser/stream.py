@@ -75,12 +75,17 @@ class AssembledIteration:
     def bucket(self, lo: int, hi: int, index: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The stream's own copy of the gradient's bytes ``[lo, hi)`` (the shared bytes, with
         what it kept aside laid over them) and which of the coverage blocks ``index`` (needing
-        ``need``) it covers there; a disputed block is covered by no stream."""
-        data, got = self.aside.overlay(self.grad, lo, hi, self.got, index)
-        covered = (got[index] & need) == need
+        ``need``) it covers there (:meth:`covers`)."""
+        return self.aside.overlay(self.grad, lo, hi, index), self.covers(lo, hi, index, need)
+
+    def covers(self, lo: int, hi: int, index: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """Which of the coverage blocks ``index`` (needing ``need``) of the gradient's bytes
+        ``[lo, hi)`` the stream covers, with what it kept aside, without building its copy; a
+        disputed block is covered by no stream."""
+        covered = (self.aside.units(self.got, lo, hi, index) & need) == need
         if self.disputed is not None:
             covered &= self.disputed[index] == 0
-        return data, covered
+        return covered
 
 
 class StreamParser:

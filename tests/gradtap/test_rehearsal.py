@@ -166,6 +166,6 @@ def test_a_vote_that_does_not_take_the_majority_fails_the_rehearsal(monkeypatch)
 
 def test_a_unit_kept_aside_and_not_laid_over_fails_the_rehearsal(monkeypatch):
     """A planted bug: a stream's copy of a bucket leaves out what the stream kept aside."""
-    monkeypatch.setattr(AsideCopies, "overlay", lambda self, grad, lo, hi, got, index: (grad[lo:hi], got))
+    monkeypatch.setattr(AsideCopies, "overlay", lambda self, grad, lo, hi, index: grad[lo:hi])
     with pytest.raises(RehearsalFailed, match="a unit a stream kept aside was not laid over the shared gradient"):
         rehearse(make_job(3, "Simple", 2, "fp32", mtu=4096), 2048, 4352)

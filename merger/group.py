@@ -212,7 +212,7 @@ class GroupMerger(Merger):
                 return
 
     def _local(self, g: int, b: int):
-        return union(self.buckets[b], self._copies(g, b), self._nbytes(b), self._scratch)
+        return self._union(g, b)[0]
 
     def _nbytes(self, b: int) -> int:
         return self.byte_range[b][1] - self.byte_range[b][0]

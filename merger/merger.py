@@ -42,7 +42,7 @@ from typing import Protocol
 
 import numpy as np
 
-from gradtap.merger.union import BlockMismatch, BucketBlocks, union
+from gradtap.merger.union import BlockMismatch, BucketBlocks, BucketUnion, SharedUnion, merge_held
 from gradtap.parser.stream import AssembledIteration
 from gradtap.workload.wire_plan import WirePlan
 
@@ -80,7 +80,6 @@ class _Iteration:
     retired: dict[str, AssembledIteration] = field(default_factory=dict)
     report: IterationReport | None = None
     cover: dict[int, list[tuple[str, np.ndarray]]] = field(default_factory=dict)   # bucket -> covered when handed
-    tried: dict[int, tuple] = field(default_factory=dict)   # bucket -> coverage when merged and left incomplete
 
 
 class Merger:
@@ -161,15 +160,17 @@ class Merger:
         return self.finished
 
     # -- merging ------------------------------------------------------------------------
+    def _union(self, g: int, b: int) -> tuple[BucketUnion | SharedUnion, list[tuple[str, np.ndarray]]]:
+        """Bucket b of iteration g merged from every stream holding it, and which blocks each
+        covers (:func:`~gradtap.merger.union.merge_held`)."""
+        held = [(s, a) for s in self.streams if (a := self._held(s, g)) is not None]
+        return merge_held(self.buckets[b], *self.byte_range[b], self._need[b], held, self._scratch)
+
     def _copies(self, g: int, b: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
-        lo, hi = self.byte_range[b]
-        idx, need = self.buckets[b].index, self._need[b]
-        out = []
-        for s in self.streams:
-            a = self._held(s, g)
-            if a is not None:
-                out.append((s, *a.bucket(lo, hi, idx, need)))
-        return out
+        """Every stream's whole copy of bucket b of iteration g, and which blocks it covers."""
+        (lo, hi), blocks, need = self.byte_range[b], self.buckets[b], self._need[b]
+        return [(s, *a.bucket(lo, hi, blocks.index, need)) for s in self.streams
+                if (a := self._held(s, g)) is not None]
 
     def _incomplete(self, g: int, b: int) -> bool:
         """Whether bucket b of iteration g is surely incomplete, told from a few of its blocks
@@ -185,27 +186,6 @@ class Merger:
             if a is not None:
                 covered |= a.covers(lo, hi, index, need)
         return not covered.all()
-
-    def _may_complete(self, g: int, b: int) -> bool:
-        """Whether bucket b of iteration g may be complete, told without building any stream's
-        copy. Where a stream kept units of the iteration aside, its copy of a bucket is a copy
-        of the whole bucket with them laid over, which the vote compares whole: it is built
-        only when every block is covered, and not again while the coverage stays as it was
-        at an attempt that left the bucket incomplete (a tie; :meth:`_finish` decides)."""
-        if self._incomplete(g, b):
-            return False
-        held = [(s, a) for s in self.streams if (a := self._held(s, g)) is not None]
-        if not any(len(a.aside) for _, a in held):
-            return True         # every copy is the shared gradient: the union costs nothing
-        (lo, hi), idx, need = self.byte_range[b], self.buckets[b].index, self._need[b]
-        covered = [a.covers(lo, hi, idx, need) for _, a in held]
-        if not np.logical_or.reduce(covered).all():
-            return False
-        state = (tuple(s for s, _ in held), tuple(len(a.aside) for _, a in held), b"".join(c.tobytes() for c in covered))
-        if self.iterations[g].tried.get(b) == state:
-            return False
-        self.iterations[g].tried[b] = state
-        return True
 
     def _stream_coverage(self, g: int) -> dict[str, float]:
         """Per stream holding iteration g, the fraction of its blocks the stream covers."""
@@ -236,12 +216,11 @@ class Merger:
                 continue
             it = self.iterations[g]
             for b in np.flatnonzero(~it.handed):
-                if not self._may_complete(g, b):
+                if self._incomplete(g, b):
                     continue
-                copies = self._copies(g, b)
-                u = union(self.buckets[b], copies, self.byte_range[b][1] - self.byte_range[b][0], self._scratch)
+                u, covers = self._union(g, b)
                 if u.complete:
-                    it.cover[int(b)] = [(s, covered.copy()) for s, _, covered in copies]
+                    it.cover[int(b)] = covers
                     self._hand(g, b, u)
             if self._due(g) or (it.handed.all() and self._settled(g)):
                 self._finish(g)
@@ -316,9 +295,7 @@ class Merger:
         report = self._report(g)
         self._last_ns.pop(g, None)
         report.contradicted_blocks.update(self._contradicted(g))
-        pending = {int(b): union(self.buckets[b], self._copies(g, b), self.byte_range[b][1] - self.byte_range[b][0],
-                                 self._scratch)
-                   for b in np.flatnonzero(~it.handed)}
+        pending = {int(b): self._union(g, b)[0] for b in np.flatnonzero(~it.handed)}
         missing = {b: int((~u.covered).sum()) for b, u in pending.items() if not u.complete}
         if report.contradicted_blocks:
             report.recovered = False      # what was applied is in doubt; nothing more of it is

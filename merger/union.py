@@ -16,7 +16,10 @@ it out would, as long as the others outvote it somewhere in the bucket.
 The streams' parsers share one gradient per iteration (``parser/shared_gradient.py``), so
 most copies are the same memory: a stream's copy differs from another's only where it kept
 units aside (``parser/aside.py``). Copies that are the same memory are equal without reading
-a byte.
+a byte, and :func:`merge_held` merges such streams by comparing only the blocks where one of
+them kept units aside (:func:`shared_union`): no stream's copy of a bucket is built whole.
+Built whole, each copy of a 154 MB bucket cost a copy and a compare of it, in every round
+while the bucket was pending.
 
 The merger asks every round whether each pending bucket is complete, so a
 :class:`BucketUnion` is lazy: a bucket with a block that no stream covers answers
@@ -162,6 +165,90 @@ class BucketUnion:
             else:
                 chosen[j] = choice
         return chosen, count > 0, tuple(mismatches)
+
+
+class SharedUnion:
+    """The union of copies that are all one shared gradient's bytes (``shared``, the bucket's)
+    except in the blocks ``at`` (positions in the bucket's blocks), where some stream kept
+    units aside: :class:`BucketUnion`'s answers, for the price of those blocks. Elsewhere every
+    covering copy is the shared bytes, so nothing there can disagree; the blocks ``at`` are
+    merged as a bucket of their own (``sub``), which votes and distrusts as any bucket does.
+    ``data`` is ``shared`` itself when every vote there kept the shared bytes, else the shared
+    bytes with the winning copies laid over, assembled in ``scratch`` when given."""
+
+    def __init__(self, blocks: BucketBlocks, shared: np.ndarray, covered: list[np.ndarray], at: np.ndarray,
+                 sub: BucketUnion | None, scratch: np.ndarray | None = None):
+        self._blocks, self._shared, self._at, self._sub, self._scratch = blocks, shared, at, sub, scratch
+        self._held = bool(covered)
+        self._any = np.logical_or.reduce(covered) if covered else np.zeros(len(blocks.index), bool)
+
+    @property
+    def complete(self) -> bool:
+        # A block no stream covers settles it without a vote.
+        return self._held and bool(self._any.all()) and bool(self.covered.all())
+
+    @cached_property
+    def covered(self) -> np.ndarray:
+        out = self._any.copy()
+        if self._sub is not None:
+            out[self._at] = self._sub.covered
+        return out
+
+    @property
+    def mismatches(self) -> tuple[BlockMismatch, ...]:
+        return () if self._sub is None else self._sub.mismatches
+
+    @property
+    def data(self) -> np.ndarray:
+        if self._sub is None:
+            return self._shared
+        sub, blocks, at = self._sub.data, self._blocks, self._at
+        edges = np.r_[0, np.cumsum(blocks.nbytes[at])]
+        laid = [j for j in np.flatnonzero(self._sub.covered)
+                if not np.array_equal(sub[edges[j]:edges[j + 1]],
+                                      self._shared[blocks.start[at[j]]:blocks.start[at[j]] + blocks.nbytes[at[j]]])]
+        if not laid:
+            return self._shared
+        n = len(self._shared)
+        data = self._scratch[:n] if self._scratch is not None else np.empty(n, np.uint8)
+        data[:] = self._shared
+        for j in laid:
+            lo = blocks.start[at[j]]
+            data[lo:lo + blocks.nbytes[at[j]]] = sub[edges[j]:edges[j + 1]]
+        return data
+
+
+def shared_union(blocks: BucketBlocks, shared: np.ndarray, copies: list[tuple[str, np.ndarray]], at: np.ndarray,
+                 patched: list[np.ndarray], scratch: np.ndarray | None = None) -> SharedUnion:
+    """Merge copies of a bucket that are ``shared`` (``uint8[bucket bytes]``) except in the
+    blocks ``at``: ``copies`` is ``(stream, covered bool[k])`` per stream, ``patched`` each
+    stream's bytes of the blocks ``at``, block after block (``parser/aside.py``)."""
+    if not len(at):
+        return SharedUnion(blocks, shared, [c for _, c in copies], at, None, scratch)
+    nbytes = blocks.nbytes[at]
+    starts = np.r_[0, np.cumsum(nbytes)[:-1]].astype(np.int64)
+    sub = union(BucketBlocks(blocks.index[at], starts, nbytes), [(s, p, c[at]) for (s, c), p in zip(copies, patched)],
+                int(nbytes.sum()))
+    return SharedUnion(blocks, shared, [c for _, c in copies], at, sub, scratch)
+
+
+def merge_held(blocks: BucketBlocks, lo: int, hi: int, need: np.ndarray, held: list, scratch: np.ndarray | None = None
+               ) -> tuple[BucketUnion | SharedUnion, list[tuple[str, np.ndarray]]]:
+    """The bucket of the gradient's bytes ``[lo, hi)`` (its blocks ``blocks``, each needing
+    ``need``) merged from ``held``, ``(stream, AssembledIteration)`` per stream holding the
+    iteration (``parser/stream.py``), and which blocks each stream covers. Streams that place
+    into one shared gradient differ only in the blocks where they kept units aside, and only
+    those are compared (:func:`shared_union`); streams that do not (one holding the
+    iteration's buffer after its reuse) are merged from their whole copies (:func:`union`)."""
+    if held and all(a.grad is held[0][1].grad for _, a in held):
+        covers = [(s, a.covers(lo, hi, blocks.index, need)) for s, a in held]
+        kept = [a.aside.blocks(lo, hi, blocks.index) for _, a in held if len(a.aside)]
+        at = np.flatnonzero(np.isin(blocks.index, np.concatenate(kept))) if kept else np.zeros(0, np.int64)
+        patched = [a.aside.packed(a.grad, lo, hi, blocks.index[at], blocks.start[at], blocks.nbytes[at])
+                   for _, a in held] if len(at) else []
+        return shared_union(blocks, held[0][1].grad[lo:hi], covers, at, patched, scratch), covers
+    copies = [(s, *a.bucket(lo, hi, blocks.index, need)) for s, a in held]
+    return union(blocks, copies, hi - lo, scratch), [(s, covered.copy()) for s, _, covered in copies]
 
 
 def _present(streams: np.ndarray, n: int) -> np.ndarray:

@@ -174,6 +174,33 @@ class AsideCopies:
         _lay_over(self.rec[keep], self.data.reshape(-1, self.stride)[keep].ravel(), self.stride, out, lo)
         return out
 
+    def blocks(self, lo: int, hi: int, index: np.ndarray) -> np.ndarray:
+        """The blocks of ``index`` (as global block numbers) where the stream's view of
+        ``[lo, hi)`` differs from the shared bytes it was given, or may: those it kept a unit
+        of aside."""
+        if len(self.rec) == 0:
+            return np.zeros(0, np.int64)
+        return np.unique(self.rec["block"][self._inside(lo, hi, index)])
+
+    def packed(self, grad: np.ndarray, lo: int, hi: int, index: np.ndarray, start: np.ndarray,
+               nbytes: np.ndarray) -> np.ndarray:
+        """The stream's own bytes of the blocks ``index`` of its view of ``[lo, hi)``
+        (:meth:`overlay`), block after block: block ``j``'s are ``grad[lo + start[j]:][:nbytes[j]]``
+        with the units it kept aside laid over. Copies only the messages it kept units of."""
+        edges = np.r_[0, np.cumsum(nbytes)].astype(np.int64)
+        out = np.empty(int(edges[-1]), np.uint8)
+        for j in range(len(index)):
+            out[edges[j]:edges[j + 1]] = grad[lo + start[j]:lo + start[j] + nbytes[j]]
+        keep = self._inside(lo, hi, index) if len(self.rec) else ()
+        if len(keep) == 0:
+            return out
+        first, last = lo + start, lo + start + nbytes
+        for dest, n in np.unique(np.stack([self.rec["dest"][keep], self.rec["nbytes"][keep]], 1), axis=0).tolist():
+            message = self.overlay(grad, dest, dest + n, index)
+            for j in np.flatnonzero((first >= dest) & (last <= dest + n)):
+                out[edges[j]:edges[j + 1]] = message[first[j] - dest:last[j] - dest]
+        return out
+
     def units(self, got: np.ndarray, lo: int, hi: int, index: np.ndarray) -> np.ndarray:
         """The units the stream holds of each block of ``index`` in its view of ``[lo, hi)``
         (:meth:`overlay`): ``got[index]`` with the bits of the units it kept aside. Reads no

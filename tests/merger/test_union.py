@@ -1,9 +1,13 @@
-"""The union of streams' copies equals its plain twin, and disagreements are reported."""
+"""The union of streams' copies equals its plain twin, and disagreements are reported; streams that
+share one gradient are merged as their whole copies would be."""
 
 import numpy as np
 import pytest
 
-from gradtap.merger.union import BucketBlocks, union
+from gradtap.merger.union import BucketBlocks, merge_held, union
+from gradtap.parser.aside import aside_put, kept, new_aside
+from gradtap.parser.stream import AssembledIteration
+from gradtap.wire.protocol import Protocol
 from tests.merger import naive_union
 
 
@@ -120,3 +124,95 @@ def test_a_bucket_whole_from_one_stream_is_that_streams_copy_and_others_use_the_
     assert np.shares_memory(d, spare) and d.tobytes() == truth.tobytes()
     with pytest.raises(ValueError, match="scratch"):
         union(blocks, [a], 8, np.zeros(4, np.uint8))
+
+
+UNIT = 16          # bytes of a unit, one per block, in the shared-gradient tests below
+
+
+def held_streams(rng, shared: np.ndarray, lo: int, hi: int, streams: int) -> list:
+    """Streams placing into one shared gradient (``parser/shared_gradient.py``), each covering
+    a random set of the blocks of ``[lo, hi)`` with the shared bytes, and keeping some units
+    aside (``parser/aside.py``): copies that differ from the shared bytes (some equal to
+    another stream's, so that votes are won and tied), one equal to them, and pending ones."""
+    k, first = (hi - lo) // UNIT, lo // UNIT
+    blocks = len(shared) // UNIT
+    lies = [rng.integers(0, 256, UNIT, dtype=np.uint8) for _ in range(2)]
+    held = []
+    for s in range(streams):
+        got = np.zeros(blocks, np.int32)
+        got[first:first + k] = rng.random(k) < 0.6
+        aside = new_aside(UNIT, capacity=k)
+        for j in np.flatnonzero(rng.random(k) < 0.3):
+            if got[first + j]:
+                continue
+            unit = shared[lo + j * UNIT:lo + (j + 1) * UNIT].copy()
+            kind = rng.integers(0, 4)
+            if kind < 2:
+                unit = lies[kind].copy()
+            elif kind == 2:
+                unit[rng.integers(0, UNIT)] ^= 1
+            aside_put(aside, 0, first + j, 1, int(rng.random() < 0.2), 0, int(Protocol.SIMPLE), j * UNIT, lo, hi - lo,
+                      unit, 0, UNIT)
+        held.append((f"s{s}", AssembledIteration(f"s{s}", 0, 0, shared, got, np.ones(blocks, np.int32),
+                                                 aside=kept(aside, 0, free=True),
+                                                 disputed=(rng.random(blocks) < 0.02).astype(np.int32))))
+    return held
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_shared_gradient_is_merged_as_the_whole_copies_are(seed):
+    """``merge_held`` compares only the blocks where some stream kept units aside; the
+    reference builds every stream's whole copy of the bucket (the shared bytes with its units
+    laid over) and merges those with ``union``, which ``test_union_equals_its_plain_twin``
+    holds to the plain twin. Both give the same coverage, disagreements and bytes."""
+    rng = np.random.default_rng(seed)
+    total = UNIT * int(rng.integers(6, 40))
+    shared = rng.integers(0, 256, total, dtype=np.uint8)
+    lo = UNIT * int(rng.integers(0, 3))
+    hi = total - UNIT * int(rng.integers(0, 3))
+    k = (hi - lo) // UNIT
+    blocks = BucketBlocks(np.arange(lo // UNIT, hi // UNIT), np.arange(k) * UNIT, np.full(k, UNIT))
+    need = np.ones(k, np.int32)
+    held = held_streams(rng, shared, lo, hi, int(rng.integers(1, 5)))
+    before = shared.copy()
+    spare = np.full(hi - lo + 3, 0xAB, np.uint8)
+    u, covers = merge_held(blocks, lo, hi, need, held, spare)
+    ref = union(blocks, [(s, *a.bucket(lo, hi, blocks.index, need)) for s, a in held], hi - lo)
+    assert u.complete == ref.complete
+    assert u.covered.tolist() == ref.covered.tolist()
+    assert u.mismatches == ref.mismatches
+    for j in np.flatnonzero(ref.covered):
+        assert u.data[j * UNIT:(j + 1) * UNIT].tobytes() == ref.data[j * UNIT:(j + 1) * UNIT].tobytes()
+    assert [s for s, _ in covers] == [s for s, _ in held]
+    for (_, c), (_, a) in zip(covers, held):
+        assert c.tolist() == a.bucket(lo, hi, blocks.index, need)[1].tolist()
+    assert np.array_equal(shared, before), "the shared gradient is only read"
+    if not ref.mismatches and all(len(a.aside) == 0 for _, a in held):
+        assert np.shares_memory(u.data, shared), "nothing aside: the bucket is the shared bytes"
+
+
+def test_a_vote_that_keeps_the_shared_bytes_hands_them_without_a_copy():
+    """A stream outvoted where it kept its copy aside: the shared bytes win, and the merged
+    bucket is the shared gradient itself; where the shared bytes lose, it is assembled in the
+    scratch buffer."""
+    shared = np.arange(4 * UNIT, dtype=np.uint8)
+    blocks = BucketBlocks(np.arange(4), np.arange(4) * UNIT, np.full(4, UNIT))
+    need = np.ones(4, np.int32)
+
+    def stream(name, got, lie_at=()):
+        aside = new_aside(UNIT)
+        for j in lie_at:
+            aside_put(aside, 0, j, 1, 0, 0, int(Protocol.SIMPLE), j * UNIT, 0, len(shared), np.full(UNIT, 7, np.uint8),
+                      0, UNIT)
+        return name, AssembledIteration(name, 0, 0, shared, np.array(got, np.int32), need, aside=kept(aside, 0, True))
+
+    spare = np.zeros(len(shared), np.uint8)
+    outvoted = [stream("a", [1, 1, 1, 1]), stream("b", [1, 1, 1, 1]), stream("liar", [1, 0, 1, 1], lie_at=[1])]
+    u, _ = merge_held(blocks, 0, len(shared), need, outvoted, spare)
+    assert u.complete and np.shares_memory(u.data, shared)
+    assert [(m.block, m.groups, m.resolved) for m in u.mismatches] == [(1, (("a", "b"), ("liar",)), True)]
+    winning = [stream("a", [1, 0, 1, 1], lie_at=[1]), stream("b", [1, 0, 1, 1], lie_at=[1]), stream("c", [1, 1, 1, 1])]
+    u, _ = merge_held(blocks, 0, len(shared), need, winning, spare)
+    assert u.complete and np.shares_memory(u.data, spare)
+    assert (u.data[UNIT:2 * UNIT] == 7).all() and np.array_equal(np.delete(u.data, np.s_[UNIT:2 * UNIT]),
+                                                                    np.delete(shared, np.s_[UNIT:2 * UNIT]))

@@ -11,8 +11,8 @@ A copy is also kept when the claiming stream had not yet written the unit (``pen
 streams placed the same unit at the same moment). The pipeline compares pending copies
 once its parser threads are idle (:func:`reconcile`): one that agrees is dropped and the
 stream covers the unit; one that differs stays. That includes the copies of an iteration the
-stream retired in the same round (:meth:`AsideCopies.reconciled`): left pending, each would
-make the merger lay the stream's copy over a copy of its whole bucket, twice.
+stream retired in the same round (:meth:`AsideCopies.reconciled`): left pending, an equal
+copy would stay a copy kept aside, which the merger votes on, instead of a covered unit.
 
 The area holds ``capacity`` units of at most ``stride`` wire bytes each. A differing copy
 that finds it full cannot be kept: the unit is then marked *disputed* in the shared

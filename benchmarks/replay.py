@@ -121,9 +121,20 @@ simulation and each row runs in a process of its own. The model 4x GPT-2 small t
 appliance memory, more than a 23 GB machine holds with the page cache; 24 blocks is the
 largest that leaves the captures in the page cache there.
 
+**Disagreeing streams** (``--disagree N``, issue 12): the replay with the ICRC not checked,
+``--repeats`` times each of two ways interleaved: the captures as simulated, and with one
+payload bit flipped in ``N`` frames of the first stream, spread evenly over it (a mirror that
+corrupts frames under a valid ICRC, or any corruption once the ICRC is off; written once into
+``--cache``). The flipped allgather units differ from the other streams' copies, are kept
+aside and voted on (``merger/union.py``); where only two streams carry a block, the vote ties
+and the iteration is unrecoverable, which the run reports and the benchmark accepts. Figures
+per way: replay wall per run, the worst iteration's lag, the disagreements reported; and the
+ratio of the medians. Until the merger voted on the kept blocks alone, 39 flipped frames
+made the replay 4-5x slower (a round's merge took up to 1.7 s); target: at most 1.5x.
+
 Run: ``python -m benchmarks.replay [--iterations N] [--batch-frames N] [--cache DIR] [--store]
-[--snapshot-every N] [--scaling] [--config JOB]`` (another job than GPT-2 small: its figures,
-not issue 4's).
+[--snapshot-every N] [--scaling] [--disagree N] [--config JOB]`` (another job than GPT-2
+small: its figures, not issue 4's).
 """
 
 from __future__ import annotations
@@ -149,6 +160,8 @@ import torch
 
 from benchmarks._bandwidth import around
 from gradtap.appliance import RunOptions
+from gradtap.capture.frames import FrameBatch
+from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.parser.stream import DEFAULT_SLOTS, DEFAULT_SPARES
 from gradtap.pipeline import icrc_in_stage2
 from gradtap.replay import ReplayResult, run_replay
@@ -164,6 +177,7 @@ from gradtap.workload.wire_plan import DATA, PHASE_AG, PHASE_RS, WirePlan
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "gpt2-small.yaml"
 REALISTIC_ITERATION_S = 0.58
+FLIPPED_BYTE = 300      # --disagree: a payload byte of a frame over 1000 bytes, past every header
 ADAM_BYTES_PER_PARAM = 28
 #: ``--scaling``: the streams replayed of a capture of 5 (the egress ports of ranks 0-4; one alone
 #: carries 7/8 of the allgather, so 2 is the fewest that recover an iteration), and the model
@@ -261,17 +275,17 @@ class AnonPeak:
 
 
 def replay_once(sim: Path, job: JobSpec, batch_frames: int, params: list | None,
-                memory: AnonPeak | None = None, streams: int | None = None) -> ReplayResult:
+                memory: AnonPeak | None = None, streams: int | None = None, whole: bool = True) -> ReplayResult:
     """One replay (of the first ``streams`` mirror streams, default all); with ``params`` (the
     job's) its final snapshot is checked against the truth; with ``memory``, the replay alone
-    (not the check) is watched."""
+    (not the check) is watched; ``whole``: every iteration must be applied."""
     pcaps = {m.name: sim / "streams" / f"{m.name}.pcap" for m in job.mirrors[:streams]}
     with tempfile.TemporaryDirectory(prefix="gradtap-bench-replay-") as tmp:
         with memory or contextlib.nullcontext():
             # As `gradtap replay` does: only the start holds the loaded state, freed once the replica holds it.
             start = replica_start(job, torch.load(sim / "truth" / "start.pt", weights_only=True), "truth/start.pt")
             result, sink = run_replay(job, pcaps, Path(tmp), start, digests=False, batch_frames=batch_frames)
-        if sink.replica.stale or not all(r.recovered for r in result.reports):
+        if whole and (sink.replica.stale or not all(r.recovered for r in result.reports)):
             raise SystemExit(f"the replay did not apply every iteration: {sink.lines}")
         if params is not None:
             v = verify(Path(tmp), sim / "truth", params)
@@ -571,6 +585,57 @@ def scaling(cache: Path, iterations: int, config: Path, batch_frames: int, repea
                   f"{r.seconds / r.frame_bytes * 1e9:8.3f} {r.parse_s:7.2f} {r.memory:7.1f} {growth:6.2f}")
 
 
+def flipped_capture(sim: Path, job: JobSpec, frames: int) -> Path:
+    """A copy of the capture ``sim`` (beside it, made once) whose first stream has one payload
+    bit flipped in ``frames`` of its data frames (longer than 1000 bytes), spread evenly; the
+    other streams and the truth are links to ``sim``'s."""
+    out = sim.parent / f"{sim.name}-disagree-{frames}"
+    first = job.mirrors[0].name
+    if (out / "streams" / f"{first}.pcap").exists():
+        return out
+    (out / "streams").mkdir(parents=True, exist_ok=True)
+    for name in ("truth", "job.yaml"):
+        if not (out / name).exists():
+            (out / name).symlink_to(sim / name)
+    for m in job.mirrors[1:]:
+        if not (out / "streams" / f"{m.name}.pcap").exists():
+            (out / "streams" / f"{m.name}.pcap").symlink_to(sim / "streams" / f"{m.name}.pcap")
+    batch = read_pcap(sim / "streams" / f"{first}.pcap")
+    data = batch.data.copy()
+    long = np.flatnonzero(batch.caplens > 1000)
+    for i in long[np.linspace(0, len(long) - 1, frames).astype(np.int64)]:
+        data[batch.offsets[i] + FLIPPED_BYTE] ^= 1
+    part = out / "streams" / f"{first}.pcap.part"
+    with PcapWriter(part) as writer:
+        writer.write_batch(FrameBatch(data, batch.offsets, batch.caplens, batch.wirelens, batch.ts_ns, batch.linktype))
+    part.rename(out / "streams" / f"{first}.pcap")
+    return out
+
+
+def disagreeing(sim: Path, job: JobSpec, batch_frames: int, repeats: int, frames: int) -> None:
+    """The replay with the ICRC not checked, of the captures and of their copy with ``frames``
+    frames of the first stream flipped, ``repeats`` times each, interleaved."""
+    flipped = flipped_capture(sim, job, frames)
+    warm(sorted((flipped / "streams").glob("*.pcap")))
+    unchecked = job.model_copy(update={"appliance": job.appliance.model_copy(update={"verify_icrc": False})})
+    runs: dict[str, list[ReplayResult]] = {"as simulated": [], f"{frames} frames flipped": []}
+    replay_once(sim, unchecked, batch_frames, None)      # compiles the kernels without the ICRC check
+    for _ in range(repeats):
+        for (label, rows), where in zip(runs.items(), (sim, flipped)):
+            rows.append(replay_once(where, unchecked, batch_frames, None, whole=False))
+    print(f"disagreeing streams (ICRC not checked; {repeats} interleaved runs each):")
+    for label, rows in runs.items():
+        walls = ", ".join(f"{r.wall_s:.2f}" for r in rows)
+        worst_lag = max((t.lag_s for r in rows for t in r.timings), default=0.0)
+        mismatches = len([m for r in rows[-1:] for it in r.reports for m in it.mismatches])
+        lost = sum(not it.recovered for it in rows[-1].reports)
+        print(f"  {label:22s} replay {walls} s; worst lag {worst_lag:.3f} s; {mismatches} blocks disagreed, "
+              f"{lost} iteration(s) not recovered (last run)")
+    clean, flip = (statistics.median(r.wall_s for r in rows) for rows in runs.values())
+    print(f"  median replay, flipped / as simulated   {flip / clean:.2f} x   (target <= 1.5 x: "
+          f"{'met' if flip / clean <= 1.5 else 'NOT met'})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=2)
@@ -591,6 +656,9 @@ def main() -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="also how processing grows with the streams (1, 3, 5) and the model (GPT-2 with 6, 12 "
                              "and 24 layers); simulates those captures once into --cache (about 26 GB)")
+    parser.add_argument("--disagree", type=int, default=None, metavar="N",
+                        help="also the replay with N frames of the first stream flipped (ICRC not checked), "
+                             "against the captures as simulated")
     parser.add_argument("--as-written", action="store_true",
                         help="replay the captures from the page cache as it holds them, instead of refilled "
                              "through readahead as from storage")
@@ -638,6 +706,9 @@ def main() -> None:
     if args.store:
         print()
         lag_with_uploads(sim, job, args.batch_frames, args.repeats, args.store_dir)
+    if args.disagree:
+        print()
+        disagreeing(sim, job, args.batch_frames, args.repeats, args.disagree)
     if args.scaling:
         scaling(args.cache, args.iterations, args.config, args.batch_frames, args.repeats)
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gradtap.capture.frames import FrameBatch
+from benchmarks.replay import FLIPPED_BYTE, flipped_capture
 from gradtap import pipeline as pipeline_module
 from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.core.errors import ConfigError
@@ -548,3 +549,27 @@ def test_summed_gradients_without_predivide_replay_bit_exactly(tmp_path, grad_dt
     wrong = job.model_copy(update={"ddp": job.ddp.model_copy(update={"predivide": True})})
     run_replay(wrong, streams_of(tmp_path / "sim", job), tmp_path / "wrong", start_of(tmp_path / "sim"))
     assert verify(tmp_path / "wrong", truth, job_params(job)).differences
+
+
+def test_the_benchmarks_disagreeing_capture_flips_one_payload_bit_in_n_frames(tmp_path):
+    """``benchmarks.replay --disagree N``'s capture: the first stream's bytes differ from the
+    simulated ones in exactly N frames, by one bit of the payload each, which the independent
+    decoder sees as a bad ICRC; the other streams and the truth are the simulated ones."""
+    job = make_job(3, "Simple", 2, "fp32", mtu=1024)
+    simulate(tmp_path / "sim", job, iterations=1)
+    out = flipped_capture(tmp_path / "sim", job, 7)
+    assert flipped_capture(tmp_path / "sim", job, 7) == out, "made once"
+    first = job.mirrors[0].name
+    before, after = (read_pcap(d / "streams" / f"{first}.pcap") for d in (tmp_path / "sim", out))
+    assert np.array_equal(before.offsets, after.offsets) and np.array_equal(before.ts_ns, after.ts_ns)
+    diff = np.flatnonzero(before.data != after.data)
+    assert len(diff) == 7 and all(bin(int(before.data[i] ^ after.data[i])).count("1") == 1 for i in diff)
+    frames = np.searchsorted(before.offsets, diff, side="right") - 1
+    assert (diff - before.offsets[frames] == FLIPPED_BYTE).all() and (before.caplens[frames] > 1000).all()
+    for i in frames:
+        o, c = int(after.offsets[i]), int(after.caplens[i])
+        f, _ = naive.decode_frame(bytes(after.data[o:o + c]))
+        assert f is not None and not f["icrc_ok"]
+    for m in job.mirrors[1:]:
+        assert (out / "streams" / f"{m.name}.pcap").resolve() == (tmp_path / "sim" / "streams" / f"{m.name}.pcap")
+    assert (out / "truth").resolve() == tmp_path / "sim" / "truth"

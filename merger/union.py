@@ -179,13 +179,13 @@ class SharedUnion:
     def __init__(self, blocks: BucketBlocks, shared: np.ndarray, covered: list[np.ndarray], at: np.ndarray,
                  sub: BucketUnion | None, scratch: np.ndarray | None = None):
         self._blocks, self._shared, self._at, self._sub, self._scratch = blocks, shared, at, sub, scratch
-        self._held = bool(covered)
+        self._any_copy = bool(covered)
         self._any = np.logical_or.reduce(covered) if covered else np.zeros(len(blocks.index), bool)
 
     @property
     def complete(self) -> bool:
         # A block no stream covers settles it without a vote.
-        return self._held and bool(self._any.all()) and bool(self.covered.all())
+        return self._any_copy and bool(self._any.all()) and bool(self.covered.all())
 
     @cached_property
     def covered(self) -> np.ndarray:

@@ -627,7 +627,7 @@ def disagreeing(sim: Path, job: JobSpec, batch_frames: int, repeats: int, frames
     for label, rows in runs.items():
         walls = ", ".join(f"{r.wall_s:.2f}" for r in rows)
         worst_lag = max((t.lag_s for r in rows for t in r.timings), default=0.0)
-        mismatches = len([m for r in rows[-1:] for it in r.reports for m in it.mismatches])
+        mismatches = sum(len(it.mismatches) for it in rows[-1].reports)
         lost = sum(not it.recovered for it in rows[-1].reports)
         print(f"  {label:22s} replay {walls} s; worst lag {worst_lag:.3f} s; {mismatches} blocks disagreed, "
               f"{lost} iteration(s) not recovered (last run)")

@@ -248,7 +248,7 @@ def merge_held(blocks: BucketBlocks, lo: int, hi: int, need: np.ndarray, held: l
                    for _, a in held] if len(at) else []
         return shared_union(blocks, held[0][1].grad[lo:hi], covers, at, patched, scratch), covers
     copies = [(s, *a.bucket(lo, hi, blocks.index, need)) for s, a in held]
-    return union(blocks, copies, hi - lo, scratch), [(s, covered.copy()) for s, _, covered in copies]
+    return union(blocks, copies, hi - lo, scratch), [(s, covered) for s, _, covered in copies]
 
 
 def _present(streams: np.ndarray, n: int) -> np.ndarray:

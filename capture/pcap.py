@@ -69,9 +69,10 @@ _OPT_IF_TSOFFSET = 14
 # bound by memory latency; a single guess further ahead is wrong more often (an ACK among the
 # records between moves the line by a whole frame), so the walk fetches at two distances, the
 # near one covering what the far one misses. On a Xeon (family 6 model 167, KVM), the same
-# walk in batches of 16384 (3 alternations of 4): 74-89 ms against 107-118 at 4 ahead alone;
-# in ``benchmarks.replay``'s replays (3 alternations of 5), the reader's walk took 0.117 s of
-# its thread's CPU (median) against 0.145, and the replay 0.653 s against 0.694.
+# walk in batches of 16384 (3 alternations of 4): 74-89 ms against 107-118 at 4 ahead alone,
+# and one of the streams as pcapng 29-35 ms against 39-41; in ``benchmarks.replay``'s replays
+# (3 alternations of 5), the reader's walk took 0.117 s of its thread's CPU (median) against
+# 0.145, and the replay 0.653 s against 0.694.
 WALK_NEAR = 4
 WALK_FAR = 16
 

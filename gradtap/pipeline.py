@@ -323,8 +323,9 @@ class Pipeline:
 
     def _recycle(self) -> None:
         """Give the gradients of iterations the merger has finished (or never took) back to
-        the pool once the sink is done with them: at once, or, with the update thread, once it
-        has made the calls queued before."""
+        the pool, and the arenas it assembled their buckets in back to it, once the sink is
+        done with them: at once, or, with the update thread, once it has made the calls queued
+        before."""
         for g in [g for g in self._retired if g < self.merger.next]:
             for shared in self._retired.pop(g):
                 if self.update is None:
@@ -332,6 +333,12 @@ class Pipeline:
                 else:
                     self.pool.returning(shared)
                     self.update.release(self.pool.done, shared, g)
+        arenas = self.merger.arenas
+        for arena in arenas.finished():
+            if self.update is None:
+                arenas.give_back(arena)
+            else:
+                self.update.release(arenas.give_back, arena)
 
     def anchor(self, anchor: Anchor, *, start: bool = False) -> None:
         """Number iterations by ``anchor`` once the streams show where it falls; when they are

@@ -54,7 +54,7 @@ from gradtap.core.memory import prefaulted
 from gradtap.merger.digest import DIGEST_BYTES, DigestKey, block_digests
 from gradtap.merger.group_link import GroupBroken, GroupLink
 from gradtap.merger.merger import Merger, Sink
-from gradtap.merger.union import BlockMismatch, BucketBlocks, union
+from gradtap.merger.union import BlockMismatch, BucketBlocks, Scratch, union
 from gradtap.workload.shards import Shards
 from gradtap.workload.wire_plan import WirePlan
 
@@ -213,6 +213,9 @@ class GroupMerger(Merger):
 
     def _local(self, g: int, b: int):
         return self._union(g, b)[0]
+
+    def _assembly(self, g: int, b: int) -> Scratch:
+        return lambda: self._scratch[:self._nbytes(b)]      # the node's own union is never handed
 
     def _nbytes(self, b: int) -> int:
         return self.byte_range[b][1] - self.byte_range[b][0]

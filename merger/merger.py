@@ -42,7 +42,8 @@ from typing import Protocol
 
 import numpy as np
 
-from gradtap.merger.union import BlockMismatch, BucketBlocks, BucketUnion, SharedUnion, merge_held
+from gradtap.merger.arenas import Arenas
+from gradtap.merger.union import BlockMismatch, BucketBlocks, BucketUnion, Scratch, SharedUnion, merge_held
 from gradtap.parser.stream import AssembledIteration
 from gradtap.workload.wire_plan import WirePlan
 
@@ -103,10 +104,10 @@ class Merger:
         # Per bucket, about PROBES of its blocks spread over it: where none of the streams
         # covers one of them, the bucket is not complete (``_incomplete``).
         self._probes = [np.arange(0, len(bb.index), max(1, len(bb.index) // PROBES)) for bb in self.buckets]
-        # Where a bucket merged from several copies is assembled: None, a bucket of its own,
-        # so that every bucket handed stays as it is until its iteration is done (Sink). The
+        # Where a bucket merged from several copies is assembled: its iteration's arena, so
+        # that every bucket handed stays as it is until its iteration is done (Sink). The
         # streams share their gradient, so nearly every bucket is handed as a view of it.
-        self._scratch: np.ndarray | None = None
+        self.arenas = Arenas(plan.grad_bytes)
         self.iterations: dict[int, _Iteration] = {}
         self._views: dict[str, dict[int, AssembledIteration]] = {}
         self.next = 0                               # oldest ordinal not finished
@@ -164,7 +165,12 @@ class Merger:
         """Bucket b of iteration g merged from every stream holding it, and which blocks each
         covers (:func:`~gradtap.merger.union.merge_held`)."""
         held = [(s, a) for s in self.streams if (a := self._held(s, g)) is not None]
-        return merge_held(self.buckets[b], *self.byte_range[b], self._need[b], held, self._scratch)
+        return merge_held(self.buckets[b], *self.byte_range[b], self._need[b], held, self._assembly(g, b))
+
+    def _assembly(self, g: int, b: int) -> Scratch:
+        """Where bucket b of iteration g is assembled, if it must be (``merger/arenas.py``)."""
+        lo, hi = self.byte_range[b]
+        return lambda: self.arenas.of(g)[lo:hi]
 
     def _copies(self, g: int, b: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """Every stream's whole copy of bucket b of iteration g, and which blocks it covers."""
@@ -278,6 +284,7 @@ class Merger:
         """Iteration g is not numbered (or precedes the numbering): drop it unheard."""
         self.next = g + 1
         self._last_ns.pop(g, None)
+        self.arenas.finish(g)
         if self.iterations.pop(g, None) is not None:
             self.skipped += 1
         for views in self._views.values():
@@ -310,6 +317,7 @@ class Merger:
                 self._hand(g, b, u)
         report.coverage.update(self._stream_coverage(g))
         del self.iterations[g]
+        self.arenas.finish(g)
         for views in self._views.values():
             views.pop(g, None)
         self.finished.append(report)

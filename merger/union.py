@@ -26,15 +26,18 @@ The merger asks every round whether each pending bucket is complete, so a
 :attr:`BucketUnion.complete` from the coverage bitmaps alone, and the bytes are compared
 once, when ``covered`` or ``mismatches`` is first read. The merged bytes are assembled when
 ``data`` is read, without allocating: a bucket taken whole from one copy (one stream's, or
-the shared memory of several) is that copy itself, and any other is assembled in the caller's ``scratch`` buffer (reused
-for every bucket, so its pages are mapped once), which every byte is written to because the
-blocks tile the bucket.
+the shared memory of several) is that copy itself, and any other is assembled in the
+caller's ``scratch`` buffer (reused, so that its pages are mapped once), which every byte is
+written to because the blocks tile the bucket. :func:`merge_held` asks for its buffer (a
+:data:`Scratch`) only when the bucket must be assembled: the merger's are per iteration
+(``merger/arenas.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Callable
 
 import numpy as np
 from numba import njit
@@ -167,6 +170,11 @@ class BucketUnion:
         return chosen, count > 0, tuple(mismatches)
 
 
+# Where a bucket that must be assembled is: called when its ``data`` is read, for ``uint8``
+# of the bucket's bytes.
+Scratch = Callable[[], np.ndarray]
+
+
 class SharedUnion:
     """The union of copies that are all one shared gradient's bytes (``shared``, the bucket's)
     except in the blocks ``at`` (positions in the bucket's blocks), where some stream kept
@@ -174,10 +182,10 @@ class SharedUnion:
     covering copy is the shared bytes, so nothing there can disagree; the blocks ``at`` are
     merged as a bucket of their own (``sub``), which votes and distrusts as any bucket does.
     ``data`` is ``shared`` itself when every vote there kept the shared bytes, else the shared
-    bytes with the winning copies laid over, assembled in ``scratch`` when given."""
+    bytes with the winning copies laid over, assembled in ``scratch()`` when given."""
 
     def __init__(self, blocks: BucketBlocks, shared: np.ndarray, covered: list[np.ndarray], at: np.ndarray,
-                 sub: BucketUnion | None, scratch: np.ndarray | None = None):
+                 sub: BucketUnion | None, scratch: Scratch | None = None):
         self._blocks, self._shared, self._at, self._sub, self._scratch = blocks, shared, at, sub, scratch
         self._any_copy = bool(covered)
         self._any = np.logical_or.reduce(covered) if covered else np.zeros(len(blocks.index), bool)
@@ -210,7 +218,7 @@ class SharedUnion:
         if not laid:
             return self._shared
         n = len(self._shared)
-        data = self._scratch[:n] if self._scratch is not None else np.empty(n, np.uint8)
+        data = self._scratch() if self._scratch is not None else np.empty(n, np.uint8)
         data[:] = self._shared
         for j in laid:
             lo = blocks.start[at[j]]
@@ -219,7 +227,7 @@ class SharedUnion:
 
 
 def shared_union(blocks: BucketBlocks, shared: np.ndarray, copies: list[tuple[str, np.ndarray]], at: np.ndarray,
-                 patched: list[np.ndarray], scratch: np.ndarray | None = None) -> SharedUnion:
+                 patched: list[np.ndarray], scratch: Scratch | None = None) -> SharedUnion:
     """Merge copies of a bucket that are ``shared`` (``uint8[bucket bytes]``) except in the
     blocks ``at``: ``copies`` is ``(stream, covered bool[k])`` per stream, ``patched`` each
     stream's bytes of the blocks ``at``, block after block (``parser/aside.py``)."""
@@ -232,7 +240,7 @@ def shared_union(blocks: BucketBlocks, shared: np.ndarray, copies: list[tuple[st
     return SharedUnion(blocks, shared, [c for _, c in copies], at, sub, scratch)
 
 
-def merge_held(blocks: BucketBlocks, lo: int, hi: int, need: np.ndarray, held: list, scratch: np.ndarray | None = None
+def merge_held(blocks: BucketBlocks, lo: int, hi: int, need: np.ndarray, held: list, scratch: Scratch | None = None
                ) -> tuple[BucketUnion | SharedUnion, list[tuple[str, np.ndarray]]]:
     """The bucket of the gradient's bytes ``[lo, hi)`` (its blocks ``blocks``, each needing
     ``need``) merged from ``held``, ``(stream, AssembledIteration)`` per stream holding the
@@ -248,7 +256,7 @@ def merge_held(blocks: BucketBlocks, lo: int, hi: int, need: np.ndarray, held: l
                    for _, a in held] if len(at) else []
         return shared_union(blocks, held[0][1].grad[lo:hi], covers, at, patched, scratch), covers
     copies = [(s, *a.bucket(lo, hi, blocks.index, need)) for s, a in held]
-    return union(blocks, copies, hi - lo, scratch), [(s, covered) for s, _, covered in copies]
+    return union(blocks, copies, hi - lo, None if scratch is None else scratch()), [(s, c) for s, _, c in copies]
 
 
 def _present(streams: np.ndarray, n: int) -> np.ndarray:

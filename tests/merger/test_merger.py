@@ -81,3 +81,51 @@ def test_a_bucket_is_handed_exactly_when_the_streams_cover_it_whatever_blocks_th
         merger.advance()
         whole = [b for b, bb in enumerate(merger.buckets) if not missing[bb.index].any()]
         assert sorted(b for _, b in sink.buckets) == whole, (trial, np.flatnonzero(missing))
+
+
+class Keeper:
+    """A sink that keeps every bucket it is handed, as the replica does until the step ends."""
+
+    def __init__(self):
+        self.data: dict[tuple[int, int], np.ndarray] = {}
+
+    def bucket(self, iteration, bucket, data):
+        self.data[(iteration, bucket)] = data
+
+    def iteration_done(self, iteration, report):
+        assert report.recovered
+
+
+def halves(plan, ordinal):
+    """Two streams of their own buffers covering alternate blocks: every bucket is assembled."""
+    need = plan.blocks["need"].astype(np.int32)
+    mine = np.arange(len(need)) % 2 == 0
+    return [AssembledIteration(s, ordinal, 1000 * ordinal, np.full(plan.grad_bytes, 2 * ordinal + k, np.uint8),
+                               np.where(mine if k else ~mine, need, 0), need) for k, s in enumerate("ab")]
+
+
+def test_a_bucket_assembled_for_an_iteration_stays_as_handed_until_its_arena_is_given_back():
+    plan = job_plan(make_job())
+    sink = Keeper()
+    merger = Merger(plan, ["a", "b"], sink)
+
+    def run(ordinal):
+        for a in halves(plan, ordinal):
+            merger.update(a.stream, [a], [])
+        merger.advance()
+        return {b: sink.data[(ordinal, b)] for b in range(len(plan.bucket_numels))}
+
+    first = run(0)
+    kept = {b: d.copy() for b, d in first.items()}
+    second = run(1)                                 # iteration 0's arena is not given back
+    for b, d in first.items():
+        assert np.array_equal(d, kept[b]) and not np.shares_memory(d, second[b])
+        blocks = merger.buckets[b]
+        for j, at, n in zip(blocks.index, blocks.start, blocks.nbytes):
+            assert (d[at:at + n] == (1 if j % 2 == 0 else 0)).all()
+            assert (second[b][at:at + n] == (3 if j % 2 == 0 else 2)).all()
+    for arena in merger.arenas.finished():          # as the pipeline does once the sink is done
+        merger.arenas.give_back(arena)
+    third = run(2)
+    assert merger.arenas.made == 2
+    assert all(np.shares_memory(third[b], first[b]) or np.shares_memory(third[b], second[b]) for b in third)

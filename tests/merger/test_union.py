@@ -175,8 +175,8 @@ def test_a_shared_gradient_is_merged_as_the_whole_copies_are(seed):
     need = np.ones(k, np.int32)
     held = held_streams(rng, shared, lo, hi, int(rng.integers(1, 5)))
     before = shared.copy()
-    spare = np.full(hi - lo + 3, 0xAB, np.uint8)
-    u, covers = merge_held(blocks, lo, hi, need, held, spare)
+    spare = np.full(hi - lo, 0xAB, np.uint8)
+    u, covers = merge_held(blocks, lo, hi, need, held, lambda: spare)
     ref = union(blocks, [(s, *a.bucket(lo, hi, blocks.index, need)) for s, a in held], hi - lo)
     assert u.complete == ref.complete
     assert u.covered.tolist() == ref.covered.tolist()
@@ -206,13 +206,19 @@ def test_a_vote_that_keeps_the_shared_bytes_hands_them_without_a_copy():
                       0, UNIT)
         return name, AssembledIteration(name, 0, 0, shared, np.array(got, np.int32), need, aside=kept(aside, 0, True))
 
-    spare = np.zeros(len(shared), np.uint8)
+    spare, asked = np.zeros(len(shared), np.uint8), []
+
+    def scratch():
+        asked.append(True)
+        return spare
+
     outvoted = [stream("a", [1, 1, 1, 1]), stream("b", [1, 1, 1, 1]), stream("liar", [1, 0, 1, 1], lie_at=[1])]
-    u, _ = merge_held(blocks, 0, len(shared), need, outvoted, spare)
+    u, _ = merge_held(blocks, 0, len(shared), need, outvoted, scratch)
     assert u.complete and np.shares_memory(u.data, shared)
+    assert not asked, "nothing is assembled: no buffer is asked for"
     assert [(m.block, m.groups, m.resolved) for m in u.mismatches] == [(1, (("a", "b"), ("liar",)), True)]
     winning = [stream("a", [1, 0, 1, 1], lie_at=[1]), stream("b", [1, 0, 1, 1], lie_at=[1]), stream("c", [1, 1, 1, 1])]
-    u, _ = merge_held(blocks, 0, len(shared), need, winning, spare)
-    assert u.complete and np.shares_memory(u.data, spare)
+    u, _ = merge_held(blocks, 0, len(shared), need, winning, scratch)
+    assert u.complete and np.shares_memory(u.data, spare) and asked
     assert (u.data[UNIT:2 * UNIT] == 7).all() and np.array_equal(np.delete(u.data, np.s_[UNIT:2 * UNIT]),
                                                                     np.delete(shared, np.s_[UNIT:2 * UNIT]))

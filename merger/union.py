@@ -29,8 +29,8 @@ once, when ``covered`` or ``mismatches`` is first read. The merged bytes are ass
 the shared memory of several) is that copy itself, and any other is assembled in the
 caller's ``scratch`` buffer (reused, so that its pages are mapped once), which every byte is
 written to because the blocks tile the bucket. :func:`merge_held` asks for its buffer (a
-:data:`Scratch`) only when the bucket must be assembled: the merger's are per iteration
-(``merger/arenas.py``).
+:data:`Scratch`) only when a bucket of one shared gradient must be assembled, or when the
+streams do not share one: the merger's are per iteration (``merger/arenas.py``).
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ class BucketUnion:
         return chosen, count > 0, tuple(mismatches)
 
 
-# Where a bucket that must be assembled is: called when its ``data`` is read, for ``uint8``
-# of the bucket's bytes.
+# Where a bucket that must be assembled is: called when it must be, for ``uint8`` of at least
+# the bucket's bytes.
 Scratch = Callable[[], np.ndarray]
 
 
@@ -218,7 +218,7 @@ class SharedUnion:
         if not laid:
             return self._shared
         n = len(self._shared)
-        data = self._scratch() if self._scratch is not None else np.empty(n, np.uint8)
+        data = self._scratch()[:n] if self._scratch is not None else np.empty(n, np.uint8)
         data[:] = self._shared
         for j in laid:
             lo = blocks.start[at[j]]

@@ -175,7 +175,7 @@ def test_a_shared_gradient_is_merged_as_the_whole_copies_are(seed):
     need = np.ones(k, np.int32)
     held = held_streams(rng, shared, lo, hi, int(rng.integers(1, 5)))
     before = shared.copy()
-    spare = np.full(hi - lo, 0xAB, np.uint8)
+    spare = np.full(hi - lo + 3, 0xAB, np.uint8)             # a scratch longer than the bucket
     u, covers = merge_held(blocks, lo, hi, need, held, lambda: spare)
     ref = union(blocks, [(s, *a.bucket(lo, hi, blocks.index, need)) for s, a in held], hi - lo)
     assert u.complete == ref.complete

@@ -161,13 +161,15 @@ class AsideCopies:
         (one reaching outside, which no wire plan has, is left out: the stream does not cover
         it there)."""
         rec = self.rec
+        if len(rec) == 0:
+            return np.zeros(0, np.int64)
         return np.flatnonzero(np.isin(rec["block"], index) & (rec["dest"] >= lo) & (rec["dest"] + rec["nbytes"] <= hi))
 
     def overlay(self, grad: np.ndarray, lo: int, hi: int, index: np.ndarray) -> np.ndarray:
         """The stream's own view of ``grad[lo:hi]``, whose coverage blocks are ``index``:
         ``grad[lo:hi]`` itself when it kept nothing of them aside, else a copy with its units
         laid over."""
-        keep = self._inside(lo, hi, index) if len(self.rec) else ()
+        keep = self._inside(lo, hi, index)
         if len(keep) == 0:
             return grad[lo:hi]
         out = grad[lo:hi].copy()
@@ -178,8 +180,6 @@ class AsideCopies:
         """The blocks of ``index`` (as global block numbers) where the stream's view of
         ``[lo, hi)`` differs from the shared bytes it was given, or may: those it kept a unit
         of aside."""
-        if len(self.rec) == 0:
-            return np.zeros(0, np.int64)
         return np.unique(self.rec["block"][self._inside(lo, hi, index)])
 
     def packed(self, grad: np.ndarray, lo: int, hi: int, index: np.ndarray, start: np.ndarray,
@@ -191,7 +191,7 @@ class AsideCopies:
         out = np.empty(int(edges[-1]), np.uint8)
         for j in range(len(index)):
             out[edges[j]:edges[j + 1]] = grad[lo + start[j]:lo + start[j] + nbytes[j]]
-        keep = self._inside(lo, hi, index) if len(self.rec) else ()
+        keep = self._inside(lo, hi, index)
         if len(keep) == 0:
             return out
         first, last = lo + start, lo + start + nbytes
@@ -206,7 +206,7 @@ class AsideCopies:
         (:meth:`overlay`): ``got[index]`` with the bits of the units it kept aside. Reads no
         gradient byte."""
         out = got[index]
-        keep = self._inside(lo, hi, index) if len(self.rec) else ()
+        keep = self._inside(lo, hi, index)
         if len(keep):
             order = np.argsort(index)
             at = order[np.searchsorted(index, self.rec["block"][keep], sorter=order)]

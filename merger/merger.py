@@ -164,8 +164,7 @@ class Merger:
     def _union(self, g: int, b: int) -> tuple[BucketUnion | SharedUnion, list[tuple[str, np.ndarray]]]:
         """Bucket b of iteration g merged from every stream holding it, and which blocks each
         covers (:func:`~gradtap.merger.union.merge_held`)."""
-        held = [(s, a) for s in self.streams if (a := self._held(s, g)) is not None]
-        return merge_held(self.buckets[b], *self.byte_range[b], self._need[b], held, self._assembly(g, b))
+        return merge_held(self.buckets[b], *self.byte_range[b], self._need[b], self._holding(g), self._assembly(g, b))
 
     def _assembly(self, g: int, b: int) -> Scratch:
         """Where bucket b of iteration g is assembled, if it must be (``merger/arenas.py``)."""
@@ -175,8 +174,7 @@ class Merger:
     def _copies(self, g: int, b: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
         """Every stream's whole copy of bucket b of iteration g, and which blocks it covers."""
         (lo, hi), blocks, need = self.byte_range[b], self.buckets[b], self._need[b]
-        return [(s, *a.bucket(lo, hi, blocks.index, need)) for s in self.streams
-                if (a := self._held(s, g)) is not None]
+        return [(s, *a.bucket(lo, hi, blocks.index, need)) for s, a in self._holding(g)]
 
     def _incomplete(self, g: int, b: int) -> bool:
         """Whether bucket b of iteration g is surely incomplete, told from a few of its blocks
@@ -187,20 +185,18 @@ class Merger:
         index, need = self.buckets[b].index[probe], self._need[b][probe]
         lo, hi = self.byte_range[b]
         covered = np.zeros(len(probe), bool)
-        for s in self.streams:
-            a = self._held(s, g)
-            if a is not None:
-                covered |= a.covers(lo, hi, index, need)
+        for _, a in self._holding(g):
+            covered |= a.covers(lo, hi, index, need)
         return not covered.all()
 
     def _stream_coverage(self, g: int) -> dict[str, float]:
         """Per stream holding iteration g, the fraction of its blocks the stream covers."""
-        need, out = self.plan.blocks["need"], {}
-        for s in self.streams:
-            a = self._held(s, g)
-            if a is not None:
-                out[s] = float(((a.got & need) == need).mean()) if len(need) else 1.0
-        return out
+        need = self.plan.blocks["need"]
+        return {s: float(((a.got & need) == need).mean()) if len(need) else 1.0 for s, a in self._holding(g)}
+
+    def _holding(self, g: int) -> list[tuple[str, AssembledIteration]]:
+        """Every stream holding iteration g, in stream order, and what it holds (:meth:`_held`)."""
+        return [(s, a) for s in self.streams if (a := self._held(s, g)) is not None]
 
     def _held(self, stream: str, g: int) -> AssembledIteration | None:
         """What ``stream`` holds of iteration g: its final copy, or its slot in flight."""
@@ -258,7 +254,7 @@ class Merger:
         out = {}
         for b, then in self.iterations[g].cover.items():
             (lo, hi), idx, need = self.byte_range[b], self.buckets[b].index, self._need[b]
-            now = {s: a.covers(lo, hi, idx, need) for s in self.streams if (a := self._held(s, g)) is not None}
+            now = {s: a.covers(lo, hi, idx, need) for s, a in self._holding(g)}
             lost = sum(int((covered & ~now[s]).sum()) for s, covered in then if s in now)
             if lost:
                 out[b] = lost

@@ -328,17 +328,19 @@ class Pipeline:
         before."""
         for g in [g for g in self._retired if g < self.merger.next]:
             for shared in self._retired.pop(g):
-                if self.update is None:
-                    self.pool.done(shared, g)
-                else:
+                if self.update is not None:
                     self.pool.returning(shared)
-                    self.update.release(self.pool.done, shared, g)
+                self._once_sink_done(self.pool.done, shared, g)
         arenas = self.merger.arenas
         for arena in arenas.finished():
-            if self.update is None:
-                arenas.give_back(arena)
-            else:
-                self.update.release(arenas.give_back, arena)
+            self._once_sink_done(arenas.give_back, arena)
+
+    def _once_sink_done(self, give_back: Callable[..., None], *args) -> None:
+        """``give_back(*args)`` now, or, with the update thread, after the calls queued before."""
+        if self.update is None:
+            give_back(*args)
+        else:
+            self.update.release(give_back, *args)
 
     def anchor(self, anchor: Anchor, *, start: bool = False) -> None:
         """Number iterations by ``anchor`` once the streams show where it falls; when they are

@@ -37,10 +37,12 @@ ATen kernels, so one kernel serves both. The fused details were read from the AV
 ``FusedAdamKernel.cpp`` in ``libtorch_cpu.so`` (PyTorch registers no AVX-512 build of it,
 so AVX2 runs on AVX-512 hosts too); the tests hold all of it against PyTorch.
 
-Kernels come in three layers: serial ``_span`` functions over one span (slices), ``prange``
-drivers over a work list of disjoint spans (:func:`work_spans`), and the public
-:func:`adam_step`, which validates. The work list also carries each span's *form*, which
-for fused tells the body of a tensor from its tail.
+Kernels come in four layers: element helpers on scalars (``_moments``, ``_param``), serial
+``_span`` functions over one span (slices), ``prange`` drivers over a work list of disjoint
+spans (:func:`work_spans`; single-tensor over runs of consecutive spans, see
+:func:`_single_tensor_spans`), and the public :func:`adam_step`, which validates. The work
+list also carries each span's *form*, which for fused tells the body of a tensor from its
+tail.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -62,6 +65,7 @@ IMPLEMENTATIONS = ("single_tensor", "foreach", "fused")
 CHUNK = 4096        # elements per work span: a span's p, g, m, v (64 KiB) stay in L2
 FUSED_LANES = 8     # Vectorized<float>::size() of the AVX2 build that runs torch._fused_adam_
 BODY, TAIL = 0, 1   # work-span forms (TAIL only in fused: the last n % 8 of a tensor)
+GROUPS_PER_THREAD = 4   # single-tensor: runs of spans per thread (each begins and ends unpaired)
 
 # Where roots come from (``adam_step(sqrt=)``); ``updater.selfcheck`` picks one per host.
 SQRT_MKL_AVX512 = mkl_sqrt.AVX512   # single-tensor: MKL's AVX-512 kernel reproduced (AVX-512F)
@@ -160,55 +164,118 @@ def _grad(g, i, c, half):
 
 
 @njit(**JIT)
+def _moments(p, g, m, v, c, tail):
+    """The stepped ``(m, v)`` of one element with parameter ``p`` (read only for Adam's
+    weight decay) and float32 gradient ``g``."""
+    if c.use_l2:
+        g = fma32(p, c.l2, g)
+    if c.lerp_small:
+        m = fma32(c.lerp_weight, g - m, m)
+    else:
+        m = fma32(c.lerp_weight, g - m, g)
+    if tail:
+        return m, fma32(v, c.beta2, (c.one_minus_beta2 * g) * g)
+    return m, fma32(c.one_minus_beta2 * g, g, v * c.beta2)
+
+
+@njit(**JIT)
+def _param(p, m, root, c):
+    """The stepped parameter of one element with stepped first moment ``m`` and ``root`` the
+    root of its stepped second moment."""
+    denom = div32(root, c.bias2_sqrt) + c.eps
+    return p * c.decay + div32(c.neg_step * m, denom)
+
+
+@njit(**JIT)
+def _given_root(x, root):
+    """The ``finish`` of roots taken beforehand (``torch.sqrt``): ``root`` itself."""
+    return root
+
+
+# The element helpers above take and give scalars: with arrays among their arguments, a
+# loop calling two of them no longer vectorises (0.44 Gparam/s against 2.25).
+
+@njit(**JIT)
 def _moments_span(p, g, m, v, c, half, tail):
-    """``m``, ``v`` of one span (``p`` is read only for Adam's weight decay).
+    """``m``, ``v`` of one span.
 
     Spans arrive as slices and are indexed from 0: an index that LLVM can prove
     non-negative needs no wraparound select, which is what lets the loop vectorise.
     """
     for i in range(p.size):
-        gi = _grad(g, i, c, half)
-        if c.use_l2:
-            gi = fma32(p[i], c.l2, gi)
-        mi = m[i]
-        if c.lerp_small:
-            m[i] = fma32(c.lerp_weight, gi - mi, mi)
-        else:
-            m[i] = fma32(c.lerp_weight, gi - mi, gi)
-        if tail:
-            v[i] = fma32(v[i], c.beta2, (c.one_minus_beta2 * gi) * gi)
-        else:
-            v[i] = fma32(c.one_minus_beta2 * gi, gi, v[i] * c.beta2)
+        m[i], v[i] = _moments(p[i], _grad(g, i, c, half), m[i], v[i], c, tail)
 
 
 @njit(**JIT)
-def _params_span(p, m, root, c):
-    """``θ`` of one span from ``m`` and ``root = sqrt(v)``."""
+def _params_span(p, m, v, estimate, c, finish):
+    """``θ`` of one span whose moments are stepped, ``estimate`` holding its roots' estimates
+    (finished by ``finish``, an MKL kernel's ``finish_*``, or roots: :func:`_given_root`)."""
     for i in range(p.size):
-        denom = div32(root[i], c.bias2_sqrt) + c.eps
-        p[i] = p[i] * c.decay + div32(c.neg_step * m[i], denom)
+        p[i] = _param(p[i], m[i], finish(v[i], estimate[i]), c)
+
+
+@njit(**JIT)
+def _params_and_moments(pa, ma, va, estimate, pb, gb, mb, vb, c, half, finish):
+    """``θ`` of span a (as :func:`_params_span`) and, in the same loop, ``m``, ``v`` of span b
+    (as :func:`_moments_span`); both ``pa.size`` long."""
+    for i in range(pa.size):
+        pa[i] = _param(pa[i], ma[i], finish(va[i], estimate[i]), c)
+        mb[i], vb[i] = _moments(pb[i], _grad(gb, i, c, half), mb[i], vb[i], c, False)
+
+
+@njit(**JIT)
+def _single_tensor_spans(p, g, m, v, work, first, last, c, half, estimates, finish):
+    """The single-tensor step of spans ``work[first:last]``, in turn, with an MKL kernel's
+    root: its ``estimates`` pass and its per-element ``finish``.
+
+    A span's roots need its second moments, so a span takes three steps: moments, the
+    estimates (an instruction on a whole vector, a pass of its own), then the roots finished
+    and the parameters. Done span by span, the moments pass streams ``g``, ``m`` and ``v``
+    from memory while the last step, the heavier compute, streams only ``θ``. Here the last
+    step of each span shares its loop with the moments of the next, so that memory stays
+    busy while the roots and parameters are computed. The elements see the same operations
+    in the same order as span by span.
+    """
+    width = 0
+    for w in range(first, last):
+        width = max(width, work[w, 1] - work[w, 0])
+    estimate, ahead = np.empty(width, np.float32), np.empty(width, np.float32)
+    lo, hi = work[first, 0], work[first, 1]
+    _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
+    estimates(v[lo:hi], estimate[:hi - lo])
+    for w in range(first + 1, last):
+        a0, a1, b0, b1 = work[w - 1, 0], work[w - 1, 1], work[w, 0], work[w, 1]
+        n = min(a1 - a0, b1 - b0)
+        _params_and_moments(p[a0:a0 + n], m[a0:a0 + n], v[a0:a0 + n], estimate,
+                            p[b0:b0 + n], g[b0:b0 + n], m[b0:b0 + n], v[b0:b0 + n], c, half, finish)
+        _params_span(p[a0 + n:a1], m[a0 + n:a1], v[a0 + n:a1], estimate[n:], c, finish)
+        _moments_span(p[b0 + n:b1], g[b0 + n:b1], m[b0 + n:b1], v[b0 + n:b1], c, half, False)
+        estimates(v[b0:b1], ahead[:b1 - b0])
+        estimate, ahead = ahead, estimate
+    lo, hi = work[last - 1, 0], work[last - 1, 1]
+    _params_span(p[lo:hi], m[lo:hi], v[lo:hi], estimate, c, finish)
+
+
+@njit(**JIT)
+def _groups(spans, threads):
+    """Runs of consecutive spans, ``(first, last)`` rows, for a ``prange`` over ``spans``
+    spans on ``threads`` threads: ``GROUPS_PER_THREAD`` per thread, or one per span when
+    there are fewer."""
+    count = min(spans, GROUPS_PER_THREAD * threads)
+    bounds = np.empty((count, 2), np.int64)
+    for q in range(count):
+        bounds[q, 0], bounds[q, 1] = q * spans // count, (q + 1) * spans // count
+    return bounds
 
 
 @njit(**JIT)
 def _fused_span(p, g, m, v, c, half, tail):
     """One pass of the fused step over one span: moments, IEEE root, parameters."""
     for i in range(p.size):
-        gi = _grad(g, i, c, half)
-        if c.use_l2:
-            gi = fma32(p[i], c.l2, gi)
-        mi = m[i]
-        if c.lerp_small:
-            mi = fma32(c.lerp_weight, gi - mi, mi)
-        else:
-            mi = fma32(c.lerp_weight, gi - mi, gi)
-        if tail:
-            vi = fma32(v[i], c.beta2, (c.one_minus_beta2 * gi) * gi)
-        else:
-            vi = fma32(c.one_minus_beta2 * gi, gi, v[i] * c.beta2)
+        mi, vi = _moments(p[i], _grad(g, i, c, half), m[i], v[i], c, tail)
         m[i] = mi
         v[i] = vi
-        denom = div32(np.sqrt(vi), c.bias2_sqrt) + c.eps
-        p[i] = p[i] * c.decay + div32(c.neg_step * mi, denom)
+        p[i] = _param(p[i], mi, np.sqrt(vi), c)
 
 
 @njit(**JIT)
@@ -231,8 +298,7 @@ def _fused_plain_span(p, g, m, v, c, half):
         vi = fma32(c.one_minus_beta2 * gi, gi, v[i] * c.beta2)
         m[i] = mi
         v[i] = vi
-        denom = div32(np.sqrt(vi), c.bias2_sqrt) + c.eps
-        p[i] = p[i] * c.decay + div32(c.neg_step * mi, denom)
+        p[i] = _param(p[i], mi, np.sqrt(vi), c)
 
 
 @njit(**JIT)
@@ -250,35 +316,31 @@ def _widen_all(g, out, work, c, half):
 
 # One driver per MKL kernel: a kernel's estimate instruction may not exist on this CPU, so
 # each is compiled only when called (after ``mkl_sqrt.reproduces_torch`` said it runs here).
+# (The kernel's functions are globals here, not arguments, and the thread count is passed
+# in: Numba caches no ``prange`` loop that takes a function or asks for the thread count.)
 
 @njit(**JIT_PARALLEL)
-def _single_tensor_mkl_avx512(p, g, m, v, work, c, half):
-    for w in prange(work.shape[0]):
-        lo, hi = work[w, 0], work[w, 1]
-        root = np.empty(hi - lo, np.float32)
-        _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
-        mkl_sqrt.sqrt_span_avx512(v[lo:hi], root)
-        _params_span(p[lo:hi], m[lo:hi], root, c)
-
-
-@njit(**JIT_PARALLEL)
-def _single_tensor_mkl_avx2(p, g, m, v, work, c, half):
-    for w in prange(work.shape[0]):
-        lo, hi = work[w, 0], work[w, 1]
-        root = np.empty(hi - lo, np.float32)
-        _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
-        mkl_sqrt.sqrt_span_avx2(v[lo:hi], root)
-        _params_span(p[lo:hi], m[lo:hi], root, c)
+def _single_tensor_mkl_avx512(p, g, m, v, work, c, half, threads):
+    groups = _groups(work.shape[0], threads)
+    for q in prange(groups.shape[0]):
+        _single_tensor_spans(p, g, m, v, work, groups[q, 0], groups[q, 1], c, half,
+                             mkl_sqrt.estimates_rsqrt14, mkl_sqrt.finish_avx512)
 
 
 @njit(**JIT_PARALLEL)
-def _single_tensor_mkl_sse(p, g, m, v, work, c, half):
-    for w in prange(work.shape[0]):
-        lo, hi = work[w, 0], work[w, 1]
-        root = np.empty(hi - lo, np.float32)
-        _moments_span(p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi], c, half, False)
-        mkl_sqrt.sqrt_span_sse(v[lo:hi], root)
-        _params_span(p[lo:hi], m[lo:hi], root, c)
+def _single_tensor_mkl_avx2(p, g, m, v, work, c, half, threads):
+    groups = _groups(work.shape[0], threads)
+    for q in prange(groups.shape[0]):
+        _single_tensor_spans(p, g, m, v, work, groups[q, 0], groups[q, 1], c, half,
+                             mkl_sqrt.estimates_rsqrt12, mkl_sqrt.finish_avx2)
+
+
+@njit(**JIT_PARALLEL)
+def _single_tensor_mkl_sse(p, g, m, v, work, c, half, threads):
+    groups = _groups(work.shape[0], threads)
+    for q in prange(groups.shape[0]):
+        _single_tensor_spans(p, g, m, v, work, groups[q, 0], groups[q, 1], c, half,
+                             mkl_sqrt.estimates_rsqrt12, mkl_sqrt.finish_sse)
 
 
 _SINGLE_TENSOR_MKL = {SQRT_MKL_AVX512: _single_tensor_mkl_avx512, SQRT_MKL_AVX2: _single_tensor_mkl_avx2,
@@ -293,10 +355,10 @@ def _moments_all(p, g, m, v, work, c, half):
 
 
 @njit(**JIT_PARALLEL)
-def _params_all(p, m, root, work, c):
+def _params_all(p, m, v, root, work, c):
     for w in prange(work.shape[0]):
         lo, hi = work[w, 0], work[w, 1]
-        _params_span(p[lo:hi], m[lo:hi], root[lo:hi], c)
+        _params_span(p[lo:hi], m[lo:hi], v[lo:hi], root[lo:hi], c, _given_root)
 
 
 @njit(**JIT_PARALLEL)
@@ -382,11 +444,11 @@ def adam_step(implementation: str, p: np.ndarray, g: np.ndarray, m: np.ndarray, 
             why = mkl_sqrt.missing(sqrt) or f"{sqrt} runs here but torch.sqrt rounds otherwise"
             raise GradtapError(f"sqrt={sqrt!r} is not this host's torch.sqrt ({why}); "
                                f"pass sqrt={SQRT_TORCH!r}, or what selfcheck.root_source picks")
-        _SINGLE_TENSOR_MKL[sqrt](p, g, m, v, work, c, half)
+        _SINGLE_TENSOR_MKL[sqrt](p, g, m, v, work, c, half, numba.get_num_threads())
     elif sqrt == SQRT_TORCH:
         _moments_all(p, g, m, v, work, c, half)
         settle_vector_math()
         root = torch.sqrt(torch.from_numpy(v)).numpy()
-        _params_all(p, m, root, work, c)
+        _params_all(p, m, v, root, work, c)
     else:
         raise GradtapError(f"sqrt {sqrt!r} is not one of {(*_SINGLE_TENSOR_MKL, SQRT_TORCH)}")

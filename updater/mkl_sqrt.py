@@ -131,21 +131,25 @@ def finish_avx512(x, y):
 
 
 @njit(**JIT)
-def sqrt_span_avx512(src, out):
-    """``out[k]`` = MKL's AVX-512 root of ``src[k]`` for every ``k`` of the 1-D float32
-    ``src`` (AVX-512F only; ``out`` needs ``src.size`` elements).
-
-    The estimates go 16 lanes at a time into ``out`` and are then finished in place in a
-    loop LLVM vectorises; the last ``src.size % 16`` elements take the one-lane estimate,
-    the same instruction on one lane.
-    """
+def estimates_rsqrt14(src, out):
+    """``out[k] = rsqrt14(src[k])`` for every ``k`` (AVX-512F only): 16 lanes at a time
+    (``vrsqrt14ps``), the last ``src.size % 16`` one lane at a time (``vrsqrt14ss``, the
+    same instruction on one lane)."""
     n = src.size
     full = n - n % 16
     for k in range(0, full, 16):
         rsqrt14x16(src, k, out, k)
     for k in range(full, n):
         out[k] = rsqrt14(src[k])
-    for k in range(n):
+
+
+@njit(**JIT)
+def sqrt_span_avx512(src, out):
+    """``out[k]`` = MKL's AVX-512 root of ``src[k]`` for every ``k`` of the 1-D float32
+    ``src`` (AVX-512F only; ``out`` needs ``src.size`` elements): the estimates into ``out``,
+    then finished in place in a loop LLVM vectorises."""
+    estimates_rsqrt14(src, out)
+    for k in range(src.size):
         out[k] = finish_avx512(src[k], out[k])
 
 

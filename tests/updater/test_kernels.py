@@ -332,6 +332,17 @@ def test_results_do_not_depend_on_the_thread_count(implementation, root):
     assert all(np.array_equal(results[0], r) for r in results[1:])
 
 
+@pytest.mark.parametrize("spans,threads", [(0, 2), (1, 2), (3, 2), (8, 2), (9, 2), (1000, 2), (1000, 1), (7, 3)])
+def test_single_tensor_runs_of_spans_cover_the_work_list_in_order(spans, threads):
+    """The single-tensor driver's runs: consecutive, none empty, together every span once,
+    at most ``GROUPS_PER_THREAD`` per thread."""
+    groups = kernels._groups(spans, threads)
+    assert groups.shape[0] == min(spans, kernels.GROUPS_PER_THREAD * threads)
+    if spans:
+        assert groups[0, 0] == 0 and groups[-1, 1] == spans
+        assert np.all(groups[:, 0] < groups[:, 1]) and np.array_equal(groups[1:, 0], groups[:-1, 1])
+
+
 @pytest.mark.parametrize("wire", ["fp32", "bf16", "fp16"])
 def test_the_plain_fused_loop_is_the_generic_one(wire):
     """The fused kernel steps the body of a step that needs no per-element choice (gradient

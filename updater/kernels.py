@@ -136,23 +136,25 @@ def work_spans(sizes: list[int] | tuple[int, ...], implementation: str, chunk: i
     ``TAIL`` span, and body spans never cross a tensor boundary. Where spans are cut does not
     change a result: every element of a body is stepped by the same operations.
     """
-    def cut(lo: int, hi: int) -> list[tuple[int, int, int]]:
+    def cut(lo: int, hi: int) -> np.ndarray:
+        if lo >= hi:
+            return np.empty((0, 3), np.int64)
         first = ((start + lo) // chunk + 1) * chunk - start     # the first flat boundary past lo
-        bounds = [lo, *range(first, hi, chunk), hi] if lo < hi else []
-        return [(a, b, BODY) for a, b in zip(bounds, bounds[1:])]
+        bounds = np.concatenate(([lo], np.arange(first, hi, chunk), [hi])).astype(np.int64)
+        return np.stack([bounds[:-1], bounds[1:], np.full(len(bounds) - 1, BODY, np.int64)], axis=1)
 
-    rows: list[tuple[int, int, int]] = []
+    # In NumPy, not a Python list: a 44 M-element bucket has 10,770 spans, whose rows took 3 ms
+    # to build in Python, on the update path of the iteration that first stepped the bucket.
     if implementation != "fused":
-        rows = cut(0, int(sum(sizes)))
-    else:
-        offset = 0
-        for n in sizes:
-            body = n - n % FUSED_LANES
-            rows += cut(offset, offset + body)
-            if body < n:
-                rows.append((offset + body, offset + n, TAIL))
-            offset += n
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
+        return cut(0, int(sum(sizes)))
+    rows, offset = [np.empty((0, 3), np.int64)], 0
+    for n in sizes:
+        body = n - n % FUSED_LANES
+        rows.append(cut(offset, offset + body))
+        if body < n:
+            rows.append(np.array([[offset + body, offset + n, TAIL]], np.int64))
+        offset += n
+    return np.concatenate(rows)
 
 
 @njit(**JIT)

@@ -212,6 +212,37 @@ def test_work_spans():
     assert work_spans([16], "fused", chunk=8, start=8).tolist() == [[0, 8, 0], [8, 16, 0]]
 
 
+def _spans_walked(sizes, implementation, chunk, start):
+    """``work_spans`` by walking the elements one by one: a body span ends at its range's end
+    and wherever the flat index reaches a multiple of ``chunk``."""
+    ranges = [(0, sum(sizes), sum(sizes))] if implementation != "fused" else []
+    offset = 0
+    for n in sizes if implementation == "fused" else ():
+        ranges.append((offset, offset + n - n % kernels.FUSED_LANES, offset + n))
+        offset += n
+    rows = []
+    for lo, body, hi in ranges:
+        at = lo
+        for i in range(lo + 1, body + 1):
+            if i == body or (start + i) % chunk == 0:
+                rows.append([at, i, kernels.BODY])
+                at = i
+        if body < hi:
+            rows.append([body, hi, kernels.TAIL])
+    return rows
+
+
+@pytest.mark.parametrize("implementation", ["single_tensor", "fused"])
+def test_work_spans_equal_an_element_walk(implementation):
+    rng = np.random.default_rng(11)
+    for _ in range(150):
+        sizes = rng.integers(0, 3000, rng.integers(0, 5)).tolist()
+        chunk, start = int(rng.choice([8, 16, 1000, kernels.CHUNK])), int(rng.integers(0, 5000))
+        rows = work_spans(sizes, implementation, chunk=chunk, start=start)
+        assert rows.dtype == np.int64 and rows.shape[1] == 3
+        assert rows.tolist() == _spans_walked(sizes, implementation, chunk, start), (sizes, chunk, start)
+
+
 @pytest.mark.parametrize("implementation,root", EVERY_PATH)
 def test_results_do_not_depend_on_where_spans_are_cut(implementation, root):
     """Spans cut on the cache lines of a bucket that starts anywhere in the flat arrays

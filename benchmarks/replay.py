@@ -71,7 +71,13 @@ Figures:
 - **replica lag**: per iteration, from the start of the last pipeline round that carried a
   frame of it to the replica having applied it (``ReplayResult.timings``, ``lag_s``). With
   clipping the whole Adam step waits for the last bucket, so the lag holds a full step:
-  its memory-bound time is printed as the lag's floor.
+  its memory-bound time is printed as the lag's floor, and the worst iteration's lag over it
+  (issue 12's target: at most 1.2 x), for the best replay and as the median of the later ones.
+  A replay's round ends where every stream pauses between two iterations
+  (``gradtap.replay.quiet_from``), so the last round of an iteration parses none of the next
+  one's frames: on the AMD EPYC (Zen 3, 2 vCPUs), alternated twice, 4 replays each after a
+  warm-up, the worst iteration's lag per replay was 0.136-0.159 s (floor 0.109-0.117) against
+  0.166-0.228 s when rounds were cut by the batches alone.
 
 Target (issue 4): replica lag under one iteration of the simulated training, whose length is
 ``truth/manifest.json``'s ``span_ns``. The simulator's iteration is as short as the wire
@@ -179,6 +185,7 @@ CONFIG = ROOT / "configs" / "gpt2-small.yaml"
 REALISTIC_ITERATION_S = 0.58
 FLIPPED_BYTE = 300      # --disagree: a payload byte of a frame over 1000 bytes, past every header
 ADAM_BYTES_PER_PARAM = 28
+LAG_FLOOR_TARGET = 1.2   # issue 12: replica lag <= 1.2 x the memory-bound time of the Adam pass after the last bucket
 #: ``--scaling``: the streams replayed of a capture of 5 (the egress ports of ranks 0-4; one alone
 #: carries 7/8 of the allgather, so 2 is the fewest that recover an iteration), and the model
 #: sizes, as GPT-2's number of transformer blocks (12: GPT-2 small).
@@ -427,9 +434,10 @@ def memory_bound_s(result: ReplayResult, grad_bytes: int, nparams: int, by_crc: 
 
 
 def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: list[AnonPeak],
-           late_buffers: int, after_first: list[tuple[float, float]]) -> None:
+           late_buffers: int, after_first: list[tuple[float, float, float]]) -> None:
     """Print the figures of ``result`` (the best replay), ``memory`` holding every replay's peak,
-    and the medians of the replays ``after_first`` (processing / minimum, seconds per iteration):
+    and the medians of the replays ``after_first`` (processing / minimum, seconds per iteration,
+    worst replica lag / its floor):
     the first may compile kernels, and on a noisy host the best replay alone flatters."""
     plan = job_plan(job)
     grad_bytes = plan.grad_bytes
@@ -498,6 +506,8 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
         floor = ADAM_BYTES_PER_PARAM * nparams / traffic
         print(f"replica lag floor                  {floor:8.3f} s   (clipping: the whole Adam step follows the last "
               f"bucket; 28 B/param at the traffic rate)")
+        print(f"  replica lag (worst) / floor      {lag / floor:8.2f} x   target <= {LAG_FLOOR_TARGET:g} x: "
+              f"{'met' if lag / floor <= LAG_FLOOR_TARGET else 'NOT met'}")
     for name, seconds in (("simulated training iteration (span_ns)", simulated),
                           ("realistic GPU iteration (nanoGPT, 8xA100)", REALISTIC_ITERATION_S)):
         print(f"\nagainst a {name} of {seconds:.3f} s:")
@@ -506,10 +516,11 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
         print(f"  processing time per iteration    {per_iteration / seconds:8.2f} x the iteration "
               f"({'keeps up' if per_iteration < seconds else 'falls behind'} in real time)")
     if after_first:
-        ratio, seconds = (statistics.median(v) for v in zip(*after_first))
+        ratio, seconds, lag_ratio = (statistics.median(v) for v in zip(*after_first))
         print(f"\nmedian of the {len(after_first)} replay(s) after the first: {seconds:.2f} s per iteration = "
               f"{ratio:.2f} x the memory-bound minimum, {seconds / REALISTIC_ITERATION_S:.2f} x the realistic GPU "
-              "iteration")
+              f"iteration" + (f"; worst replica lag {lag_ratio:.2f} x its floor" if job.optimizer.clip_grad_norm
+                              else ""))
 
 
 @dataclass
@@ -678,7 +689,7 @@ def main() -> None:
         memory = [AnonPeak() for _ in range(args.repeats)]
         plan = job_plan(job)
         grad_bytes, nparams, by_crc = plan.grad_bytes, sum(p.numel for p in params), compared_by_crc(job, plan)
-        runs = []                                          # (processing / minimum, seconds per iteration)
+        runs = []                                          # (processing / minimum, seconds per iteration, lag / floor)
         for k in range(args.repeats):
             def timed() -> tuple[ReplayResult, float]:     # the replay, and with its set-up
                 started = time.perf_counter()
@@ -695,7 +706,8 @@ def main() -> None:
                   f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x; peak "
                   f"RssAnon {memory[k].peak / nparams:.1f} B per parameter, {result.late_buffers} gradient buffer(s) "
                   "made late")
-            runs.append((ratio, result.wall_s / len(result.reports)))
+            lag_floor = ADAM_BYTES_PER_PARAM * nparams / (2 * memcpy * 1e9)     # as report() holds it
+            runs.append((ratio, result.wall_s / len(result.reports), max(t.lag_s for t in result.timings) / lag_floor))
             if best is None or ratio < best[0]:
                 best = ratio, result, memcpy
         _, result, memcpy = best

@@ -7,6 +7,12 @@ buffered batches), so no stream runs ahead of the others by more than one batch 
 slowest; this matters because the merger's deadline looks at how far each stream has got.
 Each round goes through the :class:`gradtap.pipeline.Pipeline` the live appliance drives too.
 
+A round also ends where every stream pauses for ``appliance.iteration_gap_ns`` (between two
+iterations of training, :func:`quiet_from`), and the capture's clock is then given as the end of
+that pause, as a live capture's rings hold nothing more at such a pause and its clock runs on.
+So the merger finishes an iteration, and the updater applies it, in the round of its last
+frames, instead of after the round that also parses the next iteration's first frames.
+
 :func:`replay` feeds any sink; :func:`run_replay` is ``gradtap replay``: a replica, its
 snapshots, the event log and the per-iteration report in one output directory.
 """
@@ -87,6 +93,20 @@ class _Source:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def quiet_from(stamps: list[np.ndarray], until: int, gap_ns: int) -> int | None:
+    """The earliest frame time ``t`` with ``t + gap_ns <= until`` after which every stream is
+    quiet for ``gap_ns`` (no frame in ``(t, t + gap_ns)``), or None. ``stamps``: each stream's
+    buffered frame times, in order, every one reaching ``until`` at least (so that each tells
+    what it carries up to there). A pause of one stream alone is no candidate: it is the
+    iteration boundary of the job's traffic that all streams see."""
+    starts = [ts[:np.searchsorted(ts, until - gap_ns, side="right") + 1] for ts in stamps]  # and one frame more
+    t = np.unique(np.concatenate([s[:-1][np.diff(s) >= gap_ns] for s in starts] or [np.zeros(0, np.int64)]))
+    quiet = np.ones(len(t), bool)
+    for ts in stamps:
+        quiet &= np.searchsorted(ts, t, side="right") == np.searchsorted(ts, t + gap_ns, side="left")
+    return int(t[quiet][0]) if quiet.any() else None
 
 
 def _join(a: FrameBatch, b: FrameBatch) -> FrameBatch:
@@ -179,11 +199,14 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
                 live = {n: h for n, h in horizons.items() if h is not None}
                 if not live:
                     break
-                until = min(live.values())
+                until, now = min(live.values()), -1
+                quiet = quiet_from([sources[n].pending.ts_ns for n in live], until, job.appliance.iteration_gap_ns)
+                if quiet is not None:
+                    until, now = quiet, quiet + job.appliance.iteration_gap_ns
                 batches = {n: sources[n].take(until) for n in live}
                 ahead = reader.submit(lambda: [sources[n].fill() for n in live])
                 try:
-                    pipeline.round(batches)
+                    pipeline.round(batches, now)
                 finally:
                     ahead.result()
                 for n in live:

@@ -23,7 +23,7 @@ from gradtap.capture.pcap import PcapWriter, read_pcap
 from gradtap.core.errors import ConfigError
 from gradtap.simulator.faults import parse_faults
 from gradtap.simulator.run import Simulation
-from gradtap.replay import match_streams, run_replay
+from gradtap.replay import match_streams, quiet_from, replay, run_replay
 from gradtap.start import replica_start
 from gradtap.verify import verify
 from gradtap.simulator.run import resume
@@ -573,3 +573,59 @@ def test_the_benchmarks_disagreeing_capture_flips_one_payload_bit_in_n_frames(tm
     for m in job.mirrors[1:]:
         assert (out / "streams" / f"{m.name}.pcap").resolve() == (tmp_path / "sim" / "streams" / f"{m.name}.pcap")
     assert (out / "truth").resolve() == tmp_path / "sim" / "truth"
+
+
+GAP = 1_000
+
+
+@pytest.mark.parametrize("stamps, until, quiet", [
+    # Every stream pauses after 300 (and again after 5000): the round ends at the first pause.
+    ([[100, 200, 300, 2000, 2100], [150, 250, 1900, 2050, 5000, 7000]], 6000, 300),
+    # One stream's pause alone is no boundary: the other carries frames through it.
+    ([[100, 200, 1500, 1600], [100, 500, 900, 1300, 1700]], 1600, None),
+    # The streams pause at different frames; the later pause start is where all are quiet.
+    ([[100, 400, 1800], [100, 500, 650, 1700]], 1700, 650),
+    # A pause that reaches past the horizon is not known yet to end later than it.
+    ([[100, 200, 1500], [100, 200, 1100]], 1100, None),
+    # A pause exactly as long as the gap counts; one a nanosecond shorter does not.
+    ([[0, 10, 1010], [5, 1010]], 1010, 10),
+    ([[0, 10, 1009], [5, 1009]], 1009, None),
+    # A stream with no frame before the pause ends is quiet through it.
+    ([[100, 200, 1300], [1250, 1260]], 1260, 200),
+])
+def test_a_round_ends_where_every_stream_pauses_for_the_iteration_gap(stamps, until, quiet):
+    assert quiet_from([np.array(s, np.int64) for s in stamps], until, GAP) == quiet
+
+
+def test_an_iteration_is_applied_before_any_frame_after_its_pause_is_parsed(tmp_path, monkeypatch):
+    """The round that carries an iteration's last frames ends at the pause after them (the
+    capture's clock at the pause's end), so the merger finishes it and the sink applies it
+    before any stream places a frame of the next iteration; with a round cut by the batches
+    alone, the next iteration's first frames came in the same round."""
+    job = make_job(3, "Simple", 2, "fp32")
+    simulate(tmp_path / "sim", job, iterations=4)
+    pipelines = []
+
+    class Watched(pipeline_module.Pipeline):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pipelines.append(self)
+
+    class Ahead(Collect):
+        """Per iteration done: the later iterations some stream had placed frames of by then."""
+
+        def __init__(self):
+            super().__init__()
+            self.ahead: dict[int, set[int]] = {}
+
+        def iteration_done(self, iteration, report):
+            super().iteration_done(iteration, report)
+            p = pipelines[0]
+            self.ahead[iteration] = {p.merger.first + i for parser in p.parsers.values()
+                                     for i, n in parser.placed().items() if n and p.merger.first + i > iteration}
+
+    monkeypatch.setattr("gradtap.replay.Pipeline", Watched)
+    sink = Ahead()
+    result = replay(job, job_plan(job), streams_of(tmp_path / "sim", job), sink, batch_frames=1 << 14)
+    assert sink.done == [0, 1, 2, 3] and all(r.recovered for r in result.reports)
+    assert sink.ahead == {it: set() for it in sink.done}

@@ -166,6 +166,11 @@ def test_coverage_blocks_tile_the_gradient_once(n, proto, ch, nq, dtype, mtu):
     m = plan.messages
     ag = (m["kind"] == DATA) & (m["phase"] == PHASE_AG) & (m["wire_bytes"] > 0)
     assert (m["block"][ag] >= 0).all() and (m["block"][~ag] == -1).all()
+    # No write reaches outside its bucket (what a stream kept aside is laid over a bucket by the
+    # writes inside it: parser/aside.py, AsideCopies._inside).
+    data = m[(m["kind"] == DATA) & (m["nelem"] > 0)]     # an empty send (past a small bucket's end) writes nothing
+    assert (data["elem_offset"] >= 0).all()
+    assert (data["elem_offset"] + data["nelem"] <= np.asarray(plan.bucket_numels)[data["bucket"]]).all()
     # Each allgather write's first block starts at the element where its data starts.
     per_wire = {"Simple": 1, "LL": 2, "LL128": None}[proto]
     elem = 4 if dtype == "fp32" else 2

@@ -76,8 +76,9 @@ Figures:
   A replay's round ends where every stream pauses between two iterations
   (``gradtap.replay.quiet_from``), so the last round of an iteration parses none of the next
   one's frames: on the AMD EPYC (Zen 3, 2 vCPUs), alternated twice, 4 replays each after a
-  warm-up, the worst iteration's lag per replay was 0.136-0.159 s (floor 0.109-0.117) against
-  0.166-0.228 s when rounds were cut by the batches alone.
+  warm-up, the worst iteration's lag per replay was 0.136-0.159 s against 0.166-0.228 s when
+  rounds were cut by the batches alone (the floor, in this benchmark's runs of the same half
+  hour: 0.102-0.117 s).
 
 Target (issue 4): replica lag under one iteration of the simulated training, whose length is
 ``truth/manifest.json``'s ``span_ns``. The simulator's iteration is as short as the wire

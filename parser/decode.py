@@ -62,6 +62,7 @@ from gradtap.capture.frames import LINKTYPE_ETHERNET, FrameBatch
 from gradtap.core.bytes import read_be, read_be_u64, read_le
 from gradtap.core.jit import JIT, JIT_NO_REFCOUNT, JIT_PARALLEL
 from gradtap.core.memory import CACHE_LINE, prefetch_bytes
+from gradtap.wire.crc_fold import FOLDS
 from gradtap.wire.events import (DECODE_BAD_PADDING, DECODE_BTH_TRUNCATED, DECODE_BTH_UNKNOWN_OPCODE,
                            DECODE_ERSPAN_BAD_VERSION, DECODE_ERSPAN_TRUNCATED, DECODE_ERSPAN_UNSUPPORTED,
                            DECODE_ETH_TRUNCATED, DECODE_EXT_TRUNCATED, DECODE_FRAME_TRUNCATED,
@@ -134,8 +135,16 @@ VERIFY_OFF, VERIFY_NOW, VERIFY_LATER = 0, 1, 2
 # here: the ICRC reads the whole frame from memory first, and the hardware's stream
 # prefetchers stop at every 4 KiB page, so each frame began with a full memory latency. One
 # stream of GPT-2 small from memory, ICRC on, 2 threads: 0.103-0.106 s without, 0.092-0.093
-# two frames ahead (3 alternations).
-AHEAD = 2
+# two frames ahead (3 alternations). Where the ICRC runs in gradtap's own fold
+# (``wire/crc_fold.py``: AVX2 hosts with vpclmulqdq), the fold asks for the lines 4 KiB ahead
+# as it goes, the next frame included, and 64 more requests at once only crowd them (as in
+# stage 2, ``parser/assemble.py``'s ``AHEAD``): the same stream (``r0-egress`` of
+# ``benchmarks.replay``'s capture, 1.74 GB of payload, 2 threads, AMD EPYC Zen 3; alternated 5
+# times, the best of 5 each) decoded in 0.111-0.141 s asking only for the frame at hand
+# (``AHEAD`` 0) against 0.145-0.179 s two ahead, and parsed whole (stages 1 and 2) in
+# 0.224-0.274 s against 0.260-0.299 s. Asking for nothing at all was no better (alternated
+# twice: 0.138-0.142 s and 0.263-0.278 s, against 0.122-0.134 s and 0.250-0.267 s).
+AHEAD = 0 if FOLDS else 2
 # Without the check (off, or left to stage 2), a frame's headers alone are read: the first
 # two cache lines of the frame ``HEADERS_AHEAD`` ahead are fetched instead. On a Xeon (family
 # 6 model 207, KVM) one stream of GPT-2 small, walked and decoded in batches of 8192 frames,

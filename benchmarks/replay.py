@@ -434,6 +434,12 @@ def memory_bound_s(result: ReplayResult, grad_bytes: int, nparams: int, by_crc: 
     return sum(bytes_touched(result, grad_bytes, nparams, by_crc, unread)) / len(result.reports) / (2 * memcpy * 1e9)
 
 
+def lag_floor_s(nparams: int, memcpy: float) -> float:
+    """The replica lag's floor with clipping: the whole Adam step (28 B per parameter) at the
+    traffic rate of a replay whose 2-thread memcpy ran at ``memcpy`` GB/s."""
+    return ADAM_BYTES_PER_PARAM * nparams / (2 * memcpy * 1e9)
+
+
 def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: float, memory: list[AnonPeak],
            late_buffers: int, after_first: list[tuple[float, float, float]]) -> None:
     """Print the figures of ``result`` (the best replay), ``memory`` holding every replay's peak,
@@ -504,7 +510,7 @@ def report(result: ReplayResult, job: JobSpec, params: list, sim: Path, memcpy: 
           f"the design: the consumer fell behind, or the streams were far apart)")
     lag = max(t.lag_s for t in result.timings)
     if job.optimizer.clip_grad_norm:
-        floor = ADAM_BYTES_PER_PARAM * nparams / traffic
+        floor = lag_floor_s(nparams, memcpy)
         print(f"replica lag floor                  {floor:8.3f} s   (clipping: the whole Adam step follows the last "
               f"bucket; 28 B/param at the traffic rate)")
         print(f"  replica lag (worst) / floor      {lag / floor:8.2f} x   target <= {LAG_FLOOR_TARGET:g} x: "
@@ -707,8 +713,8 @@ def main() -> None:
                   f"memcpy around it {memcpy:.1f} GB/s (2 threads): processing / minimum {ratio:.2f} x; peak "
                   f"RssAnon {memory[k].peak / nparams:.1f} B per parameter, {result.late_buffers} gradient buffer(s) "
                   "made late")
-            lag_floor = ADAM_BYTES_PER_PARAM * nparams / (2 * memcpy * 1e9)     # as report() holds it
-            runs.append((ratio, result.wall_s / len(result.reports), max(t.lag_s for t in result.timings) / lag_floor))
+            runs.append((ratio, result.wall_s / len(result.reports),
+                         max(t.lag_s for t in result.timings) / lag_floor_s(nparams, memcpy)))
             if best is None or ratio < best[0]:
                 best = ratio, result, memcpy
         _, result, memcpy = best

@@ -200,9 +200,9 @@ def replay(job: JobSpec, plan: WirePlan | None, pcaps: dict[str, Path], sink: Si
                 if not live:
                     break
                 until, now = min(live.values()), -1
-                quiet = quiet_from([sources[n].pending.ts_ns for n in live], until, job.appliance.iteration_gap_ns)
+                quiet = quiet_from([sources[n].pending.ts_ns for n in live], until, pipeline.gap_ns)
                 if quiet is not None:
-                    until, now = quiet, quiet + job.appliance.iteration_gap_ns
+                    until, now = quiet, quiet + pipeline.gap_ns
                 batches = {n: sources[n].take(until) for n in live}
                 ahead = reader.submit(lambda: [sources[n].fill() for n in live])
                 try:

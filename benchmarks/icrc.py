@@ -5,7 +5,7 @@ Frames are real RoCEv2 frames from the captures (1102-byte RDMA WRITE MIDDLE at 
 CRCs every frame of the batch in place:
 
 - ``gradtap.wire.icrc.icrc_frame``: masked prefix + ISA-L ``crc32_gzip_refl`` (PCLMULQDQ), or,
-  on a host with 256-bit ``vpclmulqdq`` and no AVX-512, gradtap's fold for whole 128-byte
+  on a host with 256-bit ``vpclmulqdq`` (AVX-512 or not), gradtap's fold for whole 128-byte
   blocks (``wire/crc_fold.py``; the row says which), called per frame from a Numba loop;
 - ``gradtap.wire.icrc.icrc_and_payload_crc``: the same ICRC with the payload's own CRC made
   beside it (a CRC call for the payload alone and a shift by table), as the parser checks each

@@ -94,7 +94,7 @@ WRITE_POLLS = 1 << 14
 # began with a full memory latency. GPT-2 small, 3 streams on 2 cores (benchmarks.replay,
 # alternated 4 times, 5 replays each): parse 0.629 thread-s (mean of medians) without, 0.580
 # two records ahead, 0.593 three. Where the ICRC runs in gradtap's own fold (``wire/crc_fold.py``:
-# AVX2 hosts with vpclmulqdq), the fold asks for the lines 4 KiB ahead as it goes, the next frame
+# hosts with AVX2 and vpclmulqdq), the fold asks for the lines 4 KiB ahead as it goes, the next frame
 # included, and these 64 requests at once only crowd them: the same replay alternated 3 times, 4
 # replays each (AMD EPYC Zen 3), 1.14-1.46 s (median 1.36) asking only for the frame at hand
 # against 1.24-2.77 (median 1.48) two ahead, parse 0.52-0.68 thread-s per iteration against

@@ -136,7 +136,7 @@ VERIFY_OFF, VERIFY_NOW, VERIFY_LATER = 0, 1, 2
 # prefetchers stop at every 4 KiB page, so each frame began with a full memory latency. One
 # stream of GPT-2 small from memory, ICRC on, 2 threads: 0.103-0.106 s without, 0.092-0.093
 # two frames ahead (3 alternations). Where the ICRC runs in gradtap's own fold
-# (``wire/crc_fold.py``: AVX2 hosts with vpclmulqdq), the fold asks for the lines 4 KiB ahead
+# (``wire/crc_fold.py``: hosts with AVX2 and vpclmulqdq), the fold asks for the lines 4 KiB ahead
 # as it goes, the next frame included, and 64 more requests at once only crowd them (as in
 # stage 2, ``parser/assemble.py``'s ``AHEAD``): the same stream (``r0-egress`` of
 # ``benchmarks.replay``'s capture, 1.74 GB of payload, 2 threads, AMD EPYC Zen 3; alternated 5

@@ -22,11 +22,14 @@ The worker process (started with ``spawn`` by default: no inherited threads or l
   its final counters.
 
 A worker that dies is never waited on forever: every wait has a timeout, and
-:meth:`CaptureWorker.stop` raises :class:`CaptureError` with the worker's own error.
+:meth:`CaptureWorker.stop` raises :class:`CaptureError` with the worker's own error. Nor can
+one leave the parent a lock to wait on: the stop flag is a byte of shared memory
+(:class:`StopFlag`), not a ``multiprocessing.Event``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import multiprocessing
 import os
@@ -118,6 +121,26 @@ def _publish(source, ring: FrameRing) -> None:
     ring.publish([counters[name] for name in source.counter_names() + WORKER_COUNTERS])
 
 
+class StopFlag:
+    """A stop flag that a worker process and its parent share, and that nothing can leave
+    locked: one byte of shared memory, written by :meth:`set` and read by :meth:`is_set`.
+    A ``multiprocessing.Event`` takes a lock in every ``is_set()``, which a capture loop calls
+    between its polls: a worker killed while holding it (SIGKILL, the OOM killer) left its
+    parent's ``set()`` blocked for good, and the appliance hung after its capture worker died
+    (``tests/gradtap/test_run.py``, once under the suite's load); SIGTERM's handler, calling
+    ``set()`` in the middle of the worker's own ``is_set()``, could block the worker. A stop
+    seen one poll late costs nothing: nothing here waits on the flag."""
+
+    def __init__(self, ctx: multiprocessing.context.BaseContext):
+        self._byte = ctx.RawValue(ctypes.c_uint8, 0)
+
+    def set(self) -> None:
+        self._byte.value = 1
+
+    def is_set(self) -> bool:
+        return self._byte.value != 0
+
+
 def _worker_main(spec: SourceSpec, ring: FrameRing, cpu: int | None, stop, conn, stats_every: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -174,7 +197,7 @@ class CaptureWorker:
                                f"({sorted(os.sched_getaffinity(0))})")
         self.spec, self.ring, self.cpu, self.name = spec, ring, cpu, name
         self._ctx = multiprocessing.get_context(start_method)
-        self._stop = self._ctx.Event()
+        self._stop = StopFlag(self._ctx)
         self._conn, child = self._ctx.Pipe(duplex=False)
         self._process = self._ctx.Process(target=_worker_main, name=name, daemon=True,
                                           args=(spec, ring, cpu, self._stop, child, stats_every))

@@ -6,15 +6,18 @@ the kernel's account of its process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import random
 import signal
+import threading
 import time
 
 import pytest
 
 from gradtap.capture.pcap import read_pcap
 from gradtap.capture.ring import FrameRing
-from gradtap.capture.worker import CaptureWorker, SourceSpec
+from gradtap.capture.worker import CaptureWorker, SourceSpec, StopFlag
 from gradtap.core.errors import CaptureError, ConfigError
 from tests.capture.netlab import frame, veth_lab
 from tests.golden import CAPTURES as GOLDEN_CAPTURES
@@ -153,3 +156,33 @@ def test_sigterm_stops_a_worker_cleanly_and_a_killed_one_is_reported():
             with pytest.raises(CaptureError, match="exited with code -9 without reporting"):
                 worker.stop(timeout=5)
             assert time.monotonic() - t < 10
+
+
+def _poll_until_set(flag, polling) -> None:
+    polling.value = 1
+    while not flag.is_set():
+        pass
+
+
+def test_a_worker_killed_at_any_moment_leaves_its_stop_flag_settable():
+    """A worker polls its stop flag between receives; killed at any moment, even while it reads
+    the flag, it leaves the parent's ``set()`` immediate (a ``multiprocessing.Event``, read under
+    a lock, left it blocked for good in most of these kills: the appliance then hung)."""
+    ctx = multiprocessing.get_context("spawn")
+    rng = random.Random(12)
+    for _ in range(5):
+        flag, polling = StopFlag(ctx), ctx.RawValue("b", 0)
+        proc = ctx.Process(target=_poll_until_set, args=(flag, polling), daemon=True)
+        proc.start()
+        deadline = time.monotonic() + 60
+        while not polling.value and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert polling.value, "the worker never started polling"
+        time.sleep(rng.uniform(0.001, 0.02))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        setter = threading.Thread(target=flag.set, daemon=True)
+        setter.start()
+        setter.join(5)
+        assert not setter.is_alive(), "set() blocked on a lock the killed worker held"
+        assert flag.is_set()

@@ -17,6 +17,7 @@ Throughput is frame bytes per second (GB/s = 1e9 B/s); memcpy bandwidth comes fr
 ``benchmarks._bandwidth`` in the same run. Run: ``python -m benchmarks.icrc``.
 """
 
+import argparse
 import os
 import time
 import zlib
@@ -163,4 +164,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     main()

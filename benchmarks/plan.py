@@ -13,8 +13,8 @@ one run of the slow one), so a loaded machine inflates them less than wall time.
 ``python -m benchmarks.plan [config.yaml]``.
 """
 
+import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -54,8 +54,7 @@ def _equal(a, b) -> bool:
                for t in ("messages", "flows", "blocks"))
 
 
-def main() -> None:
-    config = Path(sys.argv[1]) if len(sys.argv) > 1 else CONFIG
+def main(config: Path = CONFIG) -> None:
     base = load_job(config)
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; {config.name}, "
           f"{base.world_size} ranks, {base.nccl.channels} channels, era {base.nccl.era}; CPU seconds")
@@ -78,4 +77,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", type=Path, default=CONFIG,
+                        help=f"the job whose plan is built (default: {CONFIG.name})")
+    main(parser.parse_args().config)

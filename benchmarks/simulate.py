@@ -30,7 +30,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import sys  # noqa: E402
+import argparse  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -80,4 +80,7 @@ def main(config: str = "configs/gpt2-small.yaml") -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="configs/gpt2-small.yaml",
+                        help="the job to simulate (default: configs/gpt2-small.yaml)")
+    main(parser.parse_args().config)

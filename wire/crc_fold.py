@@ -24,7 +24,10 @@ the fold's 35 on 256 KiB), but a parser checks frames as they come from memory, 
 fold's prefetch wins: 12.5-13.3 against 10.8-11.2 GB/s on 1 GiB, 18-25 against 12.2 on 64 MiB
 (``benchmarks.icrc``); ``benchmarks.parse``, alternated twice, the whole parser with the ICRC
 (``r0-egress``, 1.74 GB of payload) 7.1-7.4 GB/s on one thread against 6.6, 11.8-13.1 on two
-against 11.3-11.6, and stage 1 alone 11.4-11.9 on one thread against 10.1.
+against 11.3-11.6, and stage 1 alone 11.4-11.9 on one thread against 10.1; ``benchmarks.replay``'s
+replays (3 streams on 2 cores, the ICRC checked in stage 2; alternated twice, 4 replays each
+after one that compiles) a median 0.71-0.82 s per 2 iterations against 0.90-0.97, parse
+0.68-0.78 thread-s against 0.81-0.91.
 
 The method is the folding of Intel's white paper "Fast CRC Computation for Generic Polynomials
 Using PCLMULQDQ Instruction" (Gopal et al., 2009) for a bit-reflected CRC, as the Linux kernel

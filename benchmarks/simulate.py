@@ -42,12 +42,13 @@ from gradtap.simulator.run import Simulation  # noqa: E402
 from gradtap.workload.spec import load_job  # noqa: E402
 
 TARGET_S = 60.0
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "gpt2-small.yaml"
 PHASE_NAMES = {"training": "training (fwd+bwd, buckets, step)", "reduction": "ring reduction",
                "traffic": "packets + payloads", "frames": "frames + capture files", "truth": "ground truth",
                "waiting": "main thread waiting for writers"}
 
 
-def main(config: str = "configs/gpt2-small.yaml") -> None:
+def main(config: Path = CONFIG) -> None:
     job = load_job(config)
     bandwidth = memcpy_bandwidth(1)
     with tempfile.TemporaryDirectory(prefix="gradtap-bench-") as tmp:
@@ -81,6 +82,6 @@ def main(config: str = "configs/gpt2-small.yaml") -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("config", nargs="?", default="configs/gpt2-small.yaml",
-                        help="the job to simulate (default: configs/gpt2-small.yaml)")
+    parser.add_argument("config", nargs="?", type=Path, default=CONFIG,
+                        help=f"the job to simulate (default: configs/{CONFIG.name})")
     main(parser.parse_args().config)
